@@ -1,0 +1,379 @@
+"""Extreme Classification Repository "raw" JSON-lines format.
+
+The raw text versions of the XC repository datasets (e.g. LF-AmazonTitles-131K) ship as
+``trn.json.gz``, ``tst.json.gz`` and ``lbl.json.gz``: one JSON object per line with the keys
+``uid``, ``title``, an optional ``content`` and ``target_ind`` (a list of integer label ids,
+0-based indices into the lines of ``lbl.json.gz``). Files are gzip-compressed when the name ends
+in ``.gz`` and plain text otherwise.
+
+This module also hosts the small I/O helpers (:class:`XMCDataError`, gzip-aware opening and
+atomic writing) shared by the other readers/writers of :mod:`hf_xmc.data`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import IO, Any, Union
+
+import numpy as np
+import scipy.sparse as sp
+
+try:  # tqdm is a soft dependency: the readers work without it
+    from tqdm.auto import tqdm as _tqdm
+except ImportError:  # pragma: no cover - tqdm is installed in every supported environment
+    _tqdm = None
+
+__all__ = [
+    "XMCDataError",
+    "XMCDataset",
+    "XCData",
+    "read_xc_raw",
+    "read_xc_labels",
+    "write_xc_raw",
+    "write_xc_labels",
+    "load_xc_dataset",
+]
+
+logger = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: Text fields that may be absent from a line (treated as empty). Every other requested field is required.
+OPTIONAL_TEXT_FIELDS = frozenset({"content"})
+
+
+class XMCDataError(ValueError):
+    """A data file is malformed; the message names the file, the 1-based line and the fault."""
+
+    def __init__(self, path: PathLike, line: int | None, fault: str) -> None:
+        self.path = os.fspath(path)
+        self.line = line
+        self.fault = fault
+        where = f"{self.path}, line {line}" if line is not None else self.path
+        super().__init__(f"{where}: {fault}")
+
+    def __reduce__(self) -> tuple:
+        """Pickle support (e.g. across DataLoader / multiprocessing workers)."""
+        return type(self), (self.path, self.line, self.fault)
+
+
+# --------------------------------------------------------------------------------------------
+# shared I/O helpers (used by bow.py and filters.py too)
+# --------------------------------------------------------------------------------------------
+
+
+def _is_gz(path: PathLike) -> bool:
+    """Return True when the file name ends in ``.gz``."""
+    return os.fspath(path).endswith(".gz")
+
+
+def _open_text(path: PathLike) -> IO[str]:
+    """Open a (possibly gzip-compressed, decided by suffix) UTF-8 text file for reading."""
+    if _is_gz(path):
+        return gzip.open(path, "rt", encoding="utf-8", newline="")
+    return open(path, encoding="utf-8", newline="")
+
+
+def _iter_lines(f: IO[str], path: PathLike, desc: str = "reading") -> Iterator[tuple[int, str]]:
+    """Yield ``(1-based line number, line without the line terminator)``, with a tqdm bar on a tty.
+
+    Decoding errors (bad gzip stream, invalid UTF-8) are re-raised as :class:`XMCDataError`.
+    """
+    it: Any = f
+    bar = None
+    if _tqdm is not None:
+        bar = _tqdm(f, desc=f"{desc} {os.path.basename(os.fspath(path))}", unit=" lines",
+                    disable=None, leave=False)
+        it = bar
+    lineno = 0
+    try:
+        for lineno, line in enumerate(it, start=1):
+            yield lineno, line.rstrip("\r\n")
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise XMCDataError(path, lineno + 1, f"cannot read/decode file: {e}") from e
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+@contextlib.contextmanager
+def _atomic_text_writer(path: PathLike) -> Iterator[IO[str]]:
+    """Yield a UTF-8 text stream that atomically replaces ``path`` when the block succeeds.
+
+    Data goes to a temporary file in the same directory, which is fsynced and then moved over
+    ``path`` with :func:`os.replace`. On any exception the temporary file is removed and ``path``
+    is left untouched. ``.gz`` paths are gzip-compressed with ``mtime=0`` and no embedded file
+    name, so the output is byte-reproducible (for a given zlib).
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as raw:
+            gz = gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) if _is_gz(path) else None
+            txt = io.TextIOWrapper(gz if gz is not None else raw, encoding="utf-8", newline="\n")
+            try:
+                yield txt
+            except BaseException:
+                with contextlib.suppress(Exception):  # the file is discarded anyway
+                    txt.detach()
+                raise
+            txt.detach()  # flushes; leaves `gz`/`raw` open
+            if gz is not None:
+                gz.close()  # writes the gzip trailer; does not close `raw`
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# datasets
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class XMCDataset:
+    """Texts with their sparse binary label matrix (one row per point)."""
+
+    texts: list[str]
+    targets: sp.csr_matrix  # (n x num_labels) float32 binary
+    uids: list[str]
+    num_skipped: int = 0  # points skipped by the reader because they had no labels
+
+    def __post_init__(self) -> None:
+        """Normalise ``targets`` to CSR float32 and check that the lengths agree."""
+        if not sp.issparse(self.targets):
+            raise TypeError(f"targets must be a scipy sparse matrix, got {type(self.targets).__name__}")
+        if self.targets.ndim != 2:
+            raise ValueError(f"targets must be 2-D, got shape {self.targets.shape}")
+        if not isinstance(self.targets, sp.csr_matrix) or self.targets.dtype != np.float32:
+            self.targets = sp.csr_matrix(self.targets, dtype=np.float32)
+        n = self.targets.shape[0]
+        if len(self.texts) != n or len(self.uids) != n:
+            raise ValueError(
+                f"inconsistent lengths: {len(self.texts)} texts, {len(self.uids)} uids, {n} target rows")
+
+    def __len__(self) -> int:
+        """Number of points."""
+        return self.targets.shape[0]
+
+    @property
+    def num_labels(self) -> int:
+        """Number of labels (columns of ``targets``)."""
+        return self.targets.shape[1]
+
+    def select(self, indices: Sequence[int] | np.ndarray) -> XMCDataset:
+        """Return the sub-dataset of the given row indices (or boolean mask), in that order (``num_skipped`` = 0)."""
+        idx = np.asarray(indices)
+        if idx.dtype == bool:
+            if idx.shape != (len(self),):
+                raise ValueError(f"boolean mask has shape {idx.shape}, expected ({len(self)},)")
+            idx = np.flatnonzero(idx)
+        idx = idx.astype(np.int64, copy=False).reshape(-1)
+        if idx.size and (idx.min() < -len(self) or idx.max() >= len(self)):
+            raise IndexError(f"index out of range for dataset of length {len(self)}")
+        pos = idx.tolist()
+        return XMCDataset(texts=[self.texts[i] for i in pos], targets=self.targets[idx],
+                          uids=[self.uids[i] for i in pos])
+
+    def label_lists(self) -> list[list[int]]:
+        """Return the label ids of every point as python lists."""
+        t = self.targets
+        ind = t.indices.tolist()
+        ptr = t.indptr.tolist()
+        return [ind[ptr[i]:ptr[i + 1]] for i in range(t.shape[0])]
+
+
+@dataclass
+class XCData:
+    """A train/test split plus the label texts (``num_labels == len(label_uids)``)."""
+
+    train: XMCDataset
+    test: XMCDataset
+    label_texts: Sequence[str]
+    label_uids: Sequence[str]
+
+    @property
+    def num_labels(self) -> int:
+        """Number of labels."""
+        return len(self.label_uids)
+
+
+# --------------------------------------------------------------------------------------------
+# readers
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_object(line: str, path: PathLike, lineno: int) -> dict[str, Any]:
+    """Parse one JSON-lines record, raising :class:`XMCDataError` for bad JSON / non-objects."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise XMCDataError(path, lineno, f"malformed JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise XMCDataError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _get_uid(obj: dict[str, Any], path: PathLike, lineno: int) -> str:
+    """Return the record's ``uid`` as a string (strings and integers are accepted)."""
+    if "uid" not in obj:
+        raise XMCDataError(path, lineno, "missing field 'uid'")
+    uid = obj["uid"]
+    if isinstance(uid, str):
+        return uid
+    if isinstance(uid, int) and not isinstance(uid, bool):
+        return str(uid)
+    raise XMCDataError(path, lineno, f"field 'uid' must be a string, got {type(uid).__name__}")
+
+
+def _get_text(obj: dict[str, Any], text_fields: Sequence[str], path: PathLike, lineno: int) -> str:
+    """Join the requested text fields with a space; missing optional fields are skipped."""
+    parts = []
+    for field in text_fields:
+        value = obj.get(field)
+        if value is None:
+            if field in OPTIONAL_TEXT_FIELDS:
+                continue
+            raise XMCDataError(path, lineno, f"missing field '{field}'")
+        if not isinstance(value, str):
+            raise XMCDataError(path, lineno, f"field '{field}' must be a string, got {type(value).__name__}")
+        if value:
+            parts.append(value)
+    return " ".join(parts)
+
+
+def _check_text_fields(text_fields: Sequence[str]) -> tuple[str, ...]:
+    """Validate the ``text_fields`` argument."""
+    if isinstance(text_fields, str):
+        text_fields = (text_fields,)
+    fields = tuple(text_fields)
+    if not fields:
+        raise ValueError("text_fields must name at least one field")
+    return fields
+
+
+def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequence[str] = ("title",),
+                skip_unlabeled: bool = True) -> XMCDataset:
+    """Read an XC-repository raw JSON-lines file (``trn.json.gz``/``tst.json.gz``) into an :class:`XMCDataset`."""
+    fields = _check_text_fields(text_fields)
+    if num_labels is not None and num_labels < 0:
+        raise ValueError(f"num_labels must be >= 0, got {num_labels}")
+    texts: list[str] = []
+    uids: list[str] = []
+    indices: list[int] = []
+    indptr: list[int] = [0]
+    skipped = 0
+    max_id = -1
+    with _open_text(path) as f:
+        for lineno, line in _iter_lines(f, path):
+            if not line.strip():
+                continue  # blank lines (e.g. a trailing one) carry no record
+            obj = _parse_object(line, path, lineno)
+            uid = _get_uid(obj, path, lineno)
+            text = _get_text(obj, fields, path, lineno)
+            if "target_ind" not in obj:
+                raise XMCDataError(path, lineno, "missing field 'target_ind'")
+            ind = obj["target_ind"]
+            if not isinstance(ind, list) or not all(type(x) is int for x in ind):
+                raise XMCDataError(path, lineno, f"'target_ind' must be a list of ints, got {json.dumps(ind)[:80]}")
+            if ind:
+                lo, hi = min(ind), max(ind)
+                if lo < 0:
+                    raise XMCDataError(path, lineno, f"label id {lo} is negative")
+                if num_labels is not None and hi >= num_labels:
+                    raise XMCDataError(path, lineno, f"label id {hi} out of range (num_labels={num_labels})")
+                if len(ind) > 1:
+                    ind = sorted(set(ind))
+                max_id = max(max_id, hi)
+            elif skip_unlabeled:
+                skipped += 1
+                continue
+            texts.append(text)
+            uids.append(uid)
+            indices.extend(ind)
+            indptr.append(len(indices))
+    if num_labels is None:
+        num_labels = max_id + 1
+    if skipped:
+        logger.warning("%s: skipped %d point(s) with no labels", os.fspath(path), skipped)
+    targets = sp.csr_matrix(
+        (np.ones(len(indices), dtype=np.float32), np.asarray(indices, dtype=np.int64),
+         np.asarray(indptr, dtype=np.int64)),
+        shape=(len(texts), num_labels))
+    targets.has_sorted_indices = True
+    return XMCDataset(texts=texts, targets=targets, uids=uids, num_skipped=skipped)
+
+
+def read_xc_labels(path: PathLike, text_fields: Sequence[str] = ("title",)) -> tuple[list[str], list[str]]:
+    """Read an XC-repository label file (``lbl.json.gz``) into ``(uids, texts)``; ``target_ind`` is ignored."""
+    fields = _check_text_fields(text_fields)
+    uids: list[str] = []
+    texts: list[str] = []
+    with _open_text(path) as f:
+        for lineno, line in _iter_lines(f, path):
+            if not line.strip():
+                continue
+            obj = _parse_object(line, path, lineno)
+            uids.append(_get_uid(obj, path, lineno))
+            texts.append(_get_text(obj, fields, path, lineno))
+    return uids, texts
+
+
+# --------------------------------------------------------------------------------------------
+# writers
+# --------------------------------------------------------------------------------------------
+
+
+def write_xc_raw(path: PathLike, dataset: XMCDataset) -> None:
+    """Atomically write ``dataset`` as XC raw JSON-lines (text in ``title``; gzip when ``path`` ends in .gz)."""
+    t = sp.csr_matrix(dataset.targets)
+    t.sort_indices()
+    n = t.shape[0]
+    if len(dataset.texts) != n or len(dataset.uids) != n:
+        raise ValueError(
+            f"inconsistent dataset: {len(dataset.texts)} texts, {len(dataset.uids)} uids, {n} target rows")
+    ind = t.indices.tolist()
+    ptr = t.indptr.tolist()
+    with _atomic_text_writer(path) as f:
+        for i in range(n):
+            rec = {"uid": dataset.uids[i], "title": dataset.texts[i], "target_ind": ind[ptr[i]:ptr[i + 1]]}
+            f.write(json.dumps(rec, ensure_ascii=False))
+            f.write("\n")
+
+
+def write_xc_labels(path: PathLike, uids: Sequence[str], texts: Sequence[str]) -> None:
+    """Atomically write a label file (``uid``, ``title``, empty ``target_ind`` per line)."""
+    if len(uids) != len(texts):
+        raise ValueError(f"{len(uids)} uids but {len(texts)} texts")
+    with _atomic_text_writer(path) as f:
+        for uid, text in zip(uids, texts, strict=True):
+            f.write(json.dumps({"uid": uid, "title": text, "target_ind": []}, ensure_ascii=False))
+            f.write("\n")
+
+
+def load_xc_dataset(train_file: PathLike, test_file: PathLike, label_file: PathLike,
+                    text_fields: Sequence[str] = ("title",)) -> XCData:
+    """Load an XC raw dataset (train, test and label files); label ids are checked against the label file."""
+    label_uids, label_texts = read_xc_labels(label_file, text_fields=text_fields)
+    num_labels = len(label_uids)
+    train = read_xc_raw(train_file, num_labels=num_labels, text_fields=text_fields)
+    test = read_xc_raw(test_file, num_labels=num_labels, text_fields=text_fields)
+    return XCData(train=train, test=test, label_texts=label_texts, label_uids=label_uids)

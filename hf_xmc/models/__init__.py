@@ -1,0 +1,56 @@
+"""hf_xmc models: one flat folder of remote-code-ready files (configuration_<m>.py + modeling_<m>.py).
+
+Importing this package registers every model with the transformers Auto classes, both locally
+(``AutoConfig.register`` / ``AutoModel.register``, so pip users never need remote code) and for remote code
+(``register_for_auto_class``, so ``save_pretrained`` ships the modeling files and an ``auto_map``).
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from .configuration_dexml import DEXMLConfig
+from .configuration_xmc import XMCConfig
+from .label_index import LabelIndex, faiss_available, faiss_gpu_available
+from .modeling_dexml import DEXMLModel, DEXMLPreTrainedModel
+from .modeling_xmc import XMCModelOutput, XMCPrediction, XMCPreTrainedModel
+from .xmc_losses import (
+    BCELoss,
+    DecoupledSoftmaxLoss,
+    InfoNCELoss,
+    SoftmaxLoss,
+    bce_loss,
+    decoupled_softmax_loss,
+    get_loss,
+    infonce_loss,
+    softmax_loss,
+)
+
+MODEL_CLASSES = {"dexml": (DEXMLConfig, DEXMLModel)}
+
+for _config_cls, _model_cls in MODEL_CLASSES.values():
+    AutoConfig.register(_config_cls.model_type, _config_cls, exist_ok=True)
+    AutoModel.register(_config_cls, _model_cls, exist_ok=True)
+    _config_cls.register_for_auto_class()
+    _model_cls.register_for_auto_class("AutoModel")
+
+__all__ = [
+    "BCELoss",
+    "DEXMLConfig",
+    "DEXMLModel",
+    "DEXMLPreTrainedModel",
+    "DecoupledSoftmaxLoss",
+    "InfoNCELoss",
+    "LabelIndex",
+    "MODEL_CLASSES",
+    "SoftmaxLoss",
+    "XMCConfig",
+    "XMCModelOutput",
+    "XMCPreTrainedModel",
+    "XMCPrediction",
+    "bce_loss",
+    "decoupled_softmax_loss",
+    "faiss_available",
+    "faiss_gpu_available",
+    "get_loss",
+    "infonce_loss",
+    "softmax_loss",
+]

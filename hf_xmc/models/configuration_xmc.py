@@ -1,0 +1,58 @@
+"""Shared configuration fields of the hf_xmc models (encoder sub-config, pooling, label index)."""
+
+from __future__ import annotations
+
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.configuration_utils import SubConfigSpec
+
+POOLING_MODES = ("mean", "cls")
+
+
+class XMCConfig(PreTrainedConfig):
+    r"""
+    Base configuration of an hf_xmc model: a text encoder (any Hugging Face ``AutoModel`` backbone, kept as a
+    sub-config) that embeds queries and label texts, plus the label-index settings used at prediction time.
+    Method configurations (e.g. [`DEXMLConfig`]) add their own loss and training fields.
+
+    Args:
+        encoder_config (`PreTrainedConfig` or `dict`, *optional*):
+            Configuration of the text encoder. Defaults to a BERT config.
+        pooling (`str`, *optional*, defaults to `"mean"`):
+            How token states become one vector: `"mean"` (attention-masked mean) or `"cls"` (first token).
+        normalize (`bool`, *optional*, defaults to `True`):
+            L2-normalise embeddings, so scores are cosine similarities.
+        embedding_dropout (`float`, *optional*, defaults to 0.0):
+            Dropout applied to pooled embeddings during training.
+        max_seq_length (`int`, *optional*, defaults to 32):
+            Token budget of a query text.
+        label_max_seq_length (`int`, *optional*, defaults to 32):
+            Token budget of a label text.
+        index_kind (`str`, *optional*, defaults to `"exact"`):
+            Label index used by `predict`: `"exact"` (faiss flat inner product), `"hnsw"` (faiss HNSW) or
+            `"torch"` (chunked exact search, also the fallback without faiss).
+        propensity_a / propensity_b (`float`, *optional*):
+            Constants of the inverse-propensity model used for PSP@k (pyxclib: 0.55/1.5 by default,
+            0.6/2.6 Amazon, 0.5/0.4 Wikipedia).
+    """
+
+    model_type = "hf_xmc"
+    sub_configs_defaults = {"encoder_config": SubConfigSpec(config_class=AutoConfig, model_type="bert")}
+
+    encoder_config: PreTrainedConfig | dict | None = None
+    pooling: str = "mean"
+    normalize: bool = True
+    embedding_dropout: float = 0.0
+    max_seq_length: int = 32
+    label_max_seq_length: int = 32
+    index_kind: str = "exact"
+    propensity_a: float = 0.55
+    propensity_b: float = 1.5
+
+    def validate_xmc(self) -> None:
+        """Raise a ValueError naming the first invalid field."""
+        if self.pooling not in POOLING_MODES:
+            raise ValueError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
+        if self.index_kind not in ("exact", "hnsw", "torch"):
+            raise ValueError(f"index_kind must be 'exact', 'hnsw' or 'torch', got {self.index_kind!r}")
+        if not 0.0 <= self.embedding_dropout < 1.0:
+            raise ValueError(f"embedding_dropout must be in [0, 1), got {self.embedding_dropout}")

@@ -1,0 +1,78 @@
+"""DEXML: a pure dual encoder for extreme multi-label classification.
+
+Gupta et al., "Efficacy of Dual-Encoders for Extreme Multi-Label Classification", ICLR 2024. One shared
+encoder embeds queries and label texts; the score is their inner product (cosine when ``normalize``); there
+are no per-label parameters, so the model size does not grow with the label space. Training uses the
+DecoupledSoftmax loss over a label pool (in-batch positives, optionally hard negatives or all labels),
+with the query's other positives masked out of each positive's denominator.
+"""
+
+
+from typing import Optional
+
+import torch
+
+from .configuration_dexml import DEXMLConfig
+from .modeling_xmc import XMCModelOutput, XMCPreTrainedModel
+from .xmc_losses import get_loss
+
+
+class DEXMLPreTrainedModel(XMCPreTrainedModel):
+    """Weights initialisation and loading glue for DEXML."""
+
+    config: DEXMLConfig
+    base_model_prefix = "dexml"
+
+
+class DEXMLModel(DEXMLPreTrainedModel):
+    """The DEXML dual encoder.
+
+    ``forward`` embeds a batch of queries and a pool of labels with the same encoder and, given ``targets``,
+    returns the configured pool loss (DecoupledSoftmax by default). ``predict`` ranks the model's labels
+    through its label index.
+
+    Example:
+        >>> model = DEXMLModel.from_encoder_pretrained("sentence-transformers/all-MiniLM-L6-v2")
+        >>> model.build_label_index(["Games: Strategy", "Development: Library"])
+        >>> model.predict(["0ad : Real-time strategy game"], k=1).label_texts
+    """
+
+    def __init__(self, config: DEXMLConfig):
+        super().__init__(config)
+        self.loss_fn = get_loss(config.loss)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        label_input_ids: Optional[torch.Tensor] = None,
+        label_attention_mask: Optional[torch.Tensor] = None,
+        targets: Optional[torch.Tensor] = None,
+        positive_index: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> XMCModelOutput:
+        r"""
+        Args:
+            input_ids / attention_mask: tokenised queries, ``(batch, seq)``.
+            label_input_ids / label_attention_mask: tokenised label pool, ``(pool, seq)``.
+            targets: boolean ``(batch, pool)``; True where a pool label is a positive of the query (all of
+                them, not just the sampled one, so that false negatives are masked).
+            positive_index: ``(batch,)`` pool position of each query's sampled positive (InfoNCE only).
+
+        Returns:
+            [`XMCModelOutput`] with ``loss`` (when ``targets`` is given), ``logits`` (batch x pool, divided by
+            the temperature), ``query_embeds`` and ``label_embeds``.
+        """
+        query_embeds = self.embed(input_ids, attention_mask)
+        if label_input_ids is None:
+            return XMCModelOutput(query_embeds=query_embeds)
+        label_embeds = self.embed(label_input_ids, label_attention_mask)
+        logits = query_embeds @ label_embeds.T / self.config.temperature
+        loss = None
+        if targets is not None:
+            loss = self.loss_fn(logits, targets.bool(), positive_index)
+        return XMCModelOutput(loss=loss, logits=logits, query_embeds=query_embeds, label_embeds=label_embeds)
+
+
+__all__ = ["DEXMLModel", "DEXMLPreTrainedModel"]

@@ -1,0 +1,327 @@
+"""Shared modeling base of the hf_xmc models.
+
+An XMC model here is a text encoder (any Hugging Face ``AutoModel`` backbone) that embeds queries and label
+texts, plus a *label store* that rides with the checkpoint:
+
+* ``tokenizer``: saved with the model (``tokenizer.json`` ...);
+* ``labels.jsonl``: one ``{"uid", "text"}`` per label, in label-id order;
+* ``label_embeddings.safetensors``: the label vectors used for search (the source of truth);
+* ``label_index.faiss`` + ``label_index.json``: the search index, a rebuildable cache.
+
+``save_pretrained`` writes them (so Trainer checkpoints and ``push_to_hub`` carry them) and ``from_pretrained``
+reads them back through ``cached_file``, so a local directory and a Hub repo id both work.
+
+This file is part of the remote-code bundle: it imports only torch, transformers, numpy, safetensors, tqdm
+and its siblings.
+"""
+
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoModel, AutoTokenizer, PreTrainedModel
+from transformers.utils import ModelOutput, logging
+from transformers.utils.hub import cached_file
+
+from .configuration_xmc import XMCConfig
+from .label_index import INDEX_FILE, INDEX_META_FILE, LabelIndex
+
+logger = logging.get_logger(__name__)
+
+LABELS_FILE = "labels.jsonl"
+LABEL_EMBEDDINGS_FILE = "label_embeddings.safetensors"
+
+
+@dataclass
+class XMCPrediction:
+    """Top-k predictions for a list of inputs, best first.
+
+    Attributes:
+        label_ids: int64 array ``(n, k)``; ``-1`` marks an empty slot (fewer than k labels exist).
+        scores: float32 array ``(n, k)``, non-increasing along each row.
+        label_texts: ``n`` lists of ``k`` label texts (empty string for an empty slot).
+    """
+
+    label_ids: np.ndarray
+    scores: np.ndarray
+    label_texts: list[list[str]]
+
+
+@dataclass
+class XMCModelOutput(ModelOutput):
+    """Output of an hf_xmc dual-encoder forward pass.
+
+    Attributes:
+        loss: training loss, returned when ``targets`` are given.
+        logits: ``(batch, pool)`` query/label-pool scores divided by the temperature.
+        query_embeds: ``(batch, dim)`` query embeddings.
+        label_embeds: ``(pool, dim)`` label embeddings.
+    """
+
+    loss: Optional[torch.FloatTensor] = None
+    logits: Optional[torch.FloatTensor] = None
+    query_embeds: Optional[torch.FloatTensor] = None
+    label_embeds: Optional[torch.FloatTensor] = None
+
+
+def mean_pooling(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Average the token states that the attention mask keeps."""
+    mask = attention_mask.unsqueeze(-1).to(hidden_states.dtype)
+    return (hidden_states * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+
+
+def cls_pooling(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The first token's state."""
+    return hidden_states[:, 0]
+
+
+POOLERS = {"mean": mean_pooling, "cls": cls_pooling}
+
+
+def _atomic_save(path: str, write_fn) -> None:
+    """Write via ``write_fn(tmp_path)`` to a temp file beside ``path``, then rename it into place."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
+    try:
+        write_fn(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+class XMCPreTrainedModel(PreTrainedModel):
+    """Base class of the hf_xmc models: encoder, pooling, label store, label index and ``predict``.
+
+    Subclasses define ``forward`` (the method's training objective) and may override
+    :meth:`label_search_vectors` / :meth:`query_search_vectors` when their search space is not plain label-text
+    embeddings.
+    """
+
+    config: XMCConfig
+    base_model_prefix = "xmc"
+    main_input_name = "input_ids"
+    input_modalities = ("text",)
+    supports_gradient_checkpointing = True
+
+    def __init__(self, config: XMCConfig):
+        super().__init__(config)
+        config.validate_xmc()
+        self.encoder = AutoModel.from_config(config.encoder_config)
+        self.embedding_dropout = nn.Dropout(config.embedding_dropout)
+        self.tokenizer = None
+        self.label_texts: Optional[list[str]] = None
+        self.label_uids: Optional[list[str]] = None
+        self.label_embeddings: Optional[torch.Tensor] = None
+        self.label_index: Optional[LabelIndex] = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_encoder_pretrained(cls, encoder_name_or_path: str, **config_kwargs) -> "XMCPreTrainedModel":
+        """Build a fresh model whose encoder (and tokenizer) start from a pretrained checkpoint.
+
+        ``config_kwargs`` are the method's configuration fields (e.g. ``temperature=0.05``).
+        """
+        encoder = AutoModel.from_pretrained(encoder_name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(encoder_name_or_path)
+        config = cls.config_class(encoder_config=encoder.config.to_dict(), **config_kwargs)
+        model = cls(config)
+        missing, unexpected = model.encoder.load_state_dict(encoder.state_dict(), strict=False)
+        if unexpected or [k for k in missing if not k.endswith("position_ids")]:
+            raise ValueError(f"encoder weights of {encoder_name_or_path} do not fit: missing={missing} unexpected={unexpected}")
+        model.tokenizer = tokenizer
+        return model
+
+    # ------------------------------------------------------------------ encoding
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **encoder_kwargs) -> torch.Tensor:
+        """Encode token ids into one (dropout-regularised, optionally L2-normalised) vector per text."""
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **encoder_kwargs).last_hidden_state
+        pooled = POOLERS[self.config.pooling](hidden, attention_mask)
+        pooled = self.embedding_dropout(pooled).float()
+        if self.config.normalize:
+            pooled = F.normalize(pooled, dim=-1)
+        return pooled
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(
+                "this model has no tokenizer: load it with from_pretrained(<dir with tokenizer files>) or set "
+                "model.tokenizer = AutoTokenizer.from_pretrained(...)"
+            )
+        return self.tokenizer
+
+    def tokenize(self, texts: Sequence[str], max_length: int) -> dict[str, torch.Tensor]:
+        """Tokenise texts with padding to the longest one and truncation to ``max_length``."""
+        return self._require_tokenizer()(
+            list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+        )
+
+    @torch.no_grad()
+    def encode_texts(
+        self, texts: Sequence[str], max_length: int, batch_size: int = 128, show_progress_bar: Optional[bool] = None, desc: str = "Encoding"
+    ) -> torch.Tensor:
+        """Embed texts in eval mode, batch by batch (longest first to limit padding); returns ``(n, dim)`` on CPU."""
+        if len(texts) == 0:
+            raise ValueError("encode_texts got no texts")
+        was_training = self.training
+        self.eval()
+        order = np.argsort([-len(t) for t in texts], kind="stable")
+        out = [None] * len(order)
+        show = len(texts) > 10 * batch_size if show_progress_bar is None else show_progress_bar
+        try:
+            for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=not show, unit="batch"):
+                idx = order[start : start + batch_size]
+                batch = self.tokenize([texts[i] for i in idx], max_length)
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                emb = self.embed(batch["input_ids"], batch["attention_mask"]).cpu()
+                for j, i in enumerate(idx):
+                    out[i] = emb[j]
+        finally:
+            self.train(was_training)
+        return torch.stack(out)
+
+    def encode_queries(self, texts: Sequence[str], batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
+        """Embed query texts (``max_seq_length`` tokens)."""
+        return self.encode_texts(texts, self.config.max_seq_length, batch_size, show_progress_bar, desc="Encoding queries")
+
+    def encode_labels(
+        self, texts: Optional[Sequence[str]] = None, batch_size: int = 128, show_progress_bar: Optional[bool] = None
+    ) -> torch.Tensor:
+        """Embed label texts (``label_max_seq_length`` tokens); defaults to the model's own labels."""
+        texts = self._require_labels() if texts is None else texts
+        return self.encode_texts(texts, self.config.label_max_seq_length, batch_size, show_progress_bar, desc="Encoding labels")
+
+    # ------------------------------------------------------------------ label store and index
+    def set_labels(self, texts: Sequence[str], uids: Optional[Sequence[str]] = None) -> None:
+        """Attach the label space (texts in label-id order); drops any stale embeddings and index."""
+        if uids is not None and len(uids) != len(texts):
+            raise ValueError(f"got {len(texts)} label texts but {len(uids)} label uids")
+        self.label_texts = [str(t) for t in texts]
+        self.label_uids = [str(u) for u in uids] if uids is not None else [str(i) for i in range(len(texts))]
+        self.label_embeddings = None
+        self.label_index = None
+
+    def _require_labels(self) -> list[str]:
+        if not self.label_texts:
+            raise ValueError("this model has no labels: call model.set_labels(texts) or build_label_index(label_texts)")
+        return self.label_texts
+
+    def label_search_vectors(self, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
+        """Vectors indexed for search, one per label (here: the label-text embeddings)."""
+        return self.encode_labels(batch_size=batch_size, show_progress_bar=show_progress_bar)
+
+    def query_search_vectors(self, texts: Sequence[str], batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
+        """Vectors searched against the label index, one per query."""
+        return self.encode_queries(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
+
+    def build_label_index(
+        self,
+        label_texts: Optional[Sequence[str]] = None,
+        label_uids: Optional[Sequence[str]] = None,
+        kind: Optional[str] = None,
+        batch_size: int = 128,
+        show_progress_bar: Optional[bool] = None,
+    ) -> LabelIndex:
+        """(Re-)encode the labels with the current weights and build the search index over them."""
+        if label_texts is not None:
+            self.set_labels(label_texts, label_uids)
+        self._require_labels()
+        self.label_embeddings = self.label_search_vectors(batch_size=batch_size, show_progress_bar=show_progress_bar)
+        self.label_index = LabelIndex(self.label_embeddings, kind=kind or self.config.index_kind)
+        return self.label_index
+
+    def search(self, query_vectors: torch.Tensor | np.ndarray, k: int = 5) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k label ids and scores for precomputed query vectors (builds the index on first use)."""
+        if self.label_index is None:
+            if self.label_embeddings is not None:
+                self.label_index = LabelIndex(self.label_embeddings, kind=self.config.index_kind)
+            else:
+                self.build_label_index()
+        return self.label_index.search(query_vectors, k)
+
+    def predict(self, texts: Sequence[str] | str, k: int = 5, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> XMCPrediction:
+        """Rank the model's labels for each text and return the top ``k`` (ids, scores and label texts)."""
+        if isinstance(texts, str):
+            texts = [texts]
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        labels = self._require_labels()
+        queries = self.query_search_vectors(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        scores, ids = self.search(queries, k)
+        names = [[labels[i] if i >= 0 else "" for i in row] for row in ids.tolist()]
+        return XMCPrediction(label_ids=ids, scores=scores, label_texts=names)
+
+    # ------------------------------------------------------------------ persistence
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, is_main_process: bool = True, **kwargs) -> None:
+        """Save weights and config (``PreTrainedModel.save_pretrained``) plus tokenizer, labels, label vectors and index."""
+        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        if not is_main_process:
+            return
+        save_directory = str(save_directory)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(save_directory)
+        if self.label_texts is not None:
+            _atomic_save(os.path.join(save_directory, LABELS_FILE), self._write_labels)
+        if self.label_embeddings is not None:
+            emb = self.label_embeddings.detach().float().cpu().contiguous()
+            _atomic_save(
+                os.path.join(save_directory, LABEL_EMBEDDINGS_FILE),
+                lambda p: save_file({"label_embeddings": emb}, p, metadata={"format": "pt"}),
+            )
+            if self.label_index is not None:
+                self.label_index.save(save_directory)
+
+    def _write_labels(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            for uid, text in zip(self.label_uids, self.label_texts):
+                f.write(json.dumps({"uid": uid, "text": text}, ensure_ascii=False) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Load weights and config, then the tokenizer, labels, label vectors and index saved beside them."""
+        model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
+        model._load_artifacts(str(pretrained_model_name_or_path), hub)
+        return model
+
+    def _load_artifacts(self, path: str, hub: dict) -> None:
+        def fetch(name: str) -> Optional[str]:
+            return cached_file(
+                path, name, _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False, **hub
+            )
+
+        if fetch("tokenizer_config.json") is not None:
+            # Hand over the encoder's config so AutoTokenizer does not re-read config.json (with its auto_map,
+            # that would prompt for trust_remote_code again); the tokenizer itself is a stock class.
+            self.tokenizer = AutoTokenizer.from_pretrained(path, config=self.config.encoder_config, **hub)
+        labels_path = fetch(LABELS_FILE)
+        if labels_path is not None:
+            uids, texts = [], []
+            with open(labels_path, encoding="utf-8") as f:
+                for line_no, line in enumerate(f, 1):
+                    try:
+                        row = json.loads(line)
+                        uids.append(str(row["uid"]))
+                        texts.append(str(row["text"]))
+                    except (ValueError, KeyError, TypeError) as err:
+                        raise ValueError(f"{labels_path}, line {line_no}: not a {{'uid', 'text'}} JSON object ({err})") from err
+            self.label_uids, self.label_texts = uids, texts
+        emb_path = fetch(LABEL_EMBEDDINGS_FILE)
+        if emb_path is not None:
+            emb = load_file(emb_path)["label_embeddings"]
+            if self.label_texts is not None and emb.shape[0] != len(self.label_texts):
+                raise ValueError(f"{emb_path} holds {emb.shape[0]} label vectors but {LABELS_FILE} lists {len(self.label_texts)} labels")
+            self.label_embeddings = emb
+            self.label_index = LabelIndex.load(
+                emb, meta_path=fetch(INDEX_META_FILE), index_path=fetch(INDEX_FILE), kind=self.config.index_kind
+            )

@@ -1,0 +1,88 @@
+"""XMC evaluation through the label index: encode labels, search the test queries, score the top-k."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+
+from ..data import XMCDataset, filter_predictions
+from ..metrics import inverse_propensity, xmc_metrics
+
+logger = logging.getLogger(__name__)
+
+
+class XMCEvaluator:
+    """Computes P@k, nDCG@k, PSP@k, PSnDCG@k and R@k of a model on a labelled query set.
+
+    The model's labels are (re-)encoded with its current weights, indexed, and every query is searched for its
+    top ``max(recall_ks)`` labels; filter-file pairs are removed before scoring, as the Extreme Classification
+    Repository's published numbers do. Metrics are percentages, keyed ``<name>_P@1`` etc.
+
+    Args:
+        data: the evaluation queries and their targets.
+        label_texts / label_uids: the label space (label-id order).
+        train_targets: training label matrix, for the inverse propensities of PSP@k (omit to skip PS metrics).
+        propensity_a / propensity_b: constants of the propensity model (pyxclib defaults 0.55 / 1.5).
+        filter_matrix: optional CSR ``(num_queries, num_labels)`` of pairs removed from the predictions.
+        ks / recall_ks: cut-offs for precision-type metrics and for recall.
+        name: key prefix (``"test"`` gives ``test_P@1``).
+        batch_size: encoding batch size.
+    """
+
+    def __init__(
+        self,
+        data: XMCDataset,
+        label_texts: Sequence[str],
+        label_uids: Optional[Sequence[str]] = None,
+        train_targets: Optional[sp.spmatrix] = None,
+        propensity_a: float = 0.55,
+        propensity_b: float = 1.5,
+        filter_matrix: Optional[sp.spmatrix] = None,
+        ks: Sequence[int] = (1, 3, 5),
+        recall_ks: Sequence[int] = (10, 100),
+        name: str = "test",
+        batch_size: int = 256,
+    ):
+        if data.targets.shape[1] != len(label_texts):
+            raise ValueError(f"evaluation targets have {data.targets.shape[1]} label columns but there are {len(label_texts)} labels")
+        self.data = data
+        self.label_texts = list(label_texts)
+        self.label_uids = list(label_uids) if label_uids is not None else None
+        self.inv_propensity = inverse_propensity(train_targets, propensity_a, propensity_b) if train_targets is not None else None
+        self.filter_matrix = sp.csr_matrix(filter_matrix) if filter_matrix is not None else None
+        self.ks = tuple(ks)
+        self.recall_ks = tuple(recall_ks)
+        self.name = name
+        self.batch_size = batch_size
+
+    @property
+    def top_k(self) -> int:
+        """Depth of the retrieved ranking."""
+        return max(self.ks + self.recall_ks)
+
+    def predict(self, model, show_progress_bar: Optional[bool] = None) -> tuple[np.ndarray, np.ndarray, float]:
+        """Index the labels with ``model`` and return ``(ids, scores, query_seconds)`` for the evaluation queries."""
+        model.build_label_index(self.label_texts, self.label_uids, batch_size=self.batch_size, show_progress_bar=show_progress_bar)
+        k = self.top_k
+        extra = int(np.diff(self.filter_matrix.indptr).max()) if self.filter_matrix is not None and self.filter_matrix.nnz else 0
+        start = time.perf_counter()
+        queries = model.query_search_vectors(self.data.texts, batch_size=self.batch_size, show_progress_bar=show_progress_bar)
+        scores, ids = model.search(queries, k + extra)
+        seconds = time.perf_counter() - start
+        if self.filter_matrix is not None:
+            ids, scores = filter_predictions(ids, scores, self.filter_matrix, k)
+        return ids, scores, seconds
+
+    def __call__(self, model, show_progress_bar: Optional[bool] = None) -> dict[str, float]:
+        """Evaluate ``model``; returns ``{<name>_<metric>: value}`` plus runtime and queries per second."""
+        start = time.perf_counter()
+        ids, _, query_seconds = self.predict(model, show_progress_bar)
+        metrics = xmc_metrics(ids, self.data.targets, self.inv_propensity, ks=self.ks, recall_ks=self.recall_ks)
+        out = {f"{self.name}_{key}": float(value) for key, value in metrics.items()}
+        out[f"{self.name}_runtime"] = round(time.perf_counter() - start, 4)
+        out[f"{self.name}_samples_per_second"] = round(len(self.data) / max(query_seconds, 1e-9), 3)
+        return out

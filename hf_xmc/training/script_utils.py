@@ -1,0 +1,118 @@
+"""What every ``training_scripts/train_<method>.py`` shares: data arguments, the train/evaluate/save flow and
+``eval_results.json`` (the training script contract of DESIGN.md)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Optional
+
+import transformers
+from transformers import set_seed
+
+from ..data import XCData, load_xc_dataset, read_filter_file
+from .evaluation import XMCEvaluator
+from .trainer import XMCTrainer, XMCTrainingArguments
+
+logger = logging.getLogger(__name__)
+
+EVAL_RESULTS_FILE = "eval_results.json"
+
+
+@dataclass
+class XMCDataArguments:
+    """Data arguments of every training script (Extreme Classification Repository raw files)."""
+
+    train_file: str = field(metadata={"help": "Training points: XC raw JSON lines (trn.json.gz)."})
+    test_file: str = field(metadata={"help": "Test points: XC raw JSON lines (tst.json.gz)."})
+    label_file: str = field(metadata={"help": "Labels: XC raw JSON lines (lbl.json.gz), line i = label id i."})
+    test_filter_file: Optional[str] = field(
+        default=None, metadata={"help": "Pairs 'point_idx label_idx' removed from test predictions before scoring."}
+    )
+    text_fields: str = field(default="title", metadata={"help": "Comma-separated JSON fields joined into a query text."})
+    label_text_fields: str = field(default="title", metadata={"help": "Comma-separated JSON fields joined into a label text."})
+    max_seq_length: int = field(default=32, metadata={"help": "Token budget of a query."})
+    label_max_seq_length: Optional[int] = field(default=None, metadata={"help": "Token budget of a label (default: max_seq_length)."})
+    propensity_a: float = field(default=0.55, metadata={"help": "Propensity constant A for PSP@k (0.6 Amazon, 0.5 Wikipedia)."})
+    propensity_b: float = field(default=1.5, metadata={"help": "Propensity constant B for PSP@k (2.6 Amazon, 0.4 Wikipedia)."})
+    eval_batch_size: int = field(default=256, metadata={"help": "Encoding batch size at evaluation."})
+
+
+def setup_logging(training_args: XMCTrainingArguments) -> None:
+    """Log INFO on the main process and warnings elsewhere, for this package and transformers."""
+    level = logging.INFO if training_args.process_index == 0 else logging.WARNING
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout, level=level)
+    transformers.utils.logging.set_verbosity(level)
+
+
+def load_data(data_args: XMCDataArguments) -> XCData:
+    """Read the train/test/label files named by the data arguments."""
+    data = load_xc_dataset(
+        data_args.train_file,
+        data_args.test_file,
+        data_args.label_file,
+        text_fields=tuple(data_args.text_fields.split(",")),
+    )
+    logger.info("data: %d train, %d test points, %d labels", len(data.train), len(data.test), len(data.label_texts))
+    return data
+
+
+def build_evaluator(data: XCData, data_args: XMCDataArguments) -> XMCEvaluator:
+    """The test-set evaluator of the contract (``test_*`` keys, filter file applied when given)."""
+    filt = None
+    if data_args.test_filter_file:
+        filt = read_filter_file(data_args.test_filter_file, num_points=len(data.test), num_labels=len(data.label_texts))
+    return XMCEvaluator(
+        data.test,
+        data.label_texts,
+        data.label_uids,
+        train_targets=data.train.targets,
+        propensity_a=data_args.propensity_a,
+        propensity_b=data_args.propensity_b,
+        filter_matrix=filt,
+        name="test",
+        batch_size=data_args.eval_batch_size,
+    )
+
+
+def train_and_evaluate(model, data: XCData, data_args: XMCDataArguments, training_args: XMCTrainingArguments, **trainer_kwargs) -> dict:
+    """Train ``model``, save it (with labels, vectors and index) to ``output_dir``, evaluate on the test set
+    and write ``eval_results.json``; returns the metrics."""
+    set_seed(training_args.seed)
+    evaluator = build_evaluator(data, data_args)
+    trainer = XMCTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=data.train,
+        label_texts=data.label_texts,
+        label_uids=data.label_uids,
+        evaluator=evaluator,
+        **trainer_kwargs,
+    )
+    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    metrics = dict(train_result.metrics)
+    metrics.update(trainer.evaluate(metric_key_prefix="test"))
+    metrics.pop("epoch", None)
+    trainer.save_model(training_args.output_dir)  # after evaluate: the saved index matches the final weights
+    if trainer.is_world_process_zero():
+        write_json_atomic(os.path.join(training_args.output_dir, EVAL_RESULTS_FILE), metrics)
+        logger.info("test metrics: %s", json.dumps({k: round(v, 2) for k, v in metrics.items() if k.startswith("test_")}))
+    return metrics
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write JSON through a temp file in the same directory, then rename it into place."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
