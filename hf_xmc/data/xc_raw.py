@@ -156,6 +156,9 @@ class XMCDataset:
     targets: sp.csr_matrix  # (n x num_labels) float32 binary
     uids: list[str]
     num_skipped: int = 0  # points skipped by the reader because they had no labels
+    # 0-based record number of each point in its source file (None: row i is record i). Filter files index
+    # records, so they must be mapped through this when unlabeled points were skipped.
+    source_rows: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         """Normalise ``targets`` to CSR float32 and check that the lengths agree."""
@@ -169,6 +172,19 @@ class XMCDataset:
         if len(self.texts) != n or len(self.uids) != n:
             raise ValueError(
                 f"inconsistent lengths: {len(self.texts)} texts, {len(self.uids)} uids, {n} target rows")
+        if self.source_rows is not None:
+            self.source_rows = np.asarray(self.source_rows, dtype=np.int64)
+            if self.source_rows.shape != (n,):
+                raise ValueError(f"source_rows has shape {self.source_rows.shape}, expected ({n},)")
+
+    @property
+    def num_source_records(self) -> int:
+        """Number of records in the source file (points kept + points skipped)."""
+        return len(self) + self.num_skipped
+
+    def record_indices(self) -> np.ndarray:
+        """Source-file record number of every point (what filter files refer to)."""
+        return self.source_rows if self.source_rows is not None else np.arange(len(self), dtype=np.int64)
 
     def __len__(self) -> int:
         """Number of points."""
@@ -191,7 +207,7 @@ class XMCDataset:
             raise IndexError(f"index out of range for dataset of length {len(self)}")
         pos = idx.tolist()
         return XMCDataset(texts=[self.texts[i] for i in pos], targets=self.targets[idx],
-                          uids=[self.uids[i] for i in pos])
+                          uids=[self.uids[i] for i in pos], source_rows=self.record_indices()[idx])
 
     def label_lists(self) -> list[list[int]]:
         """Return the label ids of every point as python lists."""
@@ -280,12 +296,15 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
     uids: list[str] = []
     indices: list[int] = []
     indptr: list[int] = [0]
+    records: list[int] = []
     skipped = 0
     max_id = -1
+    record = -1
     with _open_text(path) as f:
         for lineno, line in _iter_lines(f, path):
             if not line.strip():
                 continue  # blank lines (e.g. a trailing one) carry no record
+            record += 1
             obj = _parse_object(line, path, lineno)
             uid = _get_uid(obj, path, lineno)
             text = _get_text(obj, fields, path, lineno)
@@ -308,6 +327,7 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
                 continue
             texts.append(text)
             uids.append(uid)
+            records.append(record)
             indices.extend(ind)
             indptr.append(len(indices))
     if num_labels is None:
@@ -319,7 +339,8 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
          np.asarray(indptr, dtype=np.int64)),
         shape=(len(texts), num_labels))
     targets.has_sorted_indices = True
-    return XMCDataset(texts=texts, targets=targets, uids=uids, num_skipped=skipped)
+    return XMCDataset(texts=texts, targets=targets, uids=uids, num_skipped=skipped,
+                      source_rows=np.asarray(records, dtype=np.int64) if skipped else None)
 
 
 def read_xc_labels(path: PathLike, text_fields: Sequence[str] = ("title",)) -> tuple[list[str], list[str]]:
@@ -370,9 +391,13 @@ def write_xc_labels(path: PathLike, uids: Sequence[str], texts: Sequence[str]) -
 
 
 def load_xc_dataset(train_file: PathLike, test_file: PathLike, label_file: PathLike,
-                    text_fields: Sequence[str] = ("title",)) -> XCData:
-    """Load an XC raw dataset (train, test and label files); label ids are checked against the label file."""
-    label_uids, label_texts = read_xc_labels(label_file, text_fields=text_fields)
+                    text_fields: Sequence[str] = ("title",),
+                    label_text_fields: Sequence[str] | None = None) -> XCData:
+    """Load an XC raw dataset (train, test and label files); label ids are checked against the label file.
+
+    ``label_text_fields`` defaults to ``text_fields``.
+    """
+    label_uids, label_texts = read_xc_labels(label_file, text_fields=label_text_fields or text_fields)
     num_labels = len(label_uids)
     train = read_xc_raw(train_file, num_labels=num_labels, text_fields=text_fields)
     test = read_xc_raw(test_file, num_labels=num_labels, text_fields=text_fields)

@@ -100,6 +100,29 @@ def _atomic_save(path: str, write_fn) -> None:
         raise
 
 
+def _repair_tokenizer(tokenizer, encoder_config, name_or_path: str):
+    """Rebuild a WordPiece tokenizer from ``vocab.txt`` when its saved ``tokenizer.json`` lost the vocabulary.
+
+    transformers 5 ignores the v4 argument ``BertTokenizerFast(vocab_file=...)``, so tokenizers built that way and
+    saved hold only the special tokens and map every word to [UNK]. Such a checkpoint still carries its
+    ``vocab.txt``; when the tokenizer covers under half of the encoder's embedding rows, reload from it.
+    """
+    vocab_size = getattr(encoder_config, "vocab_size", None)
+    if not vocab_size or len(tokenizer) * 2 >= vocab_size:
+        return tokenizer
+    vocab_file = cached_file(name_or_path, "vocab.txt", _raise_exceptions_for_missing_entries=False)
+    if vocab_file is None:
+        logger.warning("tokenizer of %s has %d tokens for %d embedding rows", name_or_path, len(tokenizer), vocab_size)
+        return tokenizer
+    special = {k: getattr(tokenizer, k) for k in ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token") if getattr(tokenizer, k, None)}
+    repaired = type(tokenizer)(vocab=vocab_file, do_lower_case=getattr(tokenizer, "do_lower_case", True), **special)
+    logger.warning(
+        "tokenizer of %s holds %d tokens but the encoder has %d embedding rows: rebuilt it from vocab.txt (%d tokens)",
+        name_or_path, len(tokenizer), vocab_size, len(repaired),
+    )
+    return repaired
+
+
 class XMCPreTrainedModel(PreTrainedModel):
     """Base class of the hf_xmc models: encoder, pooling, label store, label index and ``predict``.
 
@@ -133,7 +156,7 @@ class XMCPreTrainedModel(PreTrainedModel):
         ``config_kwargs`` are the method's configuration fields (e.g. ``temperature=0.05``).
         """
         encoder = AutoModel.from_pretrained(encoder_name_or_path)
-        tokenizer = AutoTokenizer.from_pretrained(encoder_name_or_path)
+        tokenizer = _repair_tokenizer(AutoTokenizer.from_pretrained(encoder_name_or_path), encoder.config, encoder_name_or_path)
         config = cls.config_class(encoder_config=encoder.config.to_dict(), **config_kwargs)
         model = cls(config)
         missing, unexpected = model.encoder.load_state_dict(encoder.state_dict(), strict=False)

@@ -56,6 +56,7 @@ def load_data(data_args: XMCDataArguments) -> XCData:
         data_args.test_file,
         data_args.label_file,
         text_fields=tuple(data_args.text_fields.split(",")),
+        label_text_fields=tuple(data_args.label_text_fields.split(",")),
     )
     logger.info("data: %d train, %d test points, %d labels", len(data.train), len(data.test), len(data.label_texts))
     return data
@@ -65,7 +66,8 @@ def build_evaluator(data: XCData, data_args: XMCDataArguments) -> XMCEvaluator:
     """The test-set evaluator of the contract (``test_*`` keys, filter file applied when given)."""
     filt = None
     if data_args.test_filter_file:
-        filt = read_filter_file(data_args.test_filter_file, num_points=len(data.test), num_labels=len(data.label_texts))
+        filt = read_filter_file(data_args.test_filter_file, num_points=data.test.num_source_records, num_labels=len(data.label_texts))
+        filt = filt[data.test.record_indices()]  # filter rows index file records; unlabeled ones were skipped
     return XMCEvaluator(
         data.test,
         data.label_texts,
