@@ -101,14 +101,14 @@ class XMCTrainer(Trainer):
             raise ValueError("the model returned no loss: the batch must carry 'targets'")
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: Optional[str] = None) -> dict[str, float]:
-        """Run the :class:`XMCEvaluator` with the current weights; logs and returns the metrics."""
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Run the :class:`XMCEvaluator` with the current weights; logs and returns ``<prefix>_<metric>`` values."""
         if self.evaluator is None:
             raise ValueError("XMCTrainer.evaluate needs an evaluator: XMCTrainer(..., evaluator=XMCEvaluator(test_set, ...))")
         was_training = self.model.training
         metrics = self.evaluator(self.model, show_progress_bar=not self.args.disable_tqdm)
         self.model.train(was_training)
-        if metric_key_prefix and metric_key_prefix != self.evaluator.name:
+        if metric_key_prefix != self.evaluator.name:
             metrics = {metric_key_prefix + key[len(self.evaluator.name):]: value for key, value in metrics.items()}
         metrics["epoch"] = self.state.epoch if self.state.epoch is not None else 0.0
         self.log(metrics)

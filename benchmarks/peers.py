@@ -1,0 +1,276 @@
+#!/usr/bin/env python3
+"""Peer baselines for the hf_xmc benchmarks: what a user would pick instead of a deep XMC model.
+
+Every baseline takes raw texts (via TF-IDF features) and returns ranked top-k label ids as an
+``(n, k)`` int64 array, best first, padded with -1 -- the format ``hf_xmc.metrics.xmc_metrics`` reads.
+
+* :func:`tfidf_features` -- scikit-learn TF-IDF (word 1-2 grams, sublinear tf, min_df=2, L2), fitted on train only.
+* :func:`run_omikuji` -- Omikuji (Rust Parabel/Bonsai-style label-tree forest), library default
+  hyper-parameters (Parabel-like: 3 trees, 2-means balanced clustering, leaves <= 100 labels,
+  hinge-loss liblinear C=1, beam 10). Omikuji trains only from an XC BoW file, so one is written to a
+  temporary directory. Note: Omikuji's hyper-parameters have no seed (its clustering RNG is not
+  seedable from Python), so its numbers may move slightly from run to run.
+* :func:`run_napkinxc` -- napkinXC PLT (probabilistic label tree), library defaults (hierarchical
+  2-means tree, leaves <= 100 labels, logistic liblinear C=10, exact search), seeded, in a temporary
+  model dir. napkinXC's LIBLINEAR draws from libc ``rand()``, which is seeded too; with several threads
+  the order of those draws (so the last digits of the metrics) can still vary between runs.
+* :func:`run_tfidf_zero_shot` -- the lexical zero-shot baseline: cosine(TF-IDF(query), TF-IDF(label text)).
+
+``python benchmarks/peers.py`` runs the three on the bundled Debtags split and prints a markdown table.
+Needs scikit-learn, omikuji and napkinxc (``pip install hf_xmc[benchmarks]``); each is imported lazily.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import scipy.sparse as sp
+
+__all__ = [
+    "lists_to_topk",
+    "run_napkinxc",
+    "run_omikuji",
+    "run_tfidf_zero_shot",
+    "tfidf_features",
+]
+
+#: TF-IDF settings shared by the feature extractor and the zero-shot baseline.
+_TFIDF_KW = dict(ngram_range=(1, 2), sublinear_tf=True, norm="l2", dtype=np.float32)
+
+
+def lists_to_topk(rows: Sequence[Sequence[int]], k: int) -> np.ndarray:
+    """Pack ranked label-id lists (best first) into an ``(n, k)`` int64 array padded with -1."""
+    out = np.full((len(rows), k), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        r = list(r)[:k]
+        if r:
+            out[i, :len(r)] = r
+    return out
+
+
+def _labels_as_lists(Y: sp.spmatrix) -> list[list[int]]:
+    """Return the nonzero column ids of each row of ``Y``."""
+    Y = sp.csr_matrix(Y)
+    Y.eliminate_zeros()
+    Y.sort_indices()
+    ind, ptr = Y.indices.tolist(), Y.indptr.tolist()
+    return [ind[ptr[i]:ptr[i + 1]] for i in range(Y.shape[0])]
+
+
+def tfidf_features(train_texts: Sequence[str], test_texts: Sequence[str], max_features: int | None = 100_000):
+    """Return ``(X_train, X_test, vectorizer)``: TF-IDF (word 1-2 grams, sublinear tf, min_df=2, L2) fitted on train."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    vec = TfidfVectorizer(min_df=2, max_features=max_features, **_TFIDF_KW)
+    X_train = sp.csr_matrix(vec.fit_transform(list(train_texts)), dtype=np.float32)
+    X_test = sp.csr_matrix(vec.transform(list(test_texts)), dtype=np.float32)
+    for X in (X_train, X_test):
+        X.sort_indices()
+    return X_train, X_test, vec
+
+
+def run_omikuji(X_train: sp.spmatrix, Y_train: sp.spmatrix, X_test: sp.spmatrix, k: int = 100, seed: int = 0,
+                n_threads: int = 2, beam_size: int = 10) -> tuple[np.ndarray, float, float]:
+    """Train Omikuji (library defaults = Parabel-like) and return ``(topk_ids, train_seconds, predict_seconds)``.
+
+    ``seed`` is accepted for a uniform signature but Omikuji exposes no seed: results can vary slightly.
+    ``train_seconds`` includes writing and parsing the temporary XC BoW training file.
+    """
+    import omikuji
+
+    from hf_xmc.data import write_bow
+
+    del seed  # no seed in omikuji's hyper-parameters
+    X_train, X_test = sp.csr_matrix(X_train), sp.csr_matrix(X_test)
+    if X_test.shape[1] != X_train.shape[1]:
+        raise ValueError(f"X_test has {X_test.shape[1]} features but X_train has {X_train.shape[1]}")
+    hp = omikuji.Model.default_hyper_param()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="omikuji_") as tmp:
+        path = os.path.join(tmp, "train.txt")
+        # Omikuji cannot parse a line with neither labels nor features (" "), and a point without
+        # features carries no information for its bias-free linear nodes: leave such points out.
+        keep = np.flatnonzero(np.diff(X_train.indptr) > 0)
+        if keep.size == 0:
+            raise ValueError("every training point has an empty feature vector")
+        write_bow(path, X_train[keep], sp.csr_matrix(Y_train)[keep])
+        model = omikuji.Model.train_on_data(path, hp, n_threads=n_threads)
+    train_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    model.init_prediction_thread_pool(n_threads)
+    X_test.sort_indices()
+    ind, val, ptr = X_test.indices.tolist(), X_test.data.tolist(), X_test.indptr.tolist()
+    out = np.full((X_test.shape[0], k), -1, dtype=np.int64)
+    for i in range(X_test.shape[0]):
+        pairs = list(zip(ind[ptr[i]:ptr[i + 1]], val[ptr[i]:ptr[i + 1]], strict=True))
+        pred = model.predict(pairs, beam_size=beam_size, top_k=k)  # [(label, score)], best first
+        if pred:
+            out[i, :len(pred)] = [lab for lab, _ in pred]
+    predict_s = time.perf_counter() - t0
+    return out, train_s, predict_s
+
+
+def _seed_libc_rand(seed: int) -> None:
+    """Seed the C library's ``rand()``, which napkinXC's bundled LIBLINEAR solvers draw from (napkinXC's own
+    ``seed`` covers only its tree building). With one thread this makes repeated fits in one process identical;
+    with several threads the order of ``rand()`` calls, hence the weights, can still vary slightly."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).srand(ctypes.c_uint(seed & 0xFFFFFFFF))
+    except (OSError, AttributeError, TypeError):  # no libc symbol lookup on this platform: best effort
+        pass
+
+
+def run_napkinxc(X_train: sp.spmatrix, Y_train: sp.spmatrix, X_test: sp.spmatrix, k: int = 100, seed: int = 0,
+                 threads: int = 2, **plt_params) -> tuple[np.ndarray, float, float]:
+    """Train a napkinXC PLT (library defaults, seeded) and return ``(topk_ids, train_seconds, predict_seconds)``."""
+    from napkinxc.models import PLT
+
+    X_train = sp.csr_matrix(X_train, dtype=np.float64)
+    X_test = sp.csr_matrix(X_test, dtype=np.float64)
+    if X_test.shape[1] != X_train.shape[1]:
+        raise ValueError(f"X_test has {X_test.shape[1]} features but X_train has {X_train.shape[1]}")
+    Y_lists = _labels_as_lists(Y_train)
+    with tempfile.TemporaryDirectory(prefix="napkinxc_") as tmp:
+        model = PLT(os.path.join(tmp, "plt"), seed=seed, threads=threads, verbose=0, **plt_params)
+        _seed_libc_rand(seed)
+        t0 = time.perf_counter()
+        model.fit(X_train, Y_lists)
+        train_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pred = model.predict(X_test, top_k=k)  # list of label lists, best first
+        predict_s = time.perf_counter() - t0
+        del model
+    return lists_to_topk(pred, k), train_s, predict_s
+
+
+def _topk_rows(S: np.ndarray, k: int) -> np.ndarray:
+    """Top-k column ids of each row of a dense score block, best first (ties by lower id); score <= 0 -> -1."""
+    n, L = S.shape
+    kk = min(k, L)
+    if kk < L:
+        part = np.argpartition(-S, kk - 1, axis=1)[:, :kk]
+    else:
+        part = np.broadcast_to(np.arange(L), (n, L)).copy()
+    vals = np.take_along_axis(S, part, axis=1)
+    order = np.lexsort((part, -vals), axis=1)  # score desc, then id asc
+    ids = np.take_along_axis(part, order, axis=1)
+    vals = np.take_along_axis(vals, order, axis=1)
+    out = np.full((n, k), -1, dtype=np.int64)
+    out[:, :kk] = np.where(vals > 0, ids, -1)
+    return out
+
+
+def run_tfidf_zero_shot(train_texts: Sequence[str], test_texts: Sequence[str], label_texts: Sequence[str],
+                        k: int = 100, max_block_bytes: int = 64 << 20) -> tuple[np.ndarray, float, float]:
+    """Lexical zero-shot: rank labels by cosine(TF-IDF(query), TF-IDF(label text)); returns ``(topk, fit_s, predict_s)``.
+
+    The vectorizer (word 1-2 grams, sublinear tf, L2) gets its IDF from train texts + label texts. Its
+    vocabulary is restricted to the n-grams of the label texts: a term no label contains adds nothing
+    to any query-label dot product and only rescales each query's norm by a per-query constant, so the
+    ranking is exactly the full-vocabulary cosine ranking while memory stays bounded by the labels.
+    Queries are scored in chunks of at most ``max_block_bytes`` of dense float32 scores, so 100k+
+    labels work. Labels sharing no term with the query (score 0) are not ranked: their slots are -1.
+    """
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    label_texts = list(label_texts)
+    t0 = time.perf_counter()
+    try:
+        vocab = TfidfVectorizer(**_TFIDF_KW).fit(label_texts).vocabulary_
+    except ValueError:  # no label text has a token: nothing can ever match
+        vocab = None
+    if vocab is not None:
+        vec = TfidfVectorizer(vocabulary=vocab, **_TFIDF_KW).fit(list(train_texts) + label_texts)
+        lab_t = sp.csr_matrix(vec.transform(label_texts).T, dtype=np.float32)  # V x L
+    fit_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    n, L = len(test_texts), len(label_texts)
+    out = np.full((n, k), -1, dtype=np.int64)
+    if vocab is not None and n and L:
+        chunk = max(1, min(n, max_block_bytes // (4 * L)))
+        for s in range(0, n, chunk):
+            Q = sp.csr_matrix(vec.transform(list(test_texts[s:s + chunk])), dtype=np.float32)
+            S = (Q @ lab_t).toarray()
+            out[s:s + S.shape[0]] = _topk_rows(S, k)
+    predict_s = time.perf_counter() - t0
+    return out, fit_s, predict_s
+
+
+# ---------------------------------------------------------------------------------------------
+def _main() -> None:
+    """Run the three peers on the bundled Debtags split and print a markdown table."""
+    import argparse
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
+    from hf_xmc.data import load_debtags
+    from hf_xmc.metrics import inverse_propensity, xmc_metrics
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--k", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", nargs="*", choices=["omikuji", "napkinxc", "zeroshot"], default=None)
+    args = ap.parse_args()
+    np.random.seed(args.seed)
+
+    data = load_debtags()
+    trn, tst = data.train, data.test
+    inv_p = inverse_propensity(trn.targets)
+    print(f"Debtags: {len(trn.texts)} train / {len(tst.texts)} test points, {trn.targets.shape[1]} labels, "
+          f"threads={args.threads}, seed={args.seed}", file=sys.stderr)
+
+    rows = []
+    methods = args.only or ["omikuji", "napkinxc", "zeroshot"]
+    feat = None
+    if {"omikuji", "napkinxc"} & set(methods):
+        t0 = time.perf_counter()
+        X_trn, X_tst, vec = tfidf_features(trn.texts, tst.texts)
+        feat_total = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        vec.transform(list(tst.texts))
+        feat_test = time.perf_counter() - t0
+        feat = (feat_total - feat_test, feat_test)
+        print(f"TF-IDF: {X_trn.shape[1]} features; fit+transform train {feat[0]:.2f} s, transform test "
+              f"{feat[1]:.2f} s", file=sys.stderr)
+    for m in methods:
+        if m == "omikuji":
+            topk, tr, pr = run_omikuji(X_trn, trn.targets, X_tst, k=args.k, seed=args.seed, n_threads=args.threads)
+            name, short = "Omikuji (Parabel defaults) + TF-IDF", "Omikuji"
+        elif m == "napkinxc":
+            topk, tr, pr = run_napkinxc(X_trn, trn.targets, X_tst, k=args.k, seed=args.seed, threads=args.threads)
+            name, short = "napkinXC PLT + TF-IDF", "napkinXC"
+        else:
+            topk, tr, pr = run_tfidf_zero_shot(trn.texts, tst.texts, data.label_texts, k=args.k)
+            name, short = "TF-IDF zero-shot (label text cosine)", "zero-shot"
+        e2e_tr, e2e_pr = (tr + feat[0], pr + feat[1]) if m != "zeroshot" else (tr, pr)
+        r = xmc_metrics(topk, tst.targets, inv_propensity=inv_p, ks=(1, 3, 5), recall_ks=(10, 100))
+        rows.append((name, short, r, tr, pr, e2e_tr, e2e_pr))
+        print(f"{name}: train {tr:.2f} s, predict {pr:.2f} s", file=sys.stderr)
+
+    n = len(tst.texts)
+    cols = ["P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@5", "R@10", "R@100"]
+    print("| method | " + " | ".join(cols) + " | train s | predict q/s |")
+    print("|---|" + "---:|" * (len(cols) + 2))
+    for name, _, r, _, _, e2e_tr, e2e_pr in rows:
+        print(f"| {name} | " + " | ".join(f"{r[c]:.2f}" for c in cols)
+              + f" | {e2e_tr:.2f} | {n / max(e2e_pr, 1e-9):,.0f} |")
+    print()
+    print("train s / predict q/s are end to end from raw text (TF-IDF featurization included, "
+          f"{args.threads} threads); model-only: "
+          + "; ".join(f"{short} train {tr:.2f} s, {n / max(pr, 1e-9):,.0f} q/s"
+                      for _, short, _, tr, pr, _, _ in rows))
+
+
+if __name__ == "__main__":
+    _main()

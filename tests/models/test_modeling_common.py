@@ -1,0 +1,121 @@
+"""The test mixin every hf_xmc model runs (transformers' ModelTesterMixin, XMC edition).
+
+A model test class sets ``model_class`` and implements ``make_model(encoder_dir, data)`` returning a model with a
+tokenizer and labels; the mixin checks save -> reload -> same outputs (in-process and through remote code in a
+process where hf_xmc cannot be imported), the prediction contract, and weight initialisation.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModel
+
+REMOTE_PREDICT = textwrap.dedent(
+    """
+    import json, sys
+    sys.modules["hf_xmc"] = None  # hf_xmc must not be importable: everything comes from the model directory
+    try:
+        import hf_xmc  # noqa: F401
+        raise SystemExit("hf_xmc is importable")
+    except ImportError:
+        pass
+    from transformers import AutoModel
+    model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True)
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    pred = model.predict(json.loads(sys.argv[2]), k=5)
+    print("RESULT " + json.dumps({"ids": pred.label_ids.tolist(), "scores": pred.scores.tolist(), "texts": pred.label_texts}))
+    """
+)
+
+
+class XMCModelTesterMixin:
+    model_class = None
+
+    def make_model(self, encoder_dir, data):
+        raise NotImplementedError
+
+    @pytest.fixture
+    def model(self, tiny_encoder_dir, tiny_task):
+        torch.manual_seed(0)
+        return self.make_model(tiny_encoder_dir, tiny_task[0])
+
+    def test_predict_contract(self, model, tiny_task):
+        data = tiny_task[0]
+        texts = data.test.texts[:6]
+        pred = model.predict(texts, k=5)
+        assert pred.label_ids.shape == (6, 5) and pred.label_ids.dtype == np.int64
+        assert pred.scores.shape == (6, 5) and pred.scores.dtype == np.float32
+        assert np.all(np.diff(pred.scores, axis=1) <= 1e-6)
+        assert [[data.label_texts[i] for i in row] for row in pred.label_ids] == pred.label_texts
+        # the index agrees with brute-force scoring of the same vectors
+        q = model.query_search_vectors(texts)
+        brute = (q @ model.label_embeddings.T).topk(5, dim=1).indices.numpy()
+        np.testing.assert_array_equal(pred.label_ids, brute)
+        single = model.predict(texts[0], k=2)
+        assert single.label_ids.shape == (1, 2)
+        with pytest.raises(ValueError, match="k must be"):
+            model.predict(texts, k=0)
+
+    def test_save_and_reload_same_outputs(self, model, tiny_task, tmp_path):
+        data = tiny_task[0]
+        texts = data.test.texts[:8]
+        before = model.predict(texts, k=5)
+        model.save_pretrained(tmp_path)
+        for name in ("config.json", "model.safetensors", "labels.jsonl", "label_embeddings.safetensors", "label_index.json", "tokenizer_config.json"):
+            assert (tmp_path / name).exists(), name
+        assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+        reloaded = AutoModel.from_pretrained(tmp_path)
+        assert type(reloaded) is self.model_class
+        after = reloaded.predict(texts, k=5)
+        np.testing.assert_array_equal(before.label_ids, after.label_ids)
+        np.testing.assert_allclose(before.scores, after.scores, atol=1e-5)
+        # re-encoding the labels with the reloaded weights reproduces the saved label vectors
+        torch.testing.assert_close(reloaded.encode_labels(), model.label_embeddings, atol=1e-5, rtol=1e-4)
+
+    def test_remote_code_reload_without_hf_xmc(self, model, tiny_task, tmp_path):
+        data = tiny_task[0]
+        texts = data.test.texts[:8]
+        before = model.predict(texts, k=5)
+        model_dir = tmp_path / "model"
+        model.save_pretrained(model_dir)
+        config = json.load(open(model_dir / "config.json"))
+        assert set(config["auto_map"]) == {"AutoConfig", "AutoModel"}
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
+        proc = subprocess.run(
+            [sys.executable, "-c", REMOTE_PREDICT, str(model_dir), json.dumps(texts)],
+            capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300, stdin=subprocess.DEVNULL,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][0][7:])
+        assert result["ids"] == before.label_ids.tolist()
+        np.testing.assert_allclose(np.array(result["scores"]), before.scores, atol=1e-5)
+        assert result["texts"] == before.label_texts
+
+    def test_non_persistent_buffers_survive_loading(self, model, tmp_path):
+        # from_pretrained materialises weights on the meta device: buffers that are not saved must be re-filled
+        model.save_pretrained(tmp_path)
+        reloaded = AutoModel.from_pretrained(tmp_path)
+        for (name, a), (_, b) in zip(model.named_buffers(), reloaded.named_buffers()):
+            torch.testing.assert_close(a, b, msg=f"buffer {name} differs after loading")
+
+    def test_forward_loss_and_gradients(self, model, tiny_task):
+        from hf_xmc.training import XMCDataCollator
+
+        data = tiny_task[0]
+        collator = XMCDataCollator(model.tokenizer, data.train.texts, data.train.targets, data.label_texts, 16, 16)
+        batch = collator([{"index": i} for i in range(16)])
+        model.train()
+        out = model(**batch)
+        assert out.logits.shape == batch["targets"].shape
+        assert out.loss.ndim == 0 and torch.isfinite(out.loss)
+        out.loss.backward()
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+        assert any(g is not None and g.abs().sum() > 0 for g in grads)
+        embeds = model(batch["input_ids"], batch["attention_mask"]).query_embeds
+        assert embeds.shape[0] == 16

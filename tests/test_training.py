@@ -1,0 +1,141 @@
+"""Collator, evaluator, XMCTrainer and the train_dexml.py script contract (tiny local task, CPU)."""
+
+import gzip
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+from hf_xmc.models import DEXMLModel
+from hf_xmc.training import XMCDataCollator, XMCEvaluator, XMCTrainer, XMCTrainingArguments
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONTRACT_KEYS = ["test_P@1", "test_P@3", "test_P@5", "test_nDCG@1", "test_nDCG@3", "test_nDCG@5",
+                 "test_PSP@1", "test_PSP@3", "test_PSP@5", "test_R@10", "test_R@100"]
+
+
+def test_collator_pool_targets_and_false_negative_mask(tiny_encoder_dir, tiny_task):
+    from transformers import AutoTokenizer
+
+    data = tiny_task[0]
+    tok = AutoTokenizer.from_pretrained(tiny_encoder_dir)
+    collator = XMCDataCollator(tok, data.train.texts, data.train.targets, data.label_texts, 16, 16, seed=3)
+    rows = list(range(40, 72))
+    batch = collator([{"index": r} for r in rows])
+    labels = [tok.decode(ids, skip_special_tokens=True) for ids in batch["label_input_ids"]]
+    pool = [data.label_texts.index(t) for t in labels]
+    assert pool == sorted(set(pool))  # unique, in label-id order
+    truth = data.train.targets[rows][:, pool].toarray() > 0
+    np.testing.assert_array_equal(batch["targets"].numpy(), truth)  # every positive in the pool is marked
+    # each query's sampled positive is in the pool and is one of its labels
+    assert batch["targets"][torch.arange(len(rows)), batch["positive_index"]].all()
+    assert batch["input_ids"].shape[0] == len(rows) and batch["input_ids"].shape[1] <= 16
+
+
+def test_collator_rejects_mismatched_label_space(tiny_task):
+    data = tiny_task[0]
+    with pytest.raises(ValueError, match="label columns"):
+        XMCDataCollator(None, data.train.texts, data.train.targets, data.label_texts[:-1])
+
+
+def test_evaluator_applies_filter(tiny_encoder_dir, tiny_task):
+    data = tiny_task[0]
+    torch.manual_seed(0)
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir, max_seq_length=16, label_max_seq_length=16)
+    plain = XMCEvaluator(data.test, data.label_texts, recall_ks=(10,))
+    ids, _, _ = plain.predict(model)
+    # filter out every query's current top-1 label: it must vanish and the rest shift up by one
+    n, L = len(data.test), len(data.label_texts)
+    filt = sp.csr_matrix((np.ones(n), (np.arange(n), ids[:, 0])), shape=(n, L))
+    filtered = XMCEvaluator(data.test, data.label_texts, recall_ks=(10,), filter_matrix=filt)
+    fids, _, _ = filtered.predict(model)
+    np.testing.assert_array_equal(fids[:, :9], ids[:, 1:10])
+    metrics = filtered(model)
+    assert set(metrics) >= {"test_P@1", "test_R@10", "test_samples_per_second"} and "test_PSP@1" not in metrics
+
+
+def test_trainer_learns_the_planted_task(tiny_encoder_dir, tiny_task, tmp_path):
+    data = tiny_task[0]
+    torch.manual_seed(0)
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir, max_seq_length=16, label_max_seq_length=16)
+    evaluator = XMCEvaluator(data.test, data.label_texts, train_targets=data.train.targets, recall_ks=(10,))
+    before = evaluator(model)
+    args = XMCTrainingArguments(output_dir=str(tmp_path), num_train_epochs=4, per_device_train_batch_size=32,
+                                learning_rate=5e-4, save_strategy="no", seed=0, disable_tqdm=True)
+    trainer = XMCTrainer(model=model, args=args, train_dataset=data.train, label_texts=data.label_texts, evaluator=evaluator)
+    trainer.train()
+    after = trainer.evaluate()
+    assert after["eval_P@1"] > before["test_P@1"] + 20, (before, after)
+    assert after["eval_PSP@5"] > before["test_PSP@5"] + 10
+
+
+def test_trainer_refuses_remove_unused_columns(tiny_encoder_dir, tiny_task, tmp_path):
+    from transformers import TrainingArguments
+
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir)
+    with pytest.raises(ValueError, match="remove_unused_columns"):
+        XMCTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path)), train_dataset=tiny_task[0].train,
+                   label_texts=tiny_task[0].label_texts)
+
+
+def run_script(args, launcher=None, timeout=600):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    cmd = (launcher or [sys.executable]) + [os.path.join(ROOT, "training_scripts", "train_dexml.py")] + args
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def contract_args(task_dir, encoder_dir, out_dir, epochs="2"):
+    return ["--train_file", f"{task_dir}/trn.json.gz", "--test_file", f"{task_dir}/tst.json.gz",
+            "--label_file", f"{task_dir}/lbl.json.gz", "--model_name_or_path", encoder_dir, "--output_dir", out_dir,
+            "--num_train_epochs", epochs, "--per_device_train_batch_size", "32", "--max_seq_length", "16",
+            "--learning_rate", "5e-4", "--seed", "1", "--disable_tqdm", "true"]
+
+
+def test_train_script_contract(tiny_task, tiny_encoder_dir, tmp_path):
+    _, task_dir = tiny_task
+    out = tmp_path / "out"
+    filter_file = tmp_path / "filter.txt"
+    filter_file.write_text("0 0\n1 5\n")
+    proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(out)) + ["--test_filter_file", str(filter_file)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.load(open(out / "eval_results.json"))
+    for key in CONTRACT_KEYS:
+        assert math.isfinite(results[key]) and 0 <= results[key] <= 100, key
+    assert results["train_runtime"] > 0 and results["test_samples_per_second"] > 0
+    assert results["test_P@1"] > 20  # the planted task is learnable in two epochs
+    model = DEXMLModel.from_pretrained(out)
+    assert model.predict(["anything at all"], k=3).label_ids.shape == (1, 3)
+    assert (out / "label_index.faiss").exists() or json.load(open(out / "label_index.json"))["kind"] == "torch"
+
+
+def test_train_script_reports_bad_input(tiny_task, tiny_encoder_dir, tmp_path):
+    _, task_dir = tiny_task
+    bad = tmp_path / "bad"
+    shutil.copytree(task_dir, bad)
+    with gzip.open(bad / "trn.json.gz", "at") as f:
+        f.write(json.dumps({"uid": "x", "title": "w", "target_ind": [999]}) + "\n")
+    proc = run_script(contract_args(str(bad), tiny_encoder_dir, str(tmp_path / "out")))
+    assert proc.returncode != 0
+    assert "trn.json.gz, line 481" in proc.stderr and "label id 999 out of range" in proc.stderr
+    assert not (tmp_path / "out" / "eval_results.json").exists()
+
+
+@pytest.mark.slow
+def test_train_script_under_accelerate_two_processes(tiny_task, tiny_encoder_dir, tmp_path):
+    _, task_dir = tiny_task
+    out = tmp_path / "out"
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29531"]
+    proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(out), epochs="1"), launcher=launcher)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert "Total train batch size (w. parallel, distributed & accumulation) = 64" in log  # 2 processes x 32
+    results = json.load(open(out / "eval_results.json"))
+    assert all(0 <= results[k] <= 100 for k in CONTRACT_KEYS)
