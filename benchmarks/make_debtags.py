@@ -29,7 +29,7 @@ sys.path.insert(0, REPO)
 
 from hf_xmc.data import XMCDataset, read_xc_labels, read_xc_raw, write_xc_labels, write_xc_raw  # noqa: E402
 
-DEFAULT_SRC = "/work/shared/data/debtags/processed"
+DEFAULT_SRC = os.path.join(REPO, "..", "shared", "data", "debtags", "processed")
 DEFAULT_OUT = os.path.join(REPO, "hf_xmc", "data", "debtags")
 
 

@@ -206,33 +206,26 @@ def run_tfidf_zero_shot(train_texts: Sequence[str], test_texts: Sequence[str], l
 
 
 # ---------------------------------------------------------------------------------------------
-def _main() -> None:
-    """Run the three peers on the bundled Debtags split and print a markdown table."""
-    import argparse
+PEER_NAMES = {
+    "omikuji": "Omikuji (Parabel defaults) + TF-IDF",
+    "napkinxc": "napkinXC PLT + TF-IDF",
+    "zeroshot": "TF-IDF zero-shot (label text cosine)",
+}
+TABLE_COLUMNS = ["P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@5", "R@10", "R@100"]
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if repo not in sys.path:
-        sys.path.insert(0, repo)
-    from hf_xmc.data import load_debtags
+
+def run_peers(data, k: int = 100, threads: int = 2, seed: int = 0, only: Sequence[str] | None = None) -> list[dict]:
+    """Run the peers on an XCData split; one dict per peer with metrics (%) and end-to-end timings.
+
+    ``train_seconds`` and ``predict_queries_per_second`` include TF-IDF featurisation (end to end from raw
+    text); the ``model_*`` entries exclude it.
+    """
     from hf_xmc.metrics import inverse_propensity, xmc_metrics
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--k", type=int, default=100)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", nargs="*", choices=["omikuji", "napkinxc", "zeroshot"], default=None)
-    args = ap.parse_args()
-    np.random.seed(args.seed)
-
-    data = load_debtags()
     trn, tst = data.train, data.test
     inv_p = inverse_propensity(trn.targets)
-    print(f"Debtags: {len(trn.texts)} train / {len(tst.texts)} test points, {trn.targets.shape[1]} labels, "
-          f"threads={args.threads}, seed={args.seed}", file=sys.stderr)
-
-    rows = []
-    methods = args.only or ["omikuji", "napkinxc", "zeroshot"]
-    feat = None
+    methods = list(only or PEER_NAMES)
+    feat = (0.0, 0.0)
     if {"omikuji", "napkinxc"} & set(methods):
         t0 = time.perf_counter()
         X_trn, X_tst, vec = tfidf_features(trn.texts, tst.texts)
@@ -243,33 +236,59 @@ def _main() -> None:
         feat = (feat_total - feat_test, feat_test)
         print(f"TF-IDF: {X_trn.shape[1]} features; fit+transform train {feat[0]:.2f} s, transform test "
               f"{feat[1]:.2f} s", file=sys.stderr)
+    rows = []
     for m in methods:
         if m == "omikuji":
-            topk, tr, pr = run_omikuji(X_trn, trn.targets, X_tst, k=args.k, seed=args.seed, n_threads=args.threads)
-            name, short = "Omikuji (Parabel defaults) + TF-IDF", "Omikuji"
+            topk, tr, pr = run_omikuji(X_trn, trn.targets, X_tst, k=k, seed=seed, n_threads=threads)
         elif m == "napkinxc":
-            topk, tr, pr = run_napkinxc(X_trn, trn.targets, X_tst, k=args.k, seed=args.seed, threads=args.threads)
-            name, short = "napkinXC PLT + TF-IDF", "napkinXC"
+            topk, tr, pr = run_napkinxc(X_trn, trn.targets, X_tst, k=k, seed=seed, threads=threads)
         else:
-            topk, tr, pr = run_tfidf_zero_shot(trn.texts, tst.texts, data.label_texts, k=args.k)
-            name, short = "TF-IDF zero-shot (label text cosine)", "zero-shot"
+            topk, tr, pr = run_tfidf_zero_shot(trn.texts, tst.texts, data.label_texts, k=k)
         e2e_tr, e2e_pr = (tr + feat[0], pr + feat[1]) if m != "zeroshot" else (tr, pr)
-        r = xmc_metrics(topk, tst.targets, inv_propensity=inv_p, ks=(1, 3, 5), recall_ks=(10, 100))
-        rows.append((name, short, r, tr, pr, e2e_tr, e2e_pr))
-        print(f"{name}: train {tr:.2f} s, predict {pr:.2f} s", file=sys.stderr)
+        n = len(tst.texts)
+        rows.append({
+            "method": PEER_NAMES[m], "key": m,
+            "metrics": xmc_metrics(topk, tst.targets, inv_propensity=inv_p, ks=(1, 3, 5), recall_ks=(10, 100)),
+            "train_seconds": e2e_tr, "predict_queries_per_second": n / max(e2e_pr, 1e-9),
+            "model_train_seconds": tr, "model_predict_queries_per_second": n / max(pr, 1e-9),
+        })
+        print(f"{PEER_NAMES[m]}: train {tr:.2f} s, predict {pr:.2f} s", file=sys.stderr)
+    return rows
 
-    n = len(tst.texts)
-    cols = ["P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@5", "R@10", "R@100"]
-    print("| method | " + " | ".join(cols) + " | train s | predict q/s |")
-    print("|---|" + "---:|" * (len(cols) + 2))
-    for name, _, r, _, _, e2e_tr, e2e_pr in rows:
-        print(f"| {name} | " + " | ".join(f"{r[c]:.2f}" for c in cols)
-              + f" | {e2e_tr:.2f} | {n / max(e2e_pr, 1e-9):,.0f} |")
-    print()
+
+def markdown_table(rows: Sequence[dict]) -> str:
+    """Markdown table of rows as returned by :func:`run_peers` (method, metrics, train s, predict q/s)."""
+    lines = ["| method | " + " | ".join(TABLE_COLUMNS) + " | train s | predict q/s |",
+             "|---|" + "---:|" * (len(TABLE_COLUMNS) + 2)]
+    for r in rows:
+        lines.append(f"| {r['method']} | " + " | ".join(f"{r['metrics'][c]:.2f}" for c in TABLE_COLUMNS)
+                     + f" | {r['train_seconds']:.1f} | {r['predict_queries_per_second']:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _main() -> None:
+    """Run the three peers on the bundled Debtags split and print a markdown table."""
+    import argparse
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
+    from hf_xmc.data import load_debtags
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--k", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", nargs="*", choices=list(PEER_NAMES), default=None)
+    args = ap.parse_args()
+    np.random.seed(args.seed)
+    data = load_debtags()
+    rows = run_peers(data, k=args.k, threads=args.threads, seed=args.seed, only=args.only)
+    print(markdown_table(rows))
     print("train s / predict q/s are end to end from raw text (TF-IDF featurization included, "
           f"{args.threads} threads); model-only: "
-          + "; ".join(f"{short} train {tr:.2f} s, {n / max(pr, 1e-9):,.0f} q/s"
-                      for _, short, _, tr, pr, _, _ in rows))
+          + "; ".join(f"{r['key']} train {r['model_train_seconds']:.2f} s, {r['model_predict_queries_per_second']:,.0f} q/s"
+                      for r in rows))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,93 @@
+#!/usr/bin/env python
+"""Sweep a training-script hyper-parameter over several datasets, through the training script contract.
+
+Defaults of ``training_scripts/train_<method>.py`` must hold on data we have not seen, so they are tuned on one
+dataset and checked on others. Each run is ``python training_scripts/train_<method>.py --train_file ... --<param>
+<value> [extra args]``; the script's ``eval_results.json`` is collected into a table and JSON.
+
+    python benchmarks/sweep_defaults.py --method dexml --param learning_rate --values 1e-4 3e-4 1e-3 \
+        --datasets tiny debtags reuters --results benchmarks/results/sweep_dexml_lr.json
+
+Datasets: ``tiny`` (the contract checker's planted task and tiny random BERT, 3 epochs, batch 32, length 16),
+``debtags`` (bundled; MiniLM, half an epoch, batch 64) and ``reuters`` (``benchmarks/make_reuters.py``; MiniLM,
+1 epoch, batch 32). Extra per-dataset arguments are in ``DATASETS``.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
+
+SHOWN = ["test_P@1", "test_P@5", "test_nDCG@5", "test_PSP@1", "test_PSP@5", "test_R@10"]
+
+
+def minilm() -> str:
+    from hf_xmc.quickstart import minilm_path
+
+    return minilm_path()
+
+
+def prepare(name: str, work: str) -> tuple[str, str, list[str]]:
+    """Return (data directory, encoder, extra script arguments) for a dataset name."""
+    if name == "tiny":
+        data = os.path.join(work, "tiny")
+        subprocess.run([sys.executable, os.path.join(REPO, "..", "shared", "checks", "make_tiny.py"), data], check=True, capture_output=True)
+        return data, os.path.join(data, "encoder"), ["--num_train_epochs", "3", "--per_device_train_batch_size", "32", "--max_seq_length", "16", "--seed", "1"]
+    if name == "debtags":
+        from hf_xmc.data import DEBTAGS_DIR
+
+        return str(DEBTAGS_DIR), minilm(), ["--num_train_epochs", "0.5", "--per_device_train_batch_size", "64", "--max_seq_length", "32"]
+    if name == "reuters":
+        data = os.path.join(REPO, "outputs", "reuters")
+        if not os.path.exists(os.path.join(data, "lbl.json.gz")):
+            subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "make_reuters.py"), "--out", data], check=True)
+        return data, minilm(), ["--num_train_epochs", "1", "--per_device_train_batch_size", "32", "--max_seq_length", "32"]
+    raise SystemExit(f"unknown dataset {name}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--method", default="dexml")
+    ap.add_argument("--param", default="learning_rate")
+    ap.add_argument("--values", nargs="+", required=True)
+    ap.add_argument("--datasets", nargs="+", default=["tiny", "debtags", "reuters"])
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more script arguments for every run")
+    ap.add_argument("--results", default=None)
+    args = ap.parse_args()
+    script = os.path.join(REPO, "training_scripts", f"train_{args.method}.py")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO)
+    runs = []
+    with tempfile.TemporaryDirectory() as work:
+        for name in args.datasets:
+            data, encoder, extra = prepare(name, work)
+            for value in args.values:
+                out = os.path.join(work, f"{name}-{value}")
+                cmd = [sys.executable, script, "--train_file", f"{data}/trn.json.gz", "--test_file", f"{data}/tst.json.gz",
+                       "--label_file", f"{data}/lbl.json.gz", "--model_name_or_path", encoder, "--output_dir", out,
+                       "--save_strategy", "no", "--disable_tqdm", "true", f"--{args.param}", value] + extra + args.extra
+                start = time.perf_counter()
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+                if proc.returncode:
+                    print(proc.stderr[-3000:], file=sys.stderr)
+                    raise SystemExit(f"run failed: {' '.join(cmd)}")
+                results = json.load(open(os.path.join(out, "eval_results.json")))
+                runs.append({"dataset": name, args.param: value, "wall_seconds": time.perf_counter() - start, **results})
+                print(f"{name:8s} {args.param}={value:8s} " + " ".join(f"{k[5:]}={results[k]:.2f}" for k in SHOWN), flush=True)
+    print(f"\n| dataset | {args.param} | " + " | ".join(k[5:] for k in SHOWN) + " | wall s |")
+    print("|---|---|" + "---:|" * (len(SHOWN) + 1))
+    for r in runs:
+        print(f"| {r['dataset']} | {r[args.param]} | " + " | ".join(f"{r[k]:.2f}" for k in SHOWN) + f" | {r['wall_seconds']:.0f} |")
+    if args.results:
+        write_json_atomic(args.results, {"method": args.method, "param": args.param, "extra": args.extra, "runs": runs})
+
+
+if __name__ == "__main__":
+    main()
