@@ -10,7 +10,6 @@ the table between the README's ``<!-- bench:debtags -->`` markers.
 """
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -64,7 +63,7 @@ def main() -> None:
     rows += run_peers(load_debtags(), k=100, threads=args.threads, seed=0)
     table = markdown_table(rows)
     result = {
-        "dataset": "Debtags (bundled): %d test points" % n_test,
+        "dataset": f"Debtags (bundled): {n_test} test points",
         "quickstart_args": qs["args"],
         "quickstart_wall_seconds": job_seconds,
         "rows": rows,

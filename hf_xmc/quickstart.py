@@ -26,8 +26,8 @@ from transformers import AutoModel, set_seed  # noqa: E402
 
 from .data import XCData, load_debtags  # noqa: E402
 from .models import DEXMLModel  # noqa: E402
-from .training import XMCEvaluator, XMCTrainer, XMCTrainingArguments  # noqa: E402
-from .training.script_utils import write_json_atomic  # noqa: E402
+from .training import XMCEvaluator, XMCTrainingArguments  # noqa: E402
+from .training.script_utils import train_and_evaluate, write_json_atomic  # noqa: E402
 
 SHOWN_METRICS = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@3", "PSP@5", "R@10", "R@100")
 
@@ -80,10 +80,10 @@ def run(args: argparse.Namespace) -> dict:
     )
     evaluator = evaluator_for(data)
 
-    print("\n[1/4] zero-shot: the untrained encoder, query vs label-text embeddings")
+    print("\n[1/3] zero-shot: the untrained encoder, query vs label-text embeddings")
     zero_shot = evaluator(model, show_progress_bar=True)
 
-    print("\n[2/4] training DEXML (DecoupledSoftmax, in-batch negatives)")
+    print("\n[2/3] training DEXML (DecoupledSoftmax, in-batch negatives), then evaluating it")
     training_args = XMCTrainingArguments(
         output_dir=args.output_dir,
         num_train_epochs=args.num_train_epochs,
@@ -93,25 +93,12 @@ def run(args: argparse.Namespace) -> dict:
         save_strategy="no",
         logging_steps=20,
     )
-    trainer = XMCTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=data.train,
-        label_texts=data.label_texts,
-        label_uids=data.label_uids,
-        evaluator=evaluator,
-    )
-    start = time.perf_counter()
-    train_result = trainer.train()
-    train_seconds = time.perf_counter() - start
-
-    print("\n[3/4] evaluating the trained model")
-    trained = trainer.evaluate(metric_key_prefix="test")
+    metrics = train_and_evaluate(model, data, evaluator, training_args)
+    trained = {k: v for k, v in metrics.items() if k.startswith("test_")}
     print("\nTest metrics (%), Debtags:\n")
     print(metrics_table({"zero-shot MiniLM": zero_shot, "DEXML (trained)": trained}))
-    trainer.save_model(args.output_dir)
 
-    print(f"[4/4] reloading {args.output_dir} with AutoModel.from_pretrained(..., trust_remote_code=True)")
+    print(f"[3/3] reloading {args.output_dir} with AutoModel.from_pretrained(..., trust_remote_code=True)")
     reloaded = AutoModel.from_pretrained(args.output_dir, trust_remote_code=True)
     titles = data.test.texts[: args.num_examples]
     pred = reloaded.predict(titles, k=5)
@@ -124,8 +111,8 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "zero_shot": zero_shot,
         "trained": trained,
-        "train_runtime": train_seconds,
-        "train_samples_per_second": train_result.metrics.get("train_samples_per_second"),
+        "train_runtime": metrics["train_runtime"],
+        "train_samples_per_second": metrics["train_samples_per_second"],
         "predict_queries_per_second": trained["test_samples_per_second"],
         "model_dir": os.path.abspath(args.output_dir),
         "args": vars(args),

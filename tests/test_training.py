@@ -71,7 +71,9 @@ def test_trainer_learns_the_planted_task(tiny_encoder_dir, tiny_task, tmp_path):
                                 learning_rate=5e-4, save_strategy="no", seed=0, disable_tqdm=True)
     trainer = XMCTrainer(model=model, args=args, train_dataset=data.train, label_texts=data.label_texts, evaluator=evaluator)
     trainer.train()
+    assert model.label_embeddings is None  # vectors from before training are stale and must not be saved
     after = trainer.evaluate()
+    assert model.label_embeddings is not None and model.label_index.num_labels == len(data.label_texts)
     assert after["eval_P@1"] > before["test_P@1"] + 20, (before, after)
     assert after["eval_PSP@5"] > before["test_PSP@5"] + 10
 

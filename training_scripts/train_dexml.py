@@ -21,7 +21,7 @@ from transformers import HfArgumentParser
 
 from hf_xmc.models import DEXMLModel
 from hf_xmc.training import XMCTrainingArguments
-from hf_xmc.training.script_utils import XMCDataArguments, load_data, setup_logging, train_and_evaluate
+from hf_xmc.training.script_utils import XMCDataArguments, build_evaluator, load_data, setup_logging, train_and_evaluate
 
 logger = logging.getLogger("train_dexml")
 
@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
         propensity_a=data_args.propensity_a,
         propensity_b=data_args.propensity_b,
     )
-    return train_and_evaluate(model, data, data_args, training_args)
+    return train_and_evaluate(model, data, build_evaluator(data, data_args), training_args)
 
 
 if __name__ == "__main__":

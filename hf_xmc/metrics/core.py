@@ -77,33 +77,9 @@ if TYPE_CHECKING:  # static analysers see the real definitions (and their type h
     )
 else:
     _impl = _load_impl()
-    PROPENSITY_CONSTANTS = _impl.PROPENSITY_CONSTANTS
-    propensity_constants = _impl.propensity_constants
-    inverse_propensity = _impl.inverse_propensity
-    label_lists_to_csr = _impl.label_lists_to_csr
-    pad_rankings = _impl.pad_rankings
-    precision_at_k = _impl.precision_at_k
-    ndcg_at_k = _impl.ndcg_at_k
-    recall_at_k = _impl.recall_at_k
-    psprecision_at_k = _impl.psprecision_at_k
-    psndcg_at_k = _impl.psndcg_at_k
-    xmc_metrics = _impl.xmc_metrics
-    precision_by_frequency_bucket = _impl.precision_by_frequency_bucket
+    globals().update({name: getattr(_impl, name) for name in _impl.__all__})
 
 #: Directory of the ``evaluate`` metric module (pass it to ``evaluate.load``).
 EVALUATE_MODULE_PATH: str = str(_IMPL_PATH.parent)
 
-__all__: list[str] = ["EVALUATE_MODULE_PATH"] + [
-    "PROPENSITY_CONSTANTS",
-    "propensity_constants",
-    "inverse_propensity",
-    "label_lists_to_csr",
-    "pad_rankings",
-    "precision_at_k",
-    "ndcg_at_k",
-    "recall_at_k",
-    "psprecision_at_k",
-    "psndcg_at_k",
-    "xmc_metrics",
-    "precision_by_frequency_bucket",
-]
+__all__: list[str] = ["EVALUATE_MODULE_PATH", *_load_impl().__all__]

@@ -186,8 +186,8 @@ class LabelIndex:
             "faiss_version": getattr(faiss, "__version__", None) if faiss is not None else None,
         }
         if self.kind != "torch":
-            _atomic_write(os.path.join(directory, INDEX_FILE), lambda p: faiss.write_index(self._index, p))
-        _atomic_write(os.path.join(directory, INDEX_META_FILE), lambda p: _write_json(p, meta))
+            atomic_write(os.path.join(directory, INDEX_FILE), lambda p: faiss.write_index(self._index, p))
+        atomic_write(os.path.join(directory, INDEX_META_FILE), lambda p: _write_json(p, meta))
 
     @classmethod
     def load(
@@ -197,7 +197,7 @@ class LabelIndex:
         index_path: Optional[str] = None,
         kind: Optional[str] = None,
         use_gpu: Optional[bool] = None,
-    ) -> "LabelIndex":
+    ) -> LabelIndex:
         """Restore an index for ``embeddings`` from saved files, rebuilding it when they are stale.
 
         ``meta_path`` / ``index_path`` are local paths to the files written by :meth:`save` (either may be
@@ -234,7 +234,7 @@ def _write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=2)
 
 
-def _atomic_write(path: str, write_fn) -> None:
+def atomic_write(path: str, write_fn) -> None:
     """Write through ``write_fn(tmp_path)`` into a temp file beside ``path`` and rename it into place."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)

@@ -18,9 +18,9 @@ and its siblings.
 
 import json
 import os
-import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from transformers.utils import ModelOutput, logging
 from transformers.utils.hub import cached_file
 
 from .configuration_xmc import XMCConfig
-from .label_index import INDEX_FILE, INDEX_META_FILE, LabelIndex
+from .label_index import INDEX_FILE, INDEX_META_FILE, LabelIndex, atomic_write
 
 logger = logging.get_logger(__name__)
 
@@ -85,19 +85,6 @@ def cls_pooling(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> to
 
 
 POOLERS = {"mean": mean_pooling, "cls": cls_pooling}
-
-
-def _atomic_save(path: str, write_fn) -> None:
-    """Write via ``write_fn(tmp_path)`` to a temp file beside ``path``, then rename it into place."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
-    os.close(fd)
-    try:
-        write_fn(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def _repair_tokenizer(tokenizer, encoder_config, name_or_path: str):
@@ -231,6 +218,10 @@ class XMCPreTrainedModel(PreTrainedModel):
             raise ValueError(f"got {len(texts)} label texts but {len(uids)} label uids")
         self.label_texts = [str(t) for t in texts]
         self.label_uids = [str(u) for u in uids] if uids is not None else [str(i) for i in range(len(texts))]
+        self.invalidate_label_index()
+
+    def invalidate_label_index(self) -> None:
+        """Forget label vectors and index (they no longer match the weights, e.g. after an optimiser step)."""
         self.label_embeddings = None
         self.label_index = None
 
@@ -294,10 +285,10 @@ class XMCPreTrainedModel(PreTrainedModel):
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(save_directory)
         if self.label_texts is not None:
-            _atomic_save(os.path.join(save_directory, LABELS_FILE), self._write_labels)
+            atomic_write(os.path.join(save_directory, LABELS_FILE), self._write_labels)
         if self.label_embeddings is not None:
             emb = self.label_embeddings.detach().float().cpu().contiguous()
-            _atomic_save(
+            atomic_write(
                 os.path.join(save_directory, LABEL_EMBEDDINGS_FILE),
                 lambda p: save_file({"label_embeddings": emb}, p, metadata={"format": "pt"}),
             )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import numpy as np
 import scipy.sparse as sp

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -15,6 +14,7 @@ import transformers
 from transformers import set_seed
 
 from ..data import XCData, load_xc_dataset, read_filter_file
+from ..models.label_index import atomic_write
 from .evaluation import XMCEvaluator
 from .trainer import XMCTrainer, XMCTrainingArguments
 
@@ -81,11 +81,10 @@ def build_evaluator(data: XCData, data_args: XMCDataArguments) -> XMCEvaluator:
     )
 
 
-def train_and_evaluate(model, data: XCData, data_args: XMCDataArguments, training_args: XMCTrainingArguments, **trainer_kwargs) -> dict:
-    """Train ``model``, save it (with labels, vectors and index) to ``output_dir``, evaluate on the test set
-    and write ``eval_results.json``; returns the metrics."""
+def train_and_evaluate(model, data: XCData, evaluator: XMCEvaluator, training_args: XMCTrainingArguments, **trainer_kwargs) -> dict:
+    """Train ``model``, evaluate it with ``evaluator``, save it (with labels, vectors and index) to ``output_dir``
+    and write ``eval_results.json`` there; returns the metrics (``train_*`` and ``<evaluator name>_*``)."""
     set_seed(training_args.seed)
-    evaluator = build_evaluator(data, data_args)
     trainer = XMCTrainer(
         model=model,
         args=training_args,
@@ -97,7 +96,7 @@ def train_and_evaluate(model, data: XCData, data_args: XMCDataArguments, trainin
     )
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     metrics = dict(train_result.metrics)
-    metrics.update(trainer.evaluate(metric_key_prefix="test"))
+    metrics.update(trainer.evaluate(metric_key_prefix=evaluator.name))
     metrics.pop("epoch", None)
     trainer.save_model(training_args.output_dir)  # after evaluate: the saved index matches the final weights
     if trainer.is_world_process_zero():
@@ -109,12 +108,9 @@ def train_and_evaluate(model, data: XCData, data_args: XMCDataArguments, trainin
 def write_json_atomic(path: str, obj) -> None:
     """Write JSON through a temp file in the same directory, then rename it into place."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+
+    atomic_write(path, write)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import scipy.sparse as sp
 import torch
@@ -96,6 +97,8 @@ class XMCTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The model's own pool loss (``forward`` with ``targets``)."""
+        # the weights are about to change: label vectors computed before would be stale in a checkpoint
+        self.model.invalidate_label_index()
         outputs = model(**inputs)
         if outputs.loss is None:
             raise ValueError("the model returned no loss: the batch must carry 'targets'")
