@@ -43,7 +43,7 @@ class DEXMLModelArguments:
 class DEXMLTrainingArguments(XMCTrainingArguments):
     """Training defaults for DEXML, tuned on Debtags and checked on Reuters-21578 (see README)."""
 
-    learning_rate: float = field(default=1e-4, metadata={"help": "Peak AdamW learning rate."})
+    learning_rate: float = field(default=3e-4, metadata={"help": "Peak AdamW learning rate."})
     num_train_epochs: float = field(default=3.0, metadata={"help": "Training epochs."})
     per_device_train_batch_size: int = field(default=64, metadata={"help": "Queries per batch and process."})
 
