@@ -58,3 +58,20 @@ class TestDEXMLModel(XMCModelTesterMixin):
         model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir)
         with pytest.raises(ValueError, match="no labels"):
             model.predict(["anything"], k=1)
+
+
+def test_vocab_less_tokenizer_is_rebuilt_from_vocab_txt(tmp_path, tiny_encoder_dir, tiny_task, caplog):
+    # transformers 5 ignores BertTokenizerFast(vocab_file=...): such a saved tokenizer maps every word to [UNK]
+    import shutil
+
+    from transformers import BertTokenizerFast
+
+    broken = tmp_path / "encoder"
+    shutil.copytree(tiny_encoder_dir, broken)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (broken / name).unlink()
+    BertTokenizerFast(vocab_file=str(broken / "vocab.txt")).save_pretrained(broken)
+    words = tiny_task[0].label_texts[0].split()
+    model = DEXMLModel.from_encoder_pretrained(str(broken))
+    assert "rebuilt it from vocab.txt" in caplog.text
+    assert model.tokenizer.tokenize(" ".join(words)) == words
