@@ -100,14 +100,15 @@ def run(args: argparse.Namespace) -> dict:
 
     print(f"[3/3] reloading {args.output_dir} with AutoModel.from_pretrained(..., trust_remote_code=True)")
     reloaded = AutoModel.from_pretrained(args.output_dir, trust_remote_code=True)
-    titles = data.test.texts[: args.num_examples]
-    pred = reloaded.predict(titles, k=5)
-    for row, (title, tags, scores, ids) in enumerate(zip(titles, pred.label_texts, pred.scores, pred.label_ids)):
-        truth = set(data.test.targets[row].indices.tolist())
-        print(f"\n  {title}")
-        for tag, score, i in zip(tags, scores, ids):
-            print(f"    {'*' if i in truth else ' '} {score:6.3f}  {tag}")
-    print("\n  (* = a true tag of the package)")
+    if args.num_examples > 0:
+        titles = data.test.texts[: args.num_examples]
+        pred = reloaded.predict(titles, k=5)
+        for row, (title, tags, scores, ids) in enumerate(zip(titles, pred.label_texts, pred.scores, pred.label_ids)):
+            truth = set(data.test.targets[row].indices.tolist())
+            print(f"\n  {title}")
+            for tag, score, i in zip(tags, scores, ids):
+                print(f"    {'*' if i in truth else ' '} {score:6.3f}  {tag}")
+        print("\n  (* = a true tag of the package)")
     result = {
         "zero_shot": zero_shot,
         "trained": trained,
