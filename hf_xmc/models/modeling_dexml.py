@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .configuration_dexml import DEXMLConfig
-from .modeling_xmc import XMCModelOutput, XMCPreTrainedModel
+from .modeling_xmc import XMCModelOutput, XMCPreTrainedModel, distributed_world_size, gather_label_pool
 from .xmc_losses import get_loss
 
 
@@ -50,6 +50,8 @@ class DEXMLModel(DEXMLPreTrainedModel):
         label_attention_mask: Optional[torch.Tensor] = None,
         targets: Optional[torch.Tensor] = None,
         positive_index: Optional[torch.Tensor] = None,
+        label_ids: Optional[torch.Tensor] = None,
+        query_positive_ids: Optional[torch.Tensor] = None,
         **kwargs,
     ) -> XMCModelOutput:
         r"""
@@ -59,6 +61,9 @@ class DEXMLModel(DEXMLPreTrainedModel):
             targets: boolean ``(batch, pool)``; True where a pool label is a positive of the query (all of
                 them, not just the sampled one, so that false negatives are masked).
             positive_index: ``(batch,)`` pool position of each query's sampled positive (InfoNCE only).
+            label_ids / query_positive_ids: pool label ids and each query's positives (``-1``-padded). When several
+                processes train together, the pools of all processes are gathered (with gradients) and the targets
+                rebuilt from these, so every query sees every process's labels as negatives.
 
         Returns:
             [`XMCModelOutput`] with ``loss`` (when ``targets`` is given), ``logits`` (batch x pool, divided by
@@ -68,6 +73,8 @@ class DEXMLModel(DEXMLPreTrainedModel):
         if label_input_ids is None:
             return XMCModelOutput(query_embeds=query_embeds)
         label_embeds = self.embed(label_input_ids, label_attention_mask)
+        if self.training and label_ids is not None and query_positive_ids is not None and distributed_world_size() > 1:
+            label_embeds, targets, positive_index = gather_label_pool(label_embeds, label_ids, query_positive_ids, positive_index)
         logits = query_embeds @ label_embeds.T / self.config.temperature
         loss = None
         if targets is not None:

@@ -87,6 +87,62 @@ def cls_pooling(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> to
 POOLERS = {"mean": mean_pooling, "cls": cls_pooling}
 
 
+def distributed_world_size() -> int:
+    """Number of processes in the default torch.distributed group (1 when not distributed)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
+def all_gather_rows(tensor: torch.Tensor, with_grad: bool = True) -> torch.Tensor:
+    """Concatenate ``tensor`` from every process along dim 0 (processes may hold different numbers of rows).
+
+    With ``with_grad`` it uses ``torch.distributed.nn.functional.all_gather``, whose backward sums the gradients
+    every process computed for a slice and hands them to the slice's owner (``accelerator.gather`` would cut the
+    graph). Tensors are zero-padded to the largest row count for the collective and the padding is cut out again.
+    """
+    world = distributed_world_size()
+    sizes = [torch.zeros(1, dtype=torch.long, device=tensor.device) for _ in range(world)]
+    torch.distributed.all_gather(sizes, torch.tensor([tensor.shape[0]], device=tensor.device))
+    sizes = [int(x.item()) for x in sizes]
+    pad = max(sizes) - tensor.shape[0]
+    padded = torch.cat([tensor, tensor.new_zeros((pad, *tensor.shape[1:]))]) if pad else tensor
+    if with_grad:
+        from torch.distributed.nn.functional import all_gather
+
+        parts = all_gather(padded)
+    else:
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        torch.distributed.all_gather(parts, padded.contiguous())
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+
+def gather_label_pool(
+    label_embeds: torch.Tensor, label_ids: torch.Tensor, query_positive_ids: torch.Tensor, positive_index: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Join the label pools of all processes so in-batch negatives span every process.
+
+    Returns the gathered (de-duplicated) label embeddings, the local queries' targets against that pool (rebuilt
+    from ``query_positive_ids``, so false negatives stay masked) and the pool position of each query's sampled
+    positive. Gradients reach the label embeddings of every process.
+    """
+    all_embeds = all_gather_rows(label_embeds, with_grad=True)
+    all_ids = all_gather_rows(label_ids, with_grad=False)
+    # keep the first occurrence of a label that several processes sampled
+    first = torch.ones_like(all_ids, dtype=torch.bool)
+    order = torch.argsort(all_ids, stable=True)
+    sorted_ids = all_ids[order]
+    first[order[1:]] = sorted_ids[1:] != sorted_ids[:-1]
+    keep = first.nonzero().squeeze(1)
+    embeds, ids = all_embeds[keep], all_ids[keep]
+    targets = (query_positive_ids.unsqueeze(1) == ids.view(1, -1, 1)).any(dim=2)
+    new_positive_index = None
+    if positive_index is not None:
+        sampled = label_ids[positive_index]
+        new_positive_index = (ids.unsqueeze(0) == sampled.unsqueeze(1)).float().argmax(dim=1)
+    return embeds, targets, new_positive_index
+
+
 def _repair_tokenizer(tokenizer, encoder_config, name_or_path: str):
     """Rebuild a WordPiece tokenizer from ``vocab.txt`` when its saved ``tokenizer.json`` lost the vocabulary.
 

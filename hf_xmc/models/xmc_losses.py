@@ -121,8 +121,201 @@ LOSSES = {
 }
 
 
-def get_loss(name: str) -> nn.Module:
-    """Instantiate a pool loss by name (``decoupled_softmax``, ``softmax``, ``infonce``, ``bce``)."""
+def get_loss(name: str, **kwargs) -> nn.Module:
+    """Instantiate a pool loss by name (see ``LOSSES``); ``kwargs`` go to its constructor (e.g. ``k`` for ``soft_topk``)."""
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}")
-    return LOSSES[name]()
+    return LOSSES[name](**kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# SoftTop-k (DEXML eq. 6, Gupta et al., ICLR 2024)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _soft_topk_threshold(x: torch.Tensor, k: torch.Tensor, alpha: float, n_iter: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per-row ``t`` with ``sum_i sigmoid(alpha * (x_i + t)) = k`` over the non-excluded entries, by bisection."""
+    with torch.no_grad():
+        if mask is None:
+            x_max, x_min = x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True)
+        else:
+            x_max = x.masked_fill(mask, float("-inf")).amax(dim=1, keepdim=True)
+            x_min = x.masked_fill(mask, float("inf")).amin(dim=1, keepdim=True)
+        lo = -x_max - 10.0 / alpha  # sum z < k here (every z <= sigmoid(-10))
+        hi = -x_min + 10.0 / alpha  # sum z > k here (every z >= sigmoid(10))
+        for _ in range(n_iter):
+            mid = (lo + hi) / 2
+            z = torch.sigmoid(alpha * (x + mid))
+            if mask is not None:
+                z = z.masked_fill(mask, 0.0)
+            below = z.sum(dim=1, keepdim=True) < k
+            lo = torch.where(below, mid, lo)
+            hi = torch.where(below, hi, mid)
+        return (lo + hi) / 2
+
+
+class _LogSoftTopK(torch.autograd.Function):
+    """``log SoftTop-k(x)`` with the implicit-differentiation backward of DEXML Sec. 3 (bisection not differentiated)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, k: torch.Tensor, alpha: float, n_iter: int, mask: Optional[torch.Tensor]):
+        work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # bisection needs more than 8 mantissa bits
+        t = _soft_topk_threshold(work.detach(), k.to(work.dtype), alpha, n_iter, mask)
+        a = alpha * (work.detach() + t)
+        log_z = a - torch.logaddexp(a, torch.zeros_like(a))  # = log sigmoid(a)
+        if mask is not None:
+            log_z = log_z.masked_fill(mask, float("-inf"))  # excluded entries: z = 0
+        ctx.save_for_backward(a, mask if mask is not None else torch.empty(0, dtype=torch.bool))
+        ctx.has_mask = mask is not None
+        ctx.alpha = alpha
+        return log_z.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_log_z: torch.Tensor):
+        a, mask = ctx.saved_tensors
+        alpha = ctx.alpha
+        g = grad_log_z.to(a.dtype)
+        z, one_minus_z = torch.sigmoid(a), torch.sigmoid(-a)  # 1 - z without cancellation
+        v = alpha * z * one_minus_z  # sigma'(x + t)
+        u = g * alpha * one_minus_z  # g * d log z / d a
+        if ctx.has_mask:
+            v = v.masked_fill(mask, 0.0)
+            u = u.masked_fill(mask, 0.0)
+        s = v.sum(dim=1, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
+        grad_x = u - u.sum(dim=1, keepdim=True) * v / s
+        if ctx.has_mask:
+            grad_x = grad_x.masked_fill(mask, 0.0)
+        return grad_x.to(grad_log_z.dtype), None, None, None, None
+
+
+def soft_topk_log(
+    x: torch.Tensor,
+    k,
+    alpha: float = 2.0,
+    n_iter: int = 32,
+    mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``log z`` with ``z = SoftTop-k(x)`` row-wise: ``z_i = sigmoid(alpha * (x_i + t))`` and ``sum_i z_i = k`` (DEXML eq. 6).
+
+    DEXML (Gupta et al., ICLR 2024), after T. Ahle's soft top-k. The per-row threshold ``t`` is found by
+    ``n_iter`` bisection halvings of ``[-max x - 10/alpha, -min x + 10/alpha]`` under ``no_grad``; the output is
+    ``log z = a - logaddexp(a, 0)`` with ``a = alpha * (x + t)``. The backward is implicit differentiation of
+    ``sum_j z_j = k`` (the bisection is not differentiated through): with ``g = dL/dlog z``,
+    ``v = alpha z (1 - z)``, ``S = sum v`` and ``u = g alpha (1 - z)``, ``dL/dx = u - (sum u) v / S``; i.e. the
+    Jacobian of ``z`` is ``diag(v) - v v^T / S``.
+
+    Args:
+        x: scores ``(batch, n)`` (a 1-D ``(n,)`` tensor is treated as one row).
+        k: the soft number of selected entries, an int or a ``(batch,)`` tensor; ``0 < k < #non-excluded``.
+        alpha: sigmoid slope (DEXML uses 2 on ``s / tau``).
+        n_iter: bisection halvings (DEXML config: 32).
+        mask: optional boolean ``(batch, n)``; True entries are excluded: they do not count towards ``sum z``,
+            their output is ``-inf`` (``z = 0``) and they get zero gradient.
+
+    Example:
+        >>> log_z = soft_topk_log(torch.randn(4, 10), k=3)  # log_z.exp().sum(1) ~= 3
+    """
+    squeeze = x.dim() == 1
+    if squeeze:
+        x = x.unsqueeze(0)
+        mask = mask.unsqueeze(0) if mask is not None else None
+    if x.dim() != 2:
+        raise ValueError(f"soft_topk_log expects x of shape (batch, n), got {tuple(x.shape)}")
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    if mask is not None:
+        mask = mask.to(device=x.device, dtype=torch.bool)
+        if mask.shape != x.shape:
+            raise ValueError(f"mask shape {tuple(mask.shape)} != x shape {tuple(x.shape)}")
+    k_t = torch.as_tensor(k, device=x.device).reshape(-1, 1)
+    if k_t.shape[0] not in (1, x.shape[0]):
+        raise ValueError(f"k must be a scalar or have one entry per row ({x.shape[0]}), got {k_t.shape[0]}")
+    k_t = k_t.expand(x.shape[0], 1)
+    n_valid = x.shape[1] - (mask.sum(dim=1, keepdim=True) if mask is not None else 0)
+    bad = (k_t <= 0) | (k_t >= n_valid)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        n_row = int(n_valid if isinstance(n_valid, int) else n_valid[row, 0])
+        raise ValueError(
+            f"SoftTop-k needs 0 < k < number of non-excluded entries; row {row} has k={float(k_t[row, 0]):g} "
+            f"and {n_row} entries (is the label pool larger than k?)"
+        )
+    log_z = _LogSoftTopK.apply(x, k_t, float(alpha), int(n_iter), mask)
+    return log_z.squeeze(0) if squeeze else log_z
+
+
+def sample_positive_subset(targets: torch.Tensor, k: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Per row, a uniformly random subset of ``min(k, |P_i|)`` of the True entries of ``targets`` (no replacement)."""
+    targets = targets.bool()
+    device = targets.device if generator is None else generator.device
+    keys = torch.rand(targets.shape, generator=generator, device=device).to(targets.device)
+    keys = keys.masked_fill(~targets, 2.0)  # non-positives sort last
+    order = keys.argsort(dim=1)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(targets.shape[1], device=targets.device).expand_as(order))
+    return targets & (rank < k)
+
+
+def soft_topk_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    k: int = 5,
+    alpha: float = 2.0,
+    n_iter: int = 32,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """SoftTop-k loss (DEXML eq. 6, code variant): ``l_i = -(1/|P'_i|) sum_{j in P'_i} log SoftTop-k(s_i)_j``.
+
+    DEXML (Gupta et al., ICLR 2024). ``P'_i`` is a uniformly random subset of ``min(k, |P_i|)`` of the query's
+    pool positives (without replacement); its other positives are excluded from the operator (the reference
+    code's ``-100``), because ``sum_j z_ij = k`` lets at most ``k`` positives approach ``z = 1``. The batch loss is
+    the mean over queries with at least one positive. A query whose pool has no entry besides its kept positives
+    (nothing to rank against) contributes 0 (the ``t -> inf`` limit) instead of failing.
+    """
+    targets = targets.bool()
+    k = int(k)
+    if k <= 0:
+        raise ValueError(f"k must be > 0, got {k}")
+    if logits.shape[1] <= k:
+        raise ValueError(f"SoftTop-k needs a label pool larger than k, got pool {logits.shape[1]} and k={k}")
+    keep = sample_positive_subset(targets, k, generator)
+    excluded = targets & ~keep
+    num_keep = keep.sum(dim=1)
+    has_pos = num_keep > 0
+    if not bool(has_pos.any()):
+        return logits.sum() * 0.0  # keeps the graph alive for an all-empty batch
+    n_valid = logits.shape[1] - excluded.sum(dim=1)
+    rows = has_pos & (n_valid > k)
+    total = logits.sum() * 0.0
+    if bool(rows.any()):
+        log_z = soft_topk_log(logits[rows], k, alpha=alpha, n_iter=n_iter, mask=excluded[rows])
+        kept = keep[rows]
+        per_query = -torch.where(kept, log_z, torch.zeros_like(log_z)).sum(dim=1) / num_keep[rows]
+        total = total + per_query.sum()
+    return total / has_pos.sum()
+
+
+class SoftTopKLoss(nn.Module):
+    """SoftTop-k loss of DEXML (Gupta et al., ICLR 2024): ``-mean_{j in P'_i} log SoftTop-k(s_i)_j``.
+
+    ``SoftTop-k(x)_j = sigmoid(alpha * (x_j + t))`` with ``t`` such that the pool's ``z`` sum to ``k``, so the
+    loss is near 0 only when the (at most ``k`` subsampled) positives are all in the soft top-k. DEXML uses
+    ``k = 5`` ("SoftTop-5"), ``alpha = 2``, 32 bisection steps.
+
+    Example:
+        >>> loss = SoftTopKLoss(k=2)(torch.randn(4, 10), torch.rand(4, 10) > 0.7)
+    """
+
+    citation = DecoupledSoftmaxLoss.citation
+
+    def __init__(self, k: int = 5, alpha: float = 2.0, n_iter: int = 32):
+        super().__init__()
+        self.k, self.alpha, self.n_iter = int(k), float(alpha), int(n_iter)
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor, positive_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return soft_topk_loss(logits, targets, k=self.k, alpha=self.alpha, n_iter=self.n_iter)
+
+    def extra_repr(self) -> str:
+        return f"k={self.k}, alpha={self.alpha}, n_iter={self.n_iter}"
+
+
+LOSSES["soft_topk"] = SoftTopKLoss

@@ -37,10 +37,16 @@ class XMCTrainDataset(Dataset):
 class XMCDataCollator:
     """Builds a training batch: tokenised queries, a label pool and the ``(batch, pool)`` target mask.
 
-    For every query one positive (``num_positives`` in general) is sampled from its labels; the pool is the
-    union of the sampled positives of the batch (in-batch negatives). ``targets[b, p]`` is True whenever pool
-    label ``p`` is *any* positive of query ``b``, so losses can mask false negatives. ``positive_index[b]`` is
-    the pool position of query ``b``'s (first) sampled positive.
+    For every query ``num_positives`` positives are sampled from its labels (uniformly, or proportionally to the
+    labels' inverse propensity so tail labels are seen more often); with a hard-negative ``shortlist`` set,
+    ``num_negatives`` labels are also drawn from each query's shortlist. The pool is the union of everything
+    sampled for the batch. ``targets[b, p]`` is True whenever pool label ``p`` is *any* positive of query ``b``, so
+    losses mask false negatives; ``positive_index[b]`` is the pool position of query ``b``'s first sampled
+    positive.
+
+    Besides the model inputs the batch carries ``indices`` (training rows, for memory banks), ``label_ids`` (pool
+    label ids) and ``query_positive_ids`` (each query's positives, ``-1``-padded) so that targets can be rebuilt
+    against a pool gathered from several processes.
 
     Args:
         tokenizer: the model's tokenizer.
@@ -49,7 +55,9 @@ class XMCDataCollator:
         label_texts: texts of all labels, in label-id order.
         max_seq_length / label_max_seq_length: token budgets.
         num_positives: positives sampled per query per step.
-        seed: seed of the positive-sampling generator.
+        positive_weights: optional per-label sampling weights (e.g. inverse propensities); uniform when None.
+        num_negatives: hard negatives drawn per query from ``shortlist`` (ignored while no shortlist is set).
+        seed: seed of the sampling generator.
     """
 
     tokenizer: Any
@@ -59,27 +67,57 @@ class XMCDataCollator:
     max_seq_length: int = 32
     label_max_seq_length: int = 32
     num_positives: int = 1
+    positive_weights: Optional[np.ndarray] = None
+    num_negatives: int = 0
     seed: int = 0
+    shortlist: Optional[np.ndarray] = field(default=None, repr=False)
     rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self):
         self.targets = sp.csr_matrix(self.targets)
         if self.targets.shape[1] != len(self.label_texts):
             raise ValueError(f"targets have {self.targets.shape[1]} label columns but {len(self.label_texts)} label texts were given")
+        if self.positive_weights is not None:
+            self.positive_weights = np.asarray(self.positive_weights, dtype=np.float64)
+            if self.positive_weights.shape != (len(self.label_texts),) or (self.positive_weights <= 0).any():
+                raise ValueError(f"positive_weights must be {len(self.label_texts)} positive numbers, one per label")
         self.rng = np.random.default_rng(self.seed)
 
+    def set_shortlist(self, shortlist: Optional[np.ndarray]) -> None:
+        """Install the hard-negative shortlist: ``(num_points, K)`` label ids per training row, ``-1``-padded."""
+        if shortlist is not None and shortlist.shape[0] != self.targets.shape[0]:
+            raise ValueError(f"shortlist has {shortlist.shape[0]} rows for {self.targets.shape[0]} training points")
+        self.shortlist = shortlist
+
+    def _labels_of(self, r: int) -> np.ndarray:
+        return self.targets.indices[self.targets.indptr[r] : self.targets.indptr[r + 1]]
+
     def sample_positives(self, rows: np.ndarray) -> list[np.ndarray]:
-        """Uniformly sample up to ``num_positives`` distinct positives for each query row."""
+        """Sample up to ``num_positives`` distinct positives per query (uniform or by ``positive_weights``)."""
         out = []
         for r in rows:
-            labels = self.targets.indices[self.targets.indptr[r] : self.targets.indptr[r + 1]]
-            if len(labels) == 0:
-                out.append(labels)
-            elif len(labels) <= self.num_positives:
+            labels = self._labels_of(r)
+            if len(labels) <= self.num_positives:
                 out.append(self.rng.permutation(labels))
-            else:
-                out.append(self.rng.choice(labels, self.num_positives, replace=False))
+                continue
+            p = None
+            if self.positive_weights is not None:
+                w = self.positive_weights[labels]
+                p = w / w.sum()
+            out.append(self.rng.choice(labels, self.num_positives, replace=False, p=p))
         return out
+
+    def sample_negatives(self, rows: np.ndarray) -> Optional[np.ndarray]:
+        """Draw ``num_negatives`` labels per query uniformly from its shortlist (None without a shortlist)."""
+        if self.shortlist is None or self.num_negatives <= 0:
+            return None
+        out = []
+        for r in rows:
+            candidates = self.shortlist[r]
+            candidates = candidates[candidates >= 0]
+            if len(candidates):
+                out.append(self.rng.choice(candidates, min(self.num_negatives, len(candidates)), replace=False))
+        return np.concatenate(out) if out else None
 
     def build_pool(self, rows: np.ndarray, sampled: list[np.ndarray], extra_labels: Optional[np.ndarray] = None) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         """Pool = unique sampled positives (+ ``extra_labels``); returns pool ids, targets and positive_index."""
@@ -90,10 +128,18 @@ class XMCDataCollator:
         positive_index = torch.from_numpy(np.searchsorted(pool, np.maximum(first, 0)).astype(np.int64))
         return pool, targets, positive_index
 
+    def query_positive_ids(self, rows: np.ndarray) -> torch.Tensor:
+        """Each query's positive label ids, right-padded with ``-1``: ``(batch, max positives)``."""
+        lists = [self._labels_of(r) for r in rows]
+        out = torch.full((len(rows), max(1, max(len(x) for x in lists))), -1, dtype=torch.long)
+        for i, x in enumerate(lists):
+            out[i, : len(x)] = torch.from_numpy(x.astype(np.int64))
+        return out
+
     def __call__(self, features: list[dict[str, int]]) -> dict[str, torch.Tensor]:
         rows = np.array([f["index"] for f in features], dtype=np.int64)
         sampled = self.sample_positives(rows)
-        pool, targets, positive_index = self.build_pool(rows, sampled)
+        pool, targets, positive_index = self.build_pool(rows, sampled, self.sample_negatives(rows))
         q = self.tokenizer([self.texts[r] for r in rows], padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt")
         lab = self.tokenizer([self.label_texts[i] for i in pool], padding=True, truncation=True, max_length=self.label_max_seq_length, return_tensors="pt")
         return {
@@ -103,4 +149,7 @@ class XMCDataCollator:
             "label_attention_mask": lab["attention_mask"],
             "targets": targets,
             "positive_index": positive_index,
+            "indices": torch.from_numpy(rows),
+            "label_ids": torch.from_numpy(pool.astype(np.int64)),
+            "query_positive_ids": self.query_positive_ids(rows),
         }
