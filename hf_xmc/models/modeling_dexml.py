@@ -73,13 +73,27 @@ class DEXMLModel(DEXMLPreTrainedModel):
         if label_input_ids is None:
             return XMCModelOutput(query_embeds=query_embeds)
         label_embeds = self.embed(label_input_ids, label_attention_mask)
+        loss, logits = self.pool_loss(query_embeds, label_embeds, targets, positive_index, label_ids, query_positive_ids)
+        return XMCModelOutput(loss=loss, logits=logits, query_embeds=query_embeds, label_embeds=label_embeds)
+
+    def pool_loss(
+        self,
+        query_embeds: torch.Tensor,
+        label_embeds: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        positive_index: Optional[torch.Tensor] = None,
+        label_ids: Optional[torch.Tensor] = None,
+        query_positive_ids: Optional[torch.Tensor] = None,
+    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """Loss and logits of query embeddings against a label pool (the part of ``forward`` after the encoder).
+
+        Kept separate so that a gradient cache can embed in chunks and call it once on the whole batch.
+        """
         if self.training and label_ids is not None and query_positive_ids is not None and distributed_world_size() > 1:
             label_embeds, targets, positive_index = gather_label_pool(label_embeds, label_ids, query_positive_ids, positive_index)
         logits = query_embeds @ label_embeds.T / self.config.temperature
-        loss = None
-        if targets is not None:
-            loss = self.loss_fn(logits, targets.bool(), positive_index)
-        return XMCModelOutput(loss=loss, logits=logits, query_embeds=query_embeds, label_embeds=label_embeds)
+        loss = self.loss_fn(logits, targets.bool(), positive_index) if targets is not None else None
+        return loss, logits
 
 
 __all__ = ["DEXMLModel", "DEXMLPreTrainedModel"]

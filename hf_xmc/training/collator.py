@@ -57,7 +57,8 @@ class XMCDataCollator:
         num_positives: positives sampled per query per step.
         positive_weights: optional per-label sampling weights (e.g. inverse propensities); uniform when None.
         num_negatives: hard negatives drawn per query from ``shortlist`` (ignored while no shortlist is set).
-        seed: seed of the sampling generator.
+        seed: base seed of the sampling. Each batch draws from a generator seeded by ``(seed, epoch, its rows)``, so
+            a batch's samples do not depend on what came before it (a resumed run draws exactly the same).
     """
 
     tokenizer: Any
@@ -71,7 +72,7 @@ class XMCDataCollator:
     num_negatives: int = 0
     seed: int = 0
     shortlist: Optional[np.ndarray] = field(default=None, repr=False)
-    rng: np.random.Generator = field(init=False, repr=False)
+    epoch: int = 0
 
     def __post_init__(self):
         self.targets = sp.csr_matrix(self.targets)
@@ -81,7 +82,14 @@ class XMCDataCollator:
             self.positive_weights = np.asarray(self.positive_weights, dtype=np.float64)
             if self.positive_weights.shape != (len(self.label_texts),) or (self.positive_weights <= 0).any():
                 raise ValueError(f"positive_weights must be {len(self.label_texts)} positive numbers, one per label")
-        self.rng = np.random.default_rng(self.seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch number mixed into the per-batch sampling seed."""
+        self.epoch = int(epoch)
+
+    def batch_rng(self, rows: np.ndarray) -> np.random.Generator:
+        """Generator for one batch, determined by ``(seed, epoch, rows)`` only."""
+        return np.random.default_rng([self.seed, self.epoch, *rows.tolist()])
 
     def set_shortlist(self, shortlist: Optional[np.ndarray]) -> None:
         """Install the hard-negative shortlist: ``(num_points, K)`` label ids per training row, ``-1``-padded."""
@@ -92,22 +100,22 @@ class XMCDataCollator:
     def _labels_of(self, r: int) -> np.ndarray:
         return self.targets.indices[self.targets.indptr[r] : self.targets.indptr[r + 1]]
 
-    def sample_positives(self, rows: np.ndarray) -> list[np.ndarray]:
+    def sample_positives(self, rows: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
         """Sample up to ``num_positives`` distinct positives per query (uniform or by ``positive_weights``)."""
         out = []
         for r in rows:
             labels = self._labels_of(r)
             if len(labels) <= self.num_positives:
-                out.append(self.rng.permutation(labels))
+                out.append(rng.permutation(labels))
                 continue
             p = None
             if self.positive_weights is not None:
                 w = self.positive_weights[labels]
                 p = w / w.sum()
-            out.append(self.rng.choice(labels, self.num_positives, replace=False, p=p))
+            out.append(rng.choice(labels, self.num_positives, replace=False, p=p))
         return out
 
-    def sample_negatives(self, rows: np.ndarray) -> Optional[np.ndarray]:
+    def sample_negatives(self, rows: np.ndarray, rng: np.random.Generator) -> Optional[np.ndarray]:
         """Draw ``num_negatives`` labels per query uniformly from its shortlist (None without a shortlist)."""
         if self.shortlist is None or self.num_negatives <= 0:
             return None
@@ -116,7 +124,7 @@ class XMCDataCollator:
             candidates = self.shortlist[r]
             candidates = candidates[candidates >= 0]
             if len(candidates):
-                out.append(self.rng.choice(candidates, min(self.num_negatives, len(candidates)), replace=False))
+                out.append(rng.choice(candidates, min(self.num_negatives, len(candidates)), replace=False))
         return np.concatenate(out) if out else None
 
     def build_pool(self, rows: np.ndarray, sampled: list[np.ndarray], extra_labels: Optional[np.ndarray] = None) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
@@ -138,8 +146,9 @@ class XMCDataCollator:
 
     def __call__(self, features: list[dict[str, int]]) -> dict[str, torch.Tensor]:
         rows = np.array([f["index"] for f in features], dtype=np.int64)
-        sampled = self.sample_positives(rows)
-        pool, targets, positive_index = self.build_pool(rows, sampled, self.sample_negatives(rows))
+        rng = self.batch_rng(rows)
+        sampled = self.sample_positives(rows, rng)
+        pool, targets, positive_index = self.build_pool(rows, sampled, self.sample_negatives(rows, rng))
         q = self.tokenizer([self.texts[r] for r in rows], padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt")
         lab = self.tokenizer([self.label_texts[i] for i in pool], padding=True, truncation=True, max_length=self.label_max_seq_length, return_tensors="pt")
         return {

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
 import scipy.sparse as sp
 import torch
-from transformers import Trainer, TrainingArguments
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 
 from ..data import XMCDataset
+from ..metrics import inverse_propensity
 from .collator import XMCDataCollator, XMCTrainDataset
 from .evaluation import XMCEvaluator
+from .gradcache import cached_loss
+from .negatives import mine_hard_negatives
+from .samplers import ClusterBatchSampler, EmbeddingMemoryBank
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,9 +42,27 @@ class XMCTrainingArguments(TrainingArguments):
     save_total_limit: Optional[int] = field(default=2, metadata={"help": "Checkpoints kept."})
     logging_steps: float = field(default=50, metadata={"help": "Log every N steps."})
 
+    # --- how batches and label pools are built (hf_xmc) ---
+    positive_sampling: str = field(default="uniform", metadata={"help": "Positive sampling: 'uniform' or 'propensity' (by inverse propensity, favours tail labels)."})
+    num_positives: int = field(default=1, metadata={"help": "Positives sampled per query per step."})
+    cluster_batching: bool = field(default=False, metadata={"help": "NGAME cluster batching: batches of similar queries (re-clustered during training)."})
+    cluster_init_size: int = field(default=4, metadata={"help": "Cluster size of the first clustering (doubles at each curriculum epoch)."})
+    cluster_curriculum_epochs: list[int] = field(default_factory=lambda: [10, 25, 50, 75, 100, 125, 150, 200], metadata={"help": "Epochs at which the cluster size doubles; clustering starts at the first."})
+    cluster_refresh_interval: int = field(default=5, metadata={"help": "Re-cluster every N epochs."})
+    hard_negatives: int = field(default=0, metadata={"help": "Hard negatives per query drawn from a mined shortlist (0 = in-batch only)."})
+    hard_negative_top_k: int = field(default=100, metadata={"help": "Shortlist size per query (known positives removed)."})
+    hard_negative_start_epoch: int = field(default=5, metadata={"help": "First epoch that uses the shortlist (in-batch negatives before)."})
+    hard_negative_refresh_interval: int = field(default=5, metadata={"help": "Re-mine the shortlist every N epochs."})
+    gradient_cache_chunk_size: int = field(default=0, metadata={"help": "GradCache: encode queries and labels in chunks of N rows (0 = off)."})
+
     def __post_init__(self):
         if not _accelerator_present():
             self.use_cpu = True
+        if self.positive_sampling not in ("uniform", "propensity"):
+            raise ValueError(f"positive_sampling must be 'uniform' or 'propensity', got {self.positive_sampling!r}")
+        for name in ("num_positives", "cluster_init_size", "cluster_refresh_interval", "hard_negative_top_k", "hard_negative_refresh_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         super().__post_init__()
 
 
@@ -75,7 +102,11 @@ class XMCTrainer(Trainer):
             raise ValueError("XMCTrainer needs TrainingArguments(remove_unused_columns=False): the collator reads raw columns")
         if label_texts is not None:
             model.set_labels(label_texts, label_uids)
+        xmc_args = args if isinstance(args, XMCTrainingArguments) else None
         if data_collator is None and train_dataset is not None:
+            weights = None
+            if xmc_args is not None and xmc_args.positive_sampling == "propensity":
+                weights = inverse_propensity(train_dataset.targets, model.config.propensity_a, model.config.propensity_b)
             data_collator = XMCDataCollator(
                 tokenizer=model._require_tokenizer(),
                 texts=train_dataset.texts,
@@ -83,6 +114,9 @@ class XMCTrainer(Trainer):
                 label_texts=model._require_labels(),
                 max_seq_length=model.config.max_seq_length,
                 label_max_seq_length=model.config.label_max_seq_length,
+                num_positives=xmc_args.num_positives if xmc_args is not None else 1,
+                positive_weights=weights,
+                num_negatives=xmc_args.hard_negatives if xmc_args is not None else 0,
                 seed=args.seed if args is not None else 0,
             )
         super().__init__(
@@ -94,15 +128,102 @@ class XMCTrainer(Trainer):
             **kwargs,
         )
         self.evaluator = evaluator
+        self.xmc_train_data = train_dataset
+        self.cluster_sampler: Optional[ClusterBatchSampler] = None
+        self.memory_bank: Optional[EmbeddingMemoryBank] = None
+        if xmc_args is not None and train_dataset is not None:
+            if xmc_args.cluster_batching:
+                self.cluster_sampler = ClusterBatchSampler(
+                    num_samples=len(train_dataset),
+                    batch_size=xmc_args.per_device_train_batch_size,
+                    init_cluster_size=xmc_args.cluster_init_size,
+                    curriculum_epochs=tuple(xmc_args.cluster_curriculum_epochs),
+                    refresh_interval=xmc_args.cluster_refresh_interval,
+                    seed=xmc_args.seed,
+                    drop_last=xmc_args.dataloader_drop_last,
+                    num_replicas=xmc_args.world_size,
+                    rank=xmc_args.process_index,
+                )
+            self.add_callback(XMCEpochCallback(self))
 
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        """``Trainer.train``; when resuming, the sampler, memory bank and shortlist of the checkpoint come back too."""
+        path = resume_from_checkpoint
+        if path is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            path = get_last_checkpoint(self.args.output_dir)
+        if isinstance(path, str):
+            state_file = os.path.join(path, XMCEpochCallback.STATE_FILE)
+            callback = next((c for c in self.callback_handler.callbacks if isinstance(c, XMCEpochCallback)), None)
+            if callback is not None and os.path.exists(state_file):
+                callback.load_state_dict(torch.load(state_file, weights_only=False))
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    # ------------------------------------------------------------------ data
+    def get_train_dataloader(self) -> DataLoader:
+        """The stock loader, or one driven by the rank-aware cluster batch sampler (not re-sharded by Accelerate)."""
+        if self.cluster_sampler is None:
+            return super().get_train_dataloader()
+        return DataLoader(
+            self.train_dataset,
+            batch_sampler=self.cluster_sampler,
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+
+    # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The model's own pool loss (``forward`` with ``targets``)."""
+        """The model's pool loss; with ``gradient_cache_chunk_size`` the encoder runs in chunks (GradCache)."""
         # the weights are about to change: label vectors computed before would be stale in a checkpoint
         self.model.invalidate_label_index()
-        outputs = model(**inputs)
-        if outputs.loss is None:
-            raise ValueError("the model returned no loss: the batch must carry 'targets'")
-        return (outputs.loss, outputs) if return_outputs else outputs.loss
+        indices = inputs.pop("indices", None)
+        chunk = getattr(self.args, "gradient_cache_chunk_size", 0)
+        if chunk and model.training and torch.is_grad_enabled():
+            loss, query_embeds = self._cached_pool_loss(model, inputs, chunk)
+            outputs = None
+        else:
+            outputs = model(**inputs)
+            if outputs.loss is None:
+                raise ValueError("the model returned no loss: the batch must carry 'targets'")
+            loss, query_embeds = outputs.loss, outputs.query_embeds
+        if self.cluster_sampler is not None and indices is not None:
+            self._update_memory_bank(indices, query_embeds.detach())
+        return (loss, outputs) if return_outputs else loss
+
+    def _cached_pool_loss(self, model, inputs: dict, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """GradCache: embed queries and labels in chunks without graph, loss on the whole batch, replay on backward.
+
+        ``model`` (possibly DDP-wrapped) embeds a chunk through its ``forward`` (so DDP sees every replay); the
+        loss on the embeddings comes from the unwrapped model's ``pool_loss``.
+        """
+        unwrapped = self.model
+        if not hasattr(unwrapped, "pool_loss"):
+            raise ValueError(f"{type(unwrapped).__name__} has no pool_loss(query_embeds, label_embeds, ...): gradient caching needs it")
+        groups = [
+            {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]},
+            {"input_ids": inputs["label_input_ids"], "attention_mask": inputs["label_attention_mask"]},
+        ]
+        extra = {k: inputs.get(k) for k in ("targets", "positive_index", "label_ids", "query_positive_ids")}
+
+        def embed(chunk: dict) -> torch.Tensor:
+            return model(**chunk).query_embeds
+
+        def loss_fn(query_embeds: torch.Tensor, label_embeds: torch.Tensor) -> torch.Tensor:
+            return unwrapped.pool_loss(query_embeds, label_embeds, **extra)[0]
+
+        out = cached_loss(embed, groups, loss_fn, chunk_size, ddp_module=model if hasattr(model, "no_sync") else None, return_embeddings=True)
+        return out.loss, out.embeddings[0]
+
+    def _update_memory_bank(self, indices: torch.Tensor, query_embeds: torch.Tensor) -> None:
+        """Store this step's query embeddings (from every process) for the next re-clustering."""
+        if self.args.world_size > 1:
+            indices = self.accelerator.gather(indices.to(self.args.device))
+            query_embeds = self.accelerator.gather(query_embeds.contiguous())
+        if self.memory_bank is None:
+            self.memory_bank = EmbeddingMemoryBank(len(self.xmc_train_data), query_embeds.shape[1])
+        self.memory_bank.update(indices.cpu(), query_embeds.float().cpu())
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Run the :class:`XMCEvaluator` with the current weights; logs and returns ``<prefix>_<metric>`` values."""
@@ -117,3 +238,73 @@ class XMCTrainer(Trainer):
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+
+class XMCEpochCallback(TrainerCallback):
+    """Start-of-epoch work of :class:`XMCTrainer` (collator epoch, NGAME re-clustering, hard-negative refresh), and
+    the checkpointing of what that work produced, so a resumed run continues with the same batches."""
+
+    STATE_FILE = "xmc_training_state.pt"
+
+    def __init__(self, trainer: XMCTrainer):
+        self.trainer = trainer
+        self.mined_epoch: Optional[int] = None  # the shortlist's epoch (a resumed epoch does not re-mine)
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        epoch = int(state.epoch or 0)
+        collator = trainer.data_collator
+        if hasattr(collator, "set_epoch"):
+            collator.set_epoch(epoch)
+        sampler = trainer.cluster_sampler
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+            if sampler.needs_refresh(epoch):  # False when a resumed epoch was already clustered
+                sampler.update_clusters(self._query_embeddings())
+                logger.info("epoch %d: clustered %d queries into clusters of %d", epoch, sampler.num_samples, sampler.cluster_size(epoch))
+        k = getattr(args, "hard_negatives", 0)
+        start = getattr(args, "hard_negative_start_epoch", 0)
+        due = k and epoch >= start and (epoch - start) % args.hard_negative_refresh_interval == 0
+        if due and self.mined_epoch != epoch and hasattr(collator, "set_shortlist"):
+            data = trainer.xmc_train_data
+            collator.set_shortlist(mine_hard_negatives(trainer.model, data.texts, data.targets, top_k=args.hard_negative_top_k, show_progress_bar=not args.disable_tqdm))
+            trainer.model.invalidate_label_index()
+            self.mined_epoch = epoch
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", self.STATE_FILE)
+            if os.path.isdir(os.path.dirname(path)):
+                torch.save(self.state_dict(), path)
+        return control
+
+    def state_dict(self) -> dict:
+        """Sampler (assignment and the epoch it was made for), memory bank, shortlist and its epoch."""
+        trainer = self.trainer
+        return {
+            "mined_epoch": self.mined_epoch,
+            "sampler": trainer.cluster_sampler.state_dict() if trainer.cluster_sampler is not None else None,
+            "memory_bank": trainer.memory_bank.state_dict() if trainer.memory_bank is not None else None,
+            "shortlist": getattr(trainer.data_collator, "shortlist", None),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        trainer = self.trainer
+        self.mined_epoch = state["mined_epoch"]
+        if state["sampler"] is not None and trainer.cluster_sampler is not None:
+            trainer.cluster_sampler.load_state_dict(state["sampler"])
+        if state["memory_bank"] is not None:
+            bank = state["memory_bank"]
+            trainer.memory_bank = EmbeddingMemoryBank(len(trainer.xmc_train_data), bank["embeddings"].shape[1])
+            trainer.memory_bank.load_state_dict(bank)
+        if state["shortlist"] is not None and hasattr(trainer.data_collator, "set_shortlist"):
+            trainer.data_collator.set_shortlist(state["shortlist"])
+
+    def _query_embeddings(self) -> torch.Tensor:
+        """The memory bank when every query has an embedding in it, else a fresh encoding pass."""
+        bank = self.trainer.memory_bank
+        if bank is not None and bool(bank.filled.all()):
+            return bank.embeddings
+        return self.trainer.model.encode_queries(self.trainer.xmc_train_data.texts, show_progress_bar=not self.trainer.args.disable_tqdm)
