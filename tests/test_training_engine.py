@@ -1,0 +1,138 @@
+"""Training engine inside XMCTrainer: gradient caching, cluster batching, hard negatives, propensity sampling, resume."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from hf_xmc.models import DEXMLModel
+from hf_xmc.training import XMCEvaluator, XMCTrainer, XMCTrainingArguments
+
+
+def make_trainer(encoder_dir, data, out_dir, seed=0, dropout=True, **kwargs):
+    torch.manual_seed(seed)
+    model = DEXMLModel.from_encoder_pretrained(encoder_dir, max_seq_length=16, label_max_seq_length=16)
+    if not dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    args = dict(output_dir=str(out_dir), num_train_epochs=1, per_device_train_batch_size=32, learning_rate=5e-4,
+                save_strategy="no", seed=seed, disable_tqdm=True)
+    args.update(kwargs)
+    evaluator = XMCEvaluator(data.test, data.label_texts, train_targets=data.train.targets, recall_ks=(10,))
+    return XMCTrainer(model=model, args=XMCTrainingArguments(**args), train_dataset=data.train, label_texts=data.label_texts,
+                      evaluator=evaluator)
+
+
+def test_gradient_cache_trains_like_the_plain_loss(tiny_encoder_dir, tiny_task, tmp_path):
+    # 4 optimiser steps with gradient accumulation 2. Dropout off here: chunked encoding draws dropout masks in
+    # another order than one full-batch pass (tests/test_gradcache.py checks the replay of masks chunk by chunk)
+    data = tiny_task[0]
+    plain = make_trainer(tiny_encoder_dir, data, tmp_path / "a", dropout=False, max_steps=4, gradient_accumulation_steps=2)
+    plain.train()
+    cached = make_trainer(tiny_encoder_dir, data, tmp_path / "b", dropout=False, max_steps=4, gradient_accumulation_steps=2, gradient_cache_chunk_size=5)
+    cached.train()
+    moved = 0
+    for (name, a), (_, b) in zip(plain.model.named_parameters(), cached.model.named_parameters()):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=name)
+        moved += 1
+    assert moved and plain.state.log_history[-1]["train_loss"] == pytest.approx(cached.state.log_history[-1]["train_loss"], rel=1e-4)
+
+
+def test_cluster_batching_groups_similar_queries(tiny_encoder_dir, tiny_task, tmp_path):
+    data = tiny_task[0]
+    trainer = make_trainer(tiny_encoder_dir, data, tmp_path, num_train_epochs=4, cluster_batching=True, cluster_init_size=4,
+                           cluster_curriculum_epochs=[3], cluster_refresh_interval=1)
+    trainer.train()
+    sampler = trainer.cluster_sampler
+    # epochs 0-2 filled the memory bank with every training query; epoch 3 clustered it into clusters of 8
+    assert trainer.memory_bank.num_filled == len(data.train)
+    assign = sampler.state_dict()["assignment"]
+    assert assign is not None and np.bincount(assign).max() - np.bincount(assign).min() <= 1
+    # pairs of queries in one cluster share a label far more often than random pairs
+    Y = ((data.train.targets > 0).astype(np.float32)).tocsr()
+
+    def shared_label_rate(groups):
+        pairs = shared = 0
+        for rows in groups:
+            S = (Y[rows] @ Y[rows].T).toarray() > 0
+            shared += S.sum() - len(rows)
+            pairs += len(rows) * (len(rows) - 1)
+        return shared / pairs
+
+    clusters = [np.flatnonzero(assign == c) for c in range(assign.max() + 1)]
+    rng = np.random.default_rng(0)
+    random_groups = [rng.choice(len(data.train), len(c), replace=False) for c in clusters]
+    assert shared_label_rate(clusters) > 2 * shared_label_rate(random_groups)
+
+
+def test_hard_negatives_enter_the_pool(tiny_encoder_dir, tiny_task, tmp_path):
+    data = tiny_task[0]
+    trainer = make_trainer(tiny_encoder_dir, data, tmp_path, hard_negatives=3, hard_negative_start_epoch=0, hard_negative_top_k=10)
+    trainer.train()
+    collator = trainer.data_collator
+    shortlist = collator.shortlist
+    assert shortlist.shape == (len(data.train), 10)
+    for r in range(0, len(data.train), 37):  # known positives are never in the shortlist
+        assert not set(shortlist[r].tolist()) & set(data.train.targets[r].indices.tolist())
+    rows = list(range(16))
+    with_neg = collator([{"index": r} for r in rows])
+    collator.set_shortlist(None)
+    without = collator([{"index": r} for r in rows])
+    assert len(with_neg["label_ids"]) > len(without["label_ids"])
+    assert set(without["label_ids"].tolist()) <= set(with_neg["label_ids"].tolist())
+
+
+def test_propensity_sampling_prefers_tail_labels(tiny_encoder_dir, tiny_task, tmp_path):
+    from hf_xmc.training import XMCDataCollator
+
+    data = tiny_task[0]
+    tok = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir).tokenizer
+    freq = np.asarray(data.train.targets.sum(0)).ravel()
+    weights = 1.0 / (freq + 1.0) ** 2  # strongly favours rare labels
+    uniform = XMCDataCollator(tok, data.train.texts, data.train.targets, data.label_texts, seed=0)
+    tail = XMCDataCollator(tok, data.train.texts, data.train.targets, data.label_texts, seed=0, positive_weights=weights)
+    multi = [r for r in range(len(data.train)) if data.train.targets[r].nnz > 1]
+    rng_rows = np.array(multi)
+    picked_uniform = np.concatenate(uniform.sample_positives(rng_rows, np.random.default_rng(1)))
+    picked_tail = np.concatenate(tail.sample_positives(rng_rows, np.random.default_rng(1)))
+    assert freq[picked_tail].mean() < freq[picked_uniform].mean()
+    with pytest.raises(ValueError, match="positive numbers"):
+        XMCDataCollator(tok, data.train.texts, data.train.targets, data.label_texts, positive_weights=np.zeros(len(data.label_texts)))
+
+
+class StopAt(TrainerCallback):
+    """Simulates a killed run: stop right after the checkpoint of ``step``."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
+def test_resume_mid_epoch_matches_uninterrupted_run(tiny_encoder_dir, tiny_task, tmp_path):
+    data = tiny_task[0]
+    engine = dict(num_train_epochs=3, cluster_batching=True, cluster_init_size=8, cluster_curriculum_epochs=[1],
+                  cluster_refresh_interval=1, hard_negatives=2, hard_negative_start_epoch=1, hard_negative_top_k=10,
+                  save_strategy="steps", save_steps=1000)
+    full = make_trainer(tiny_encoder_dir, data, tmp_path / "full", **engine)
+    full.train()
+    expected = full.evaluate()
+
+    killed = make_trainer(tiny_encoder_dir, data, tmp_path / "resumed", **engine)
+    killed.add_callback(StopAt(20))  # 15 steps per epoch: mid-epoch 1, after clustering and mining
+    killed.train()
+    assert killed.state.global_step == 20
+    resumed = make_trainer(tiny_encoder_dir, data, tmp_path / "resumed", **engine)
+    torch.manual_seed(123)  # the global RNG must come back from the checkpoint, not from this process's history
+    np.random.seed(123)
+    resumed.train(resume_from_checkpoint=True)
+    got = resumed.evaluate()
+    for key in ("eval_P@1", "eval_P@5", "eval_PSP@5", "eval_R@10"):
+        assert got[key] == pytest.approx(expected[key], abs=1e-6), key
+    for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
