@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .configuration_xmc import XMCConfig
 
-DEXML_LOSSES = ("decoupled_softmax", "softmax", "infonce", "bce")
+DEXML_LOSSES = ("decoupled_softmax", "softmax", "infonce", "bce", "soft_topk")
 
 
 class DEXMLConfig(XMCConfig):
@@ -18,8 +18,14 @@ class DEXMLConfig(XMCConfig):
             Logits are `score / temperature`. The paper pairs 0.05 with normalised embeddings (EURLex-4K,
             LF-AmazonTitles-131K) and 1.0 with raw dot products (LF-Wikipedia-500K, LF-AmazonTitles-1.3M).
         loss (`str`, *optional*, defaults to `"decoupled_softmax"`):
-            `"decoupled_softmax"` (paper eq. 5), `"softmax"` (eq. 3), `"infonce"` (eq. 4, one sampled positive)
-            or `"bce"` (eq. 2).
+            `"decoupled_softmax"` (paper eq. 5), `"softmax"` (eq. 3), `"infonce"` (eq. 4, one sampled positive),
+            `"bce"` (eq. 2) or `"soft_topk"` (eq. 6).
+        topk_k (`int`, *optional*, defaults to 5):
+            k of the SoftTop-k loss ("SoftTop-5" in the paper's main tables).
+        topk_alpha (`float`, *optional*, defaults to 2.0):
+            Sigmoid slope of SoftTop-k (paper Table 7: 2 on every dataset).
+        topk_n_iter (`int`, *optional*, defaults to 32):
+            Bisection steps for the SoftTop-k threshold (reference code default).
         kwargs: the shared fields of [`XMCConfig`] (encoder sub-config, pooling, normalize, index, ...).
     """
 
@@ -27,10 +33,15 @@ class DEXMLConfig(XMCConfig):
 
     temperature: float = 0.05
     loss: str = "decoupled_softmax"
+    topk_k: int = 5
+    topk_alpha: float = 2.0
+    topk_n_iter: int = 32
 
     def validate_xmc(self) -> None:
         super().validate_xmc()
         if self.loss not in DEXML_LOSSES:
             raise ValueError(f"loss must be one of {DEXML_LOSSES}, got {self.loss!r}")
+        if self.topk_k < 1 or self.topk_alpha <= 0 or self.topk_n_iter < 1:
+            raise ValueError(f"SoftTop-k needs topk_k >= 1, topk_alpha > 0, topk_n_iter >= 1; got {self.topk_k}, {self.topk_alpha}, {self.topk_n_iter}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")

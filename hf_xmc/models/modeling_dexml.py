@@ -39,7 +39,8 @@ class DEXMLModel(DEXMLPreTrainedModel):
 
     def __init__(self, config: DEXMLConfig):
         super().__init__(config)
-        self.loss_fn = get_loss(config.loss)
+        loss_kwargs = {"k": config.topk_k, "alpha": config.topk_alpha, "n_iter": config.topk_n_iter} if config.loss == "soft_topk" else {}
+        self.loss_fn = get_loss(config.loss, **loss_kwargs)
         self.post_init()
 
     def forward(

@@ -57,6 +57,7 @@ class XMCDataCollator:
         num_positives: positives sampled per query per step.
         positive_weights: optional per-label sampling weights (e.g. inverse propensities); uniform when None.
         num_negatives: hard negatives drawn per query from ``shortlist`` (ignored while no shortlist is set).
+        all_labels: put every label in every pool (DEXML's "all negatives" mode; pair it with gradient caching).
         seed: base seed of the sampling. Each batch draws from a generator seeded by ``(seed, epoch, its rows)``, so
             a batch's samples do not depend on what came before it (a resumed run draws exactly the same).
     """
@@ -70,6 +71,7 @@ class XMCDataCollator:
     num_positives: int = 1
     positive_weights: Optional[np.ndarray] = None
     num_negatives: int = 0
+    all_labels: bool = False
     seed: int = 0
     shortlist: Optional[np.ndarray] = field(default=None, repr=False)
     epoch: int = 0
@@ -148,7 +150,8 @@ class XMCDataCollator:
         rows = np.array([f["index"] for f in features], dtype=np.int64)
         rng = self.batch_rng(rows)
         sampled = self.sample_positives(rows, rng)
-        pool, targets, positive_index = self.build_pool(rows, sampled, self.sample_negatives(rows, rng))
+        extra = np.arange(len(self.label_texts)) if self.all_labels else self.sample_negatives(rows, rng)
+        pool, targets, positive_index = self.build_pool(rows, sampled, extra)
         q = self.tokenizer([self.texts[r] for r in rows], padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt")
         lab = self.tokenizer([self.label_texts[i] for i in pool], padding=True, truncation=True, max_length=self.label_max_seq_length, return_tensors="pt")
         return {

@@ -54,10 +54,13 @@ class XMCTrainingArguments(TrainingArguments):
     hard_negative_start_epoch: int = field(default=5, metadata={"help": "First epoch that uses the shortlist (in-batch negatives before)."})
     hard_negative_refresh_interval: int = field(default=5, metadata={"help": "Re-mine the shortlist every N epochs."})
     gradient_cache_chunk_size: int = field(default=0, metadata={"help": "GradCache: encode queries and labels in chunks of N rows (0 = off)."})
+    label_pool: str = field(default="in_batch", metadata={"help": "'in_batch' (sampled positives [+ hard negatives]) or 'all' (every label re-encoded each step: DEXML brute force)."})
 
     def __post_init__(self):
         if not _accelerator_present():
             self.use_cpu = True
+        if self.label_pool not in ("in_batch", "all"):
+            raise ValueError(f"label_pool must be 'in_batch' or 'all', got {self.label_pool!r}")
         if self.positive_sampling not in ("uniform", "propensity"):
             raise ValueError(f"positive_sampling must be 'uniform' or 'propensity', got {self.positive_sampling!r}")
         for name in ("num_positives", "cluster_init_size", "cluster_refresh_interval", "hard_negative_top_k", "hard_negative_refresh_interval"):
@@ -117,6 +120,7 @@ class XMCTrainer(Trainer):
                 num_positives=xmc_args.num_positives if xmc_args is not None else 1,
                 positive_weights=weights,
                 num_negatives=xmc_args.hard_negatives if xmc_args is not None else 0,
+                all_labels=xmc_args is not None and xmc_args.label_pool == "all",
                 seed=args.seed if args is not None else 0,
             )
         super().__init__(
