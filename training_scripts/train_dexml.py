@@ -9,7 +9,9 @@
 
 Writes OUT/ (a model directory loadable with AutoModel.from_pretrained(OUT, trust_remote_code=True), label index
 included) and OUT/eval_results.json (test_P@k, test_nDCG@k, test_PSP@k, test_R@10/100, train_runtime,
-test_samples_per_second). Every TrainingArguments flag works (--learning_rate, --num_train_epochs, --seed, ...).
+test_samples_per_second). Every TrainingArguments flag works (--learning_rate, --num_train_epochs, --seed, ...), and
+so do the training-engine flags of XMCTrainingArguments: --cluster_batching, --hard_negatives, --positive_sampling,
+--gradient_cache_chunk_size, --label_pool all (DEXML's brute-force all-label mode), --resume_from_checkpoint.
 """
 
 import logging
@@ -34,7 +36,9 @@ class DEXMLModelArguments:
     pooling: str = field(default="mean", metadata={"help": "'mean' or 'cls' pooling."})
     normalize: bool = field(default=True, metadata={"help": "L2-normalise embeddings (cosine scores)."})
     temperature: float = field(default=0.05, metadata={"help": "Logit temperature (0.05 with normalisation, paper Table 7)."})
-    loss: str = field(default="decoupled_softmax", metadata={"help": "decoupled_softmax | softmax | infonce | bce."})
+    loss: str = field(default="decoupled_softmax", metadata={"help": "decoupled_softmax | softmax | infonce | bce | soft_topk."})
+    topk_k: int = field(default=5, metadata={"help": "k of the SoftTop-k loss."})
+    topk_alpha: float = field(default=2.0, metadata={"help": "Sigmoid slope of SoftTop-k."})
     embedding_dropout: float = field(default=0.0, metadata={"help": "Dropout on pooled embeddings during training."})
     index_kind: str = field(default="exact", metadata={"help": "Label index saved with the model: exact | hnsw | torch."})
 
@@ -62,6 +66,8 @@ def main(argv=None) -> dict:
         normalize=model_args.normalize,
         temperature=model_args.temperature,
         loss=model_args.loss,
+        topk_k=model_args.topk_k,
+        topk_alpha=model_args.topk_alpha,
         embedding_dropout=model_args.embedding_dropout,
         index_kind=model_args.index_kind,
         max_seq_length=data_args.max_seq_length,
