@@ -205,7 +205,7 @@ def soft_topk_log(
     Jacobian of ``z`` is ``diag(v) - v v^T / S``.
 
     Args:
-        x: scores ``(batch, n)`` (a 1-D ``(n,)`` tensor is treated as one row).
+        x: finite scores ``(batch, n)`` (a 1-D ``(n,)`` tensor is one row); exclude entries with ``mask``, not ``-inf``.
         k: the soft number of selected entries, an int or a ``(batch,)`` tensor; ``0 < k < #non-excluded``.
         alpha: sigmoid slope (DEXML uses 2 on ``s / tau``).
         n_iter: bisection halvings (DEXML config: 32).
