@@ -20,7 +20,9 @@ Algorithm (:func:`balanced_2means_tree`):
    so the tree stays balanced at every level.
 3. All clusters of a level are processed together: members are laid out in a zero-padded ``(clusters, max_size,
    d)`` tensor so that similarities and centroid sums are batched matrix products, the ranking is a batched sort
-   along the member axis, and converged clusters are dropped from the working set. When clusters are small
+   along the member axis, and converged clusters are dropped from the working set. The halves' member sums
+   are updated incrementally from the points that changed side (one dense pass only when many moved). The
+   padded tensor lives in one buffer reused by every level. When clusters are small
    (``max_size <= gram_threshold``) the iterations run on the per-cluster Gram matrices instead (a centroid is a
    member-weight vector), which costs ``O(size^2)`` instead of ``O(size * d)`` per cluster and iteration.
 
@@ -41,6 +43,7 @@ __all__ = ["balanced_2means_tree", "clusters_from_assignment", "num_tree_levels"
 ArrayLike = Union[np.ndarray, torch.Tensor]
 
 _EPS = 1e-12
+_SMALL = 1 << 22  # inputs with at most this many elements are clustered on one thread (tiny ops do not scale)
 
 
 def num_tree_levels(num_samples: int, num_clusters: int) -> int:
@@ -72,6 +75,8 @@ def _normalised_rows(embeddings: ArrayLike) -> torch.Tensor:
     chunk = 1 << 16
     for s in range(0, n, chunk):
         block = x[s : s + chunk].to(device="cpu", dtype=torch.float32)
+        if not bool(torch.isfinite(block).all()):
+            raise ValueError("embeddings contain NaN or inf")
         norms = block.norm(dim=1, keepdim=True).clamp_min(_EPS)
         torch.div(block, norms, out=out[s : s + block.shape[0]])
     return out
@@ -150,7 +155,7 @@ def _split_level(
             state = (w / norms2.clamp_min(_EPS).sqrt()).transpose(1, 2)
             continue
         moved = None if sums is None else (a_mask != prev_mask).nonzero()
-        if moved is None or 4 * moved.shape[0] > a_mask.numel():
+        if moved is None or 4 * moved.shape[0] > a_mask.numel():  # many moves: one dense pass
             w = torch.stack([a_mask, v & ~a_mask], dim=1).to(torch.float32)
             sums = torch.bmm(w, data)  # dense pass over the working set
         elif moved.shape[0]:
@@ -189,6 +194,19 @@ def balanced_2means_tree(
     levels = num_tree_levels(n, int(num_clusters))
     if levels == 0:
         return np.zeros(n, dtype=np.int64)
+    threads = torch.get_num_threads()
+    if n * int(embeddings.shape[1]) <= _SMALL and threads > 1:
+        torch.set_num_threads(1)  # thread start-up dominates many tiny ops, badly so on a busy machine
+    try:
+        return _tree(embeddings, levels, seed, max_iter, tol, gram_threshold)
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def _tree(embeddings: ArrayLike, levels: int, seed: int, max_iter: int, tol: float, gram_threshold: int) -> np.ndarray:
+    """Body of :func:`balanced_2means_tree` for ``levels >= 1``."""
+    n = int(embeddings.shape[0])
     xe = _normalised_rows(embeddings)
     gen = torch.Generator().manual_seed(int(seed))
 

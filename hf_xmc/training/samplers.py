@@ -47,7 +47,7 @@ class EmbeddingMemoryBank:
         dtype: storage dtype, ``torch.float32`` (default) or ``torch.float16`` / ``"float16"`` to halve memory.
     """
 
-    def __init__(self, num_samples: int, dim: int, dtype: Union[torch.dtype, str] = torch.float32):
+    def __init__(self, num_samples: int, dim: int, dtype: Union[torch.dtype, str] = torch.float32) -> None:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -131,7 +131,7 @@ class ClusterBatchSampler(Sampler[list[int]]):
         num_replicas: int = 1,
         rank: int = 0,
         memory_bank: Optional[EmbeddingMemoryBank] = None,
-    ):
+    ) -> None:
         if num_samples <= 0 or batch_size <= 0 or init_cluster_size <= 0 or refresh_interval <= 0:
             raise ValueError("num_samples, batch_size, init_cluster_size and refresh_interval must be positive")
         if num_replicas <= 0 or not 0 <= rank < num_replicas:
