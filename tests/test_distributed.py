@@ -1,7 +1,9 @@
-"""Two CPU processes (gloo, accelerate's debug launcher): the label pools of both processes are gathered with
+"""Two CPU processes (gloo, launched with torch.distributed.run): the label pools of both processes are gathered with
 gradients, and loss and gradients equal a one-process run on the same global batch."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,46 +13,32 @@ from hf_xmc.models import DEXMLModel
 from hf_xmc.training import XMCDataCollator
 
 
-def _model(encoder_dir):
+def tiny_model(encoder_dir):
+    """The tiny DEXML model of both runs, dropout off (both runs must see the same network)."""
     torch.manual_seed(0)
     model = DEXMLModel.from_encoder_pretrained(encoder_dir, max_seq_length=16, label_max_seq_length=16)
-    for module in model.modules():  # dropout off: both runs must see the same network
+    for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     return model.train()
 
 
-def _rank_step(encoder_dir, batches_path, out_dir):
-    from accelerate import PartialState
-
-    state = PartialState(cpu=True)
-    batch = torch.load(batches_path)[state.process_index]
-    model = _model(encoder_dir)
-    out = model(**batch)
-    out.loss.backward()
-    losses = [torch.zeros(()) for _ in range(state.num_processes)]
-    torch.distributed.all_gather(losses, out.loss.detach())
-    grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            torch.distributed.all_reduce(p.grad)  # what DDP does (then divides by the world size)
-            grads[name] = p.grad / state.num_processes
-    if state.is_main_process:
-        torch.save({"losses": torch.stack(losses), "grads": grads, "pool": out.logits.shape[1]}, os.path.join(out_dir, "rank0.pt"))
-    state.wait_for_everyone()
-
-
 @pytest.mark.slow
 def test_two_processes_match_one_process(tiny_encoder_dir, tiny_task, tmp_path):
-    from accelerate import debug_launcher
-
     data = tiny_task[0]
-    collator = XMCDataCollator(_model(tiny_encoder_dir).tokenizer, data.train.texts, data.train.targets, data.label_texts, 16, 16, seed=5)
+    collator = XMCDataCollator(tiny_model(tiny_encoder_dir).tokenizer, data.train.texts, data.train.targets, data.label_texts, 16, 16, seed=5)
     rows = list(range(16))
     halves = [collator([{"index": r} for r in rows[:8]]), collator([{"index": r} for r in rows[8:]])]
     torch.save(halves, tmp_path / "batches.pt")
 
-    debug_launcher(_rank_step, args=(tiny_encoder_dir, str(tmp_path / "batches.pt"), str(tmp_path)), num_processes=2)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_step.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(worker)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", "29537", worker, tiny_encoder_dir, str(tmp_path / "batches.pt"), str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
     dist = torch.load(tmp_path / "rank0.pt")
 
     # one process, the same 16 queries against the union of both processes' pools
@@ -59,7 +47,7 @@ def test_two_processes_match_one_process(tiny_encoder_dir, tiny_task, tmp_path):
     q = tok([data.train.texts[r] for r in rows], padding=True, truncation=True, max_length=16, return_tensors="pt")
     lab = tok([data.label_texts[i] for i in pool], padding=True, truncation=True, max_length=16, return_tensors="pt")
     targets = torch.from_numpy(data.train.targets[rows][:, pool].toarray() > 0)
-    model = _model(tiny_encoder_dir)
+    model = tiny_model(tiny_encoder_dir)
     ref = model(q["input_ids"], q["attention_mask"], lab["input_ids"], lab["attention_mask"], targets=targets)
     ref.loss.backward()
 
