@@ -39,6 +39,17 @@ def test_collator_pool_targets_and_false_negative_mask(tiny_encoder_dir, tiny_ta
     assert batch["input_ids"].shape[0] == len(rows) and batch["input_ids"].shape[1] <= 16
 
 
+def test_collator_all_labels_pool(tiny_encoder_dir, tiny_task):
+    from transformers import AutoTokenizer
+
+    data = tiny_task[0]
+    tok = AutoTokenizer.from_pretrained(tiny_encoder_dir)
+    collator = XMCDataCollator(tok, data.train.texts, data.train.targets, data.label_texts, 16, 16, all_labels=True)
+    batch = collator([{"index": r} for r in range(8)])
+    assert batch["label_ids"].tolist() == list(range(len(data.label_texts)))
+    np.testing.assert_array_equal(batch["targets"].numpy(), data.train.targets[:8].toarray() > 0)
+
+
 def test_collator_rejects_mismatched_label_space(tiny_task):
     data = tiny_task[0]
     with pytest.raises(ValueError, match="label columns"):
@@ -135,9 +146,14 @@ def test_train_script_under_accelerate_two_processes(tiny_task, tiny_encoder_dir
     out = tmp_path / "out"
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29531"]
-    proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(out), epochs="1"), launcher=launcher)
+    engine = ["--cluster_batching", "true", "--cluster_init_size", "8", "--cluster_curriculum_epochs", "1",
+              "--cluster_refresh_interval", "1", "--hard_negatives", "2", "--hard_negative_start_epoch", "1",
+              "--hard_negative_top_k", "10", "--gradient_cache_chunk_size", "8"]
+    proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(out), epochs="2") + engine, launcher=launcher)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert "Total train batch size (w. parallel, distributed & accumulation) = 64" in log  # 2 processes x 32
+    assert "clustered 480 queries into clusters of 16" in log and "mined a shortlist of 10 hard negatives" in log
     results = json.load(open(out / "eval_results.json"))
     assert all(0 <= results[k] <= 100 for k in CONTRACT_KEYS)
+    assert results["test_P@1"] > 20
