@@ -62,7 +62,7 @@ def main() -> None:
             results = json.load(open(os.path.join(out, "eval_results.json")))
             rows.append({"mode": mode, "description": desc, "args": extra, "wall_seconds": time.perf_counter() - start, **results})
             print(f"{mode}: " + " ".join(f"{k[5:]}={results[k]:.2f}" for k in SHOWN), flush=True)
-    table = "| DEXML on Debtags, {} epochs | ".format(args.epochs) + " | ".join(k[5:] for k in SHOWN) + " | wall s |\n"
+    table = f"| DEXML on Debtags, {args.epochs} epochs | " + " | ".join(k[5:] for k in SHOWN) + " | wall s |\n"
     table += "|---|" + "---:|" * (len(SHOWN) + 1) + "\n"
     for r in rows:
         table += f"| {r['description']} | " + " | ".join(f"{r[k]:.2f}" for k in SHOWN) + f" | {r['wall_seconds']:.0f} |\n"

@@ -1,7 +1,26 @@
-"""Training machinery shared by every method: trainer, arguments, collator and evaluator."""
+"""Training machinery shared by every method: trainer, arguments, collator, evaluator, samplers, hard-negative
+mining and gradient caching."""
 
+from .clustering import balanced_2means_tree
 from .collator import XMCDataCollator, XMCTrainDataset
 from .evaluation import XMCEvaluator
-from .trainer import XMCTrainer, XMCTrainingArguments
+from .gradcache import CachedLossOutput, RandContext, cached_loss
+from .negatives import mine_hard_negatives
+from .samplers import ClusterBatchSampler, EmbeddingMemoryBank
+from .trainer import XMCEpochCallback, XMCTrainer, XMCTrainingArguments
 
-__all__ = ["XMCDataCollator", "XMCEvaluator", "XMCTrainDataset", "XMCTrainer", "XMCTrainingArguments"]
+__all__ = [
+    "CachedLossOutput",
+    "ClusterBatchSampler",
+    "EmbeddingMemoryBank",
+    "RandContext",
+    "XMCDataCollator",
+    "XMCEpochCallback",
+    "XMCEvaluator",
+    "XMCTrainDataset",
+    "XMCTrainer",
+    "XMCTrainingArguments",
+    "balanced_2means_tree",
+    "cached_loss",
+    "mine_hard_negatives",
+]
