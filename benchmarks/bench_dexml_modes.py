@@ -9,17 +9,15 @@ Writes benchmarks/results/dexml_modes.json and, with --update_readme, the table 
 """
 
 import argparse
-import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.sweep_defaults import run_training_script  # noqa: E402
 from hf_xmc.data import DEBTAGS_DIR  # noqa: E402
 from hf_xmc.quickstart import minilm_path  # noqa: E402
 from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
@@ -43,24 +41,13 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--update_readme", action="store_true")
     args = ap.parse_args()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO)
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for mode in args.modes:
             desc, extra = MODES[mode]
-            out = os.path.join(work, mode)
-            cmd = [sys.executable, os.path.join(REPO, "training_scripts", "train_dexml.py"),
-                   "--train_file", f"{DEBTAGS_DIR}/trn.json.gz", "--test_file", f"{DEBTAGS_DIR}/tst.json.gz",
-                   "--label_file", f"{DEBTAGS_DIR}/lbl.json.gz", "--model_name_or_path", minilm_path(), "--output_dir", out,
-                   "--num_train_epochs", args.epochs, "--per_device_train_batch_size", "64", "--max_seq_length", "32",
-                   "--seed", "42", "--save_strategy", "no", "--disable_tqdm", "true"] + extra
-            start = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-            if proc.returncode:
-                print(proc.stderr[-3000:], file=sys.stderr)
-                raise SystemExit(f"{mode} failed")
-            results = json.load(open(os.path.join(out, "eval_results.json")))
-            rows.append({"mode": mode, "description": desc, "args": extra, "wall_seconds": time.perf_counter() - start, **results})
+            common = ["--num_train_epochs", args.epochs, "--per_device_train_batch_size", "64", "--max_seq_length", "32", "--seed", "42"]
+            results, seconds = run_training_script("dexml", str(DEBTAGS_DIR), minilm_path(), os.path.join(work, mode), common + extra)
+            rows.append({"mode": mode, "description": desc, "args": extra, "wall_seconds": seconds, **results})
             print(f"{mode}: " + " ".join(f"{k[5:]}={results[k]:.2f}" for k in SHOWN), flush=True)
     table = f"| DEXML on Debtags, {args.epochs} epochs | " + " | ".join(k[5:] for k in SHOWN) + " | wall s |\n"
     table += "|---|" + "---:|" * (len(SHOWN) + 1) + "\n"

@@ -29,6 +29,21 @@ from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
 SHOWN = ["test_P@1", "test_P@5", "test_nDCG@5", "test_PSP@1", "test_PSP@5", "test_R@10"]
 
 
+def run_training_script(method: str, data_dir: str, encoder: str, output_dir: str, extra: list[str]) -> tuple[dict, float]:
+    """Run ``train_<method>.py`` through the training script contract; returns ``eval_results.json`` and wall seconds."""
+    cmd = [sys.executable, os.path.join(REPO, "training_scripts", f"train_{method}.py"),
+           "--train_file", f"{data_dir}/trn.json.gz", "--test_file", f"{data_dir}/tst.json.gz",
+           "--label_file", f"{data_dir}/lbl.json.gz", "--model_name_or_path", encoder, "--output_dir", output_dir,
+           "--save_strategy", "no", "--disable_tqdm", "true"] + extra
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO), cwd=REPO)
+    if proc.returncode:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"run failed: {' '.join(cmd)}")
+    with open(os.path.join(output_dir, "eval_results.json")) as f:
+        return json.load(f), time.perf_counter() - start
+
+
 def minilm() -> str:
     from hf_xmc.quickstart import minilm_path
 
@@ -62,24 +77,14 @@ def main() -> None:
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more script arguments for every run")
     ap.add_argument("--results", default=None)
     args = ap.parse_args()
-    script = os.path.join(REPO, "training_scripts", f"train_{args.method}.py")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO)
     runs = []
     with tempfile.TemporaryDirectory() as work:
         for name in args.datasets:
             data, encoder, extra = prepare(name, work)
             for value in args.values:
                 out = os.path.join(work, f"{name}-{value}")
-                cmd = [sys.executable, script, "--train_file", f"{data}/trn.json.gz", "--test_file", f"{data}/tst.json.gz",
-                       "--label_file", f"{data}/lbl.json.gz", "--model_name_or_path", encoder, "--output_dir", out,
-                       "--save_strategy", "no", "--disable_tqdm", "true", f"--{args.param}", value] + extra + args.extra
-                start = time.perf_counter()
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-                if proc.returncode:
-                    print(proc.stderr[-3000:], file=sys.stderr)
-                    raise SystemExit(f"run failed: {' '.join(cmd)}")
-                results = json.load(open(os.path.join(out, "eval_results.json")))
-                runs.append({"dataset": name, args.param: value, "wall_seconds": time.perf_counter() - start, **results})
+                results, seconds = run_training_script(args.method, data, encoder, out, [f"--{args.param}", value] + extra + args.extra)
+                runs.append({"dataset": name, args.param: value, "wall_seconds": seconds, **results})
                 print(f"{name:8s} {args.param}={value:8s} " + " ".join(f"{k[5:]}={results[k]:.2f}" for k in SHOWN), flush=True)
     print(f"\n| dataset | {args.param} | " + " | ".join(k[5:] for k in SHOWN) + " | wall s |")
     print("|---|---|" + "---:|" * (len(SHOWN) + 1))
