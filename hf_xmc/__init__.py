@@ -6,7 +6,9 @@ from .models import (  # noqa: E402  (registers the Auto classes on import)
     DEXMLConfig,
     DEXMLModel,
     LabelIndex,
+    PRIMEConfig,
+    PRIMEModel,
     XMCPrediction,
 )
 
-__all__ = ["DEXMLConfig", "DEXMLModel", "LabelIndex", "XMCPrediction", "__version__"]
+__all__ = ["DEXMLConfig", "DEXMLModel", "LabelIndex", "PRIMEConfig", "PRIMEModel", "XMCPrediction", "__version__"]

@@ -98,9 +98,9 @@ def test_trainer_refuses_remove_unused_columns(tiny_encoder_dir, tiny_task, tmp_
                    label_texts=tiny_task[0].label_texts)
 
 
-def run_script(args, launcher=None, timeout=600):
+def run_script(args, launcher=None, timeout=600, script="train_dexml.py"):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = (launcher or [sys.executable]) + [os.path.join(ROOT, "training_scripts", "train_dexml.py")] + args
+    cmd = (launcher or [sys.executable]) + [os.path.join(ROOT, "training_scripts", script)] + args
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout, stdin=subprocess.DEVNULL)
 
 

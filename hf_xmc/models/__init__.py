@@ -8,23 +8,29 @@ Importing this package registers every model with the transformers Auto classes,
 from transformers import AutoConfig, AutoModel
 
 from .configuration_dexml import DEXMLConfig
+from .configuration_prime import PRIMEConfig
 from .configuration_xmc import XMCConfig
 from .label_index import LabelIndex, faiss_available, faiss_gpu_available
 from .modeling_dexml import DEXMLModel, DEXMLPreTrainedModel
+from .modeling_prime import LabelPrototypeNetwork, PRIMEModel, PRIMEPreTrainedModel
 from .modeling_xmc import XMCModelOutput, XMCPrediction, XMCPreTrainedModel
 from .xmc_losses import (
     BCELoss,
     DecoupledSoftmaxLoss,
     InfoNCELoss,
+    PRIMELoss,
     SoftmaxLoss,
     bce_loss,
     decoupled_softmax_loss,
+    dynamic_margin_triplet,
+    dynamic_margin_triplet_loss,
     get_loss,
     infonce_loss,
+    prototype_regularizer,
     softmax_loss,
 )
 
-MODEL_CLASSES = {"dexml": (DEXMLConfig, DEXMLModel)}
+MODEL_CLASSES = {"dexml": (DEXMLConfig, DEXMLModel), "prime": (PRIMEConfig, PRIMEModel)}
 
 for _config_cls, _model_cls in MODEL_CLASSES.values():
     AutoConfig.register(_config_cls.model_type, _config_cls, exist_ok=True)
@@ -40,7 +46,12 @@ __all__ = [
     "DecoupledSoftmaxLoss",
     "InfoNCELoss",
     "LabelIndex",
+    "LabelPrototypeNetwork",
     "MODEL_CLASSES",
+    "PRIMEConfig",
+    "PRIMELoss",
+    "PRIMEModel",
+    "PRIMEPreTrainedModel",
     "SoftmaxLoss",
     "XMCConfig",
     "XMCModelOutput",
@@ -48,9 +59,12 @@ __all__ = [
     "XMCPrediction",
     "bce_loss",
     "decoupled_softmax_loss",
+    "dynamic_margin_triplet",
+    "dynamic_margin_triplet_loss",
     "faiss_available",
     "faiss_gpu_available",
     "get_loss",
     "infonce_loss",
+    "prototype_regularizer",
     "softmax_loss",
 ]

@@ -91,7 +91,7 @@ class DEXMLModel(DEXMLPreTrainedModel):
         Kept separate so that a gradient cache can embed in chunks and call it once on the whole batch.
         """
         if self.training and label_ids is not None and query_positive_ids is not None and distributed_world_size() > 1:
-            label_embeds, targets, positive_index = gather_label_pool(label_embeds, label_ids, query_positive_ids, positive_index)
+            label_embeds, targets, positive_index, _ = gather_label_pool(label_embeds, label_ids, query_positive_ids, positive_index)
         logits = query_embeds @ label_embeds.T / self.config.temperature
         loss = self.loss_fn(logits, targets.bool(), positive_index) if targets is not None else None
         return loss, logits

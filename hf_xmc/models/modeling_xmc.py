@@ -119,12 +119,12 @@ def all_gather_rows(tensor: torch.Tensor, with_grad: bool = True) -> torch.Tenso
 
 def gather_label_pool(
     label_embeds: torch.Tensor, label_ids: torch.Tensor, query_positive_ids: torch.Tensor, positive_index: Optional[torch.Tensor] = None
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Join the label pools of all processes so in-batch negatives span every process.
 
     Returns the gathered (de-duplicated) label embeddings, the local queries' targets against that pool (rebuilt
-    from ``query_positive_ids``, so false negatives stay masked) and the pool position of each query's sampled
-    positive. Gradients reach the label embeddings of every process.
+    from ``query_positive_ids``, so false negatives stay masked), the pool position of each query's sampled
+    positive and the gathered pool's label ids. Gradients reach the label embeddings of every process.
     """
     all_embeds = all_gather_rows(label_embeds, with_grad=True)
     all_ids = all_gather_rows(label_ids, with_grad=False)
@@ -140,7 +140,7 @@ def gather_label_pool(
     if positive_index is not None:
         sampled = label_ids[positive_index]
         new_positive_index = (ids.unsqueeze(0) == sampled.unsqueeze(1)).float().argmax(dim=1)
-    return embeds, targets, new_positive_index
+    return embeds, targets, new_positive_index, ids
 
 
 def _repair_tokenizer(tokenizer, encoder_config, name_or_path: str):
@@ -209,12 +209,15 @@ class XMCPreTrainedModel(PreTrainedModel):
         return model
 
     # ------------------------------------------------------------------ encoding
-    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **encoder_kwargs) -> torch.Tensor:
-        """Encode token ids into one (dropout-regularised, optionally L2-normalised) vector per text."""
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: Optional[bool] = None, **encoder_kwargs) -> torch.Tensor:
+        """Encode token ids into one (dropout-regularised, optionally L2-normalised) vector per text.
+
+        ``normalize`` overrides ``config.normalize`` (PRIME feeds raw label embeddings to its prototype network).
+        """
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **encoder_kwargs).last_hidden_state
         pooled = POOLERS[self.config.pooling](hidden, attention_mask)
         pooled = self.embedding_dropout(pooled).float()
-        if self.config.normalize:
+        if self.config.normalize if normalize is None else normalize:
             pooled = F.normalize(pooled, dim=-1)
         return pooled
 
@@ -234,9 +237,18 @@ class XMCPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def encode_texts(
-        self, texts: Sequence[str], max_length: int, batch_size: int = 128, show_progress_bar: Optional[bool] = None, desc: str = "Encoding"
+        self,
+        texts: Sequence[str],
+        max_length: int,
+        batch_size: int = 128,
+        show_progress_bar: Optional[bool] = None,
+        desc: str = "Encoding",
+        normalize: Optional[bool] = None,
     ) -> torch.Tensor:
-        """Embed texts in eval mode, batch by batch (longest first to limit padding); returns ``(n, dim)`` on CPU."""
+        """Embed texts in eval mode, batch by batch (longest first to limit padding); returns ``(n, dim)`` on CPU.
+
+        ``normalize`` overrides ``config.normalize``.
+        """
         if len(texts) == 0:
             raise ValueError("encode_texts got no texts")
         was_training = self.training
@@ -249,7 +261,7 @@ class XMCPreTrainedModel(PreTrainedModel):
                 idx = order[start : start + batch_size]
                 batch = self.tokenize([texts[i] for i in idx], max_length)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                emb = self.embed(batch["input_ids"], batch["attention_mask"]).cpu()
+                emb = self.embed(batch["input_ids"], batch["attention_mask"], normalize=normalize).cpu()
                 for j, i in enumerate(idx):
                     out[i] = emb[j]
         finally:
@@ -261,11 +273,15 @@ class XMCPreTrainedModel(PreTrainedModel):
         return self.encode_texts(texts, self.config.max_seq_length, batch_size, show_progress_bar, desc="Encoding queries")
 
     def encode_labels(
-        self, texts: Optional[Sequence[str]] = None, batch_size: int = 128, show_progress_bar: Optional[bool] = None
+        self,
+        texts: Optional[Sequence[str]] = None,
+        batch_size: int = 128,
+        show_progress_bar: Optional[bool] = None,
+        normalize: Optional[bool] = None,
     ) -> torch.Tensor:
         """Embed label texts (``label_max_seq_length`` tokens); defaults to the model's own labels."""
         texts = self._require_labels() if texts is None else texts
-        return self.encode_texts(texts, self.config.label_max_seq_length, batch_size, show_progress_bar, desc="Encoding labels")
+        return self.encode_texts(texts, self.config.label_max_seq_length, batch_size, show_progress_bar, desc="Encoding labels", normalize=normalize)
 
     # ------------------------------------------------------------------ label store and index
     def set_labels(self, texts: Sequence[str], uids: Optional[Sequence[str]] = None) -> None:

@@ -319,3 +319,190 @@ class SoftTopKLoss(nn.Module):
 
 
 LOSSES["soft_topk"] = SoftTopKLoss
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Clipped dynamic-margin triplet loss and prototype regulariser (PRIME, Dahiya et al., NAACL 2025)
+# --------------------------------------------------------------------------------------------------------------------
+
+POSITIVE_SELECTIONS = ("sample_one", "all")
+
+
+def dynamic_margin_triplet(
+    positive_scores: torch.Tensor,
+    negative_scores: torch.Tensor,
+    margin_min: float = 0.1,
+    margin_max: float = 0.3,
+    paper_inverted_region: bool = False,
+) -> torch.Tensor:
+    r"""Per-triplet clipped, detached dynamic-margin loss (PRIME eq. 12-13).
+
+    With ``D = s_p - s_n`` and ``m = clip(|D|, margin_min, margin_max)`` (detached), the loss is
+    ``max(0, s_n - s_p + m)``: ``-D + clip(-D)`` for hard triplets (``D <= 0``), ``margin_min - D`` for
+    ``0 < D < margin_min`` and 0 beyond. The margin only changes the *value* of hard triplets; their gradient is
+    ``(-1, +1)``, as for a fixed margin (without the detach it would double). ``margin_min = 0`` gives the fixed
+    margin ``margin_max`` (the paper's "w/o m_d" ablation).
+
+    ``paper_inverted_region=True`` implements the paper's literal case table instead (eq. 3 / 13-14):
+    ``D + margin_min`` on ``0 < D < margin_min``, whose gradient ``(+1, -1)`` pulls the negative closer
+    ("ambiguous / missing label" region). It has an attractor at ``D = 0``; kept for ablations only.
+
+    ``positive_scores`` broadcasts against ``negative_scores`` (e.g. ``(R, 1)`` against ``(R, k)``).
+    """
+    diff = positive_scores - negative_scores
+    if margin_min > 0:
+        margin = diff.abs().detach().clamp(min=margin_min, max=margin_max)
+    else:
+        margin = torch.full_like(diff, margin_max)
+    if not paper_inverted_region:
+        return F.relu(margin - diff)  # relu: zero gradient at the exact 0 of the band [margin_min, margin_max]
+    hard = -diff + (-diff).detach().clamp(min=margin_min, max=margin_max)
+    ambiguous = diff + margin_min
+    return torch.where(diff <= 0, hard, torch.where(diff < margin_min, ambiguous, torch.zeros_like(diff)))
+
+
+def _hardest_negatives(scores: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of the ``k`` highest-scoring non-target columns per row, and which of them are real negatives."""
+    k = min(k, scores.shape[1])
+    ranked = scores.masked_fill(targets, float("-inf")).topk(k, dim=1).indices
+    return scores.gather(1, ranked), ~targets.gather(1, ranked)
+
+
+def dynamic_margin_triplet_loss(
+    scores: torch.Tensor,
+    targets: torch.Tensor,
+    num_negatives: int = 100,
+    margin_min: float = 0.1,
+    margin_max: float = 0.3,
+    temperature: Optional[float] = 0.1,
+    positive_selection: str = "sample_one",
+    paper_inverted_region: bool = False,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    r"""PRIME's triplet term over a score matrix (rows = anchors, columns = candidates), as the official code computes it.
+
+    Per anchor row: one positive drawn uniformly from its target columns (``positive_selection="sample_one"``; or
+    every positive, averaged, with ``"all"``: the paper's eq. 1), the ``num_negatives`` hardest non-target columns,
+    the per-triplet loss of :func:`dynamic_margin_triplet`, and -- with a ``temperature`` -- softmax weights
+    ``softmax(s_n / temperature)`` over the *violating* negatives (not detached; ``None`` or 1 sums them
+    unweighted). The row loss is the sum over its negatives; the result is the mean over rows that have a positive
+    and a negative (rows without one, e.g. labels no batch query owns, are skipped).
+
+    Args:
+        scores: ``(R, C)`` cosine similarities.
+        targets: boolean ``(R, C)``; True marks positives (every positive, so they are never used as negatives).
+    """
+    if positive_selection not in POSITIVE_SELECTIONS:
+        raise ValueError(f"positive_selection must be one of {POSITIVE_SELECTIONS}, got {positive_selection!r}")
+    targets = targets.bool()
+    rows = targets.any(dim=1) & ~targets.all(dim=1)
+    if not bool(rows.any()):
+        return scores.sum() * 0.0
+    scores, targets = scores[rows], targets[rows]
+    neg_scores, neg_valid = _hardest_negatives(scores, targets, num_negatives)  # (R, k)
+    if positive_selection == "sample_one":
+        pos = torch.multinomial(targets.float(), 1, generator=generator)
+        pos_scores, pos_valid = scores.gather(1, pos), torch.ones_like(pos, dtype=torch.bool)  # (R, 1)
+    else:
+        num_pos = int(targets.sum(dim=1).max())
+        pos = targets.float().topk(num_pos, dim=1).indices
+        pos_scores, pos_valid = scores.gather(1, pos), targets.gather(1, pos)  # (R, P)
+    per_triplet = dynamic_margin_triplet(pos_scores.unsqueeze(2), neg_scores.unsqueeze(1), margin_min, margin_max, paper_inverted_region)
+    per_triplet = per_triplet * neg_valid.unsqueeze(1)  # (R, P, k)
+    if temperature is not None and temperature != 1.0:
+        violating = (per_triplet > 0) & neg_valid.unsqueeze(1)
+        weights = torch.softmax(torch.where(violating, neg_scores.unsqueeze(1), torch.full_like(per_triplet, -100.0)) / temperature, dim=2)
+        per_triplet = per_triplet * weights
+    per_positive = per_triplet.sum(dim=2) * pos_valid
+    per_row = per_positive.sum(dim=1) / pos_valid.sum(dim=1)
+    return per_row.mean()
+
+
+def prototype_regularizer(
+    prototype_scores: torch.Tensor,
+    text_scores: torch.Tensor,
+    targets: torch.Tensor,
+    num_negatives: int = 100,
+    margin: float = 0.1,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    r"""PRIME's regulariser R (eq. 6-7, hinge form of the official code): prototypes must beat label texts.
+
+    For a sampled positive ``p`` of each query: ``relu(s_qp - b_qp + margin)``; for its ``num_negatives`` hardest
+    negatives by prototype score: ``relu(b_qn - s_qn + margin)``. Each part is averaged over its *violating*
+    entries only (0 when nothing violates) and ``R = (R_p + R_n) / 2``.
+
+    Args:
+        prototype_scores: ``(B, C)`` query/prototype cosines ``b``.
+        text_scores: ``(B, C)`` query/label-text cosines ``s``.
+        targets: boolean ``(B, C)`` positives.
+    """
+    targets = targets.bool()
+    rows = targets.any(dim=1)
+    if not bool(rows.any()):
+        return prototype_scores.sum() * 0.0
+    b, s, targets = prototype_scores[rows], text_scores[rows], targets[rows]
+    pos = torch.multinomial(targets.float(), 1, generator=generator)
+    pos_part = F.relu(s.gather(1, pos) - b.gather(1, pos) + margin)
+    k = min(num_negatives, b.shape[1])
+    neg = b.masked_fill(targets, float("-inf")).topk(k, dim=1).indices
+    neg_part = F.relu(b.gather(1, neg) - s.gather(1, neg) + margin) * ~targets.gather(1, neg)
+    pos_mean = pos_part.sum() / (pos_part > 0).sum().clamp(min=1)
+    neg_mean = neg_part.sum() / (neg_part > 0).sum().clamp(min=1)
+    return 0.5 * (pos_mean + neg_mean)
+
+
+class PRIMELoss(nn.Module):
+    r"""PRIME's multi-task objective (eq. 5):
+    ``L = L_T(b_q, z) + w_ql * L_T(s_q, l) + w_lq * L_T(s_l, q) + lambda * R``.
+
+    ``L_T`` is :func:`dynamic_margin_triplet_loss` on the query/prototype cosines, the query/label-text cosines and
+    their transpose (label-to-query); ``R`` is :func:`prototype_regularizer`.
+    """
+
+    def __init__(
+        self,
+        num_negatives: int = 100,
+        margin_min: float = 0.1,
+        margin_max: float = 0.3,
+        temperature: Optional[float] = 0.1,
+        positive_selection: str = "sample_one",
+        paper_inverted_region: bool = False,
+        query_to_label_weight: float = 1.0,
+        label_to_query_weight: float = 1.0,
+        regularizer_weight: float = 0.1,
+        regularizer_margin: float = 0.1,
+    ):
+        super().__init__()
+        if positive_selection not in POSITIVE_SELECTIONS:
+            raise ValueError(f"positive_selection must be one of {POSITIVE_SELECTIONS}, got {positive_selection!r}")
+        self.triplet_kwargs = {
+            "num_negatives": num_negatives,
+            "margin_min": margin_min,
+            "margin_max": margin_max,
+            "temperature": temperature,
+            "positive_selection": positive_selection,
+            "paper_inverted_region": paper_inverted_region,
+        }
+        self.query_to_label_weight = query_to_label_weight
+        self.label_to_query_weight = label_to_query_weight
+        self.regularizer_weight = regularizer_weight
+        self.regularizer_margin = regularizer_margin
+        self.num_negatives = num_negatives
+
+    def forward(self, prototype_scores: torch.Tensor, text_scores: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Returns the terms ``query_to_prototype``, ``query_to_label``, ``label_to_query``, ``regularizer`` and ``loss``."""
+        targets = targets.bool()
+        terms = {"query_to_prototype": dynamic_margin_triplet_loss(prototype_scores, targets, **self.triplet_kwargs)}
+        loss = terms["query_to_prototype"]
+        if self.query_to_label_weight:
+            terms["query_to_label"] = dynamic_margin_triplet_loss(text_scores, targets, **self.triplet_kwargs)
+            loss = loss + self.query_to_label_weight * terms["query_to_label"]
+        if self.label_to_query_weight:
+            terms["label_to_query"] = dynamic_margin_triplet_loss(text_scores.T, targets.T, **self.triplet_kwargs)
+            loss = loss + self.label_to_query_weight * terms["label_to_query"]
+        if self.regularizer_weight:
+            terms["regularizer"] = prototype_regularizer(prototype_scores, text_scores, targets, self.num_negatives, self.regularizer_margin)
+            loss = loss + self.regularizer_weight * terms["regularizer"]
+        terms["loss"] = loss
+        return terms

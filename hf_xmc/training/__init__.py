@@ -5,6 +5,7 @@ from .clustering import balanced_2means_tree
 from .collator import XMCDataCollator, XMCTrainDataset
 from .evaluation import XMCEvaluator
 from .gradcache import CachedLossOutput, RandContext, cached_loss
+from .label_state import free_vector_assignment, initialize_label_state, label_centroids
 from .negatives import mine_hard_negatives
 from .samplers import ClusterBatchSampler, EmbeddingMemoryBank
 from .trainer import XMCEpochCallback, XMCTrainer, XMCTrainingArguments
@@ -22,5 +23,8 @@ __all__ = [
     "XMCTrainingArguments",
     "balanced_2means_tree",
     "cached_loss",
+    "free_vector_assignment",
+    "initialize_label_state",
+    "label_centroids",
     "mine_hard_negatives",
 ]

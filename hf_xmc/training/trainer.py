@@ -19,6 +19,7 @@ from ..metrics import inverse_propensity
 from .collator import XMCDataCollator, XMCTrainDataset
 from .evaluation import XMCEvaluator
 from .gradcache import cached_loss
+from .label_state import initialize_label_state
 from .negatives import mine_hard_negatives
 from .samplers import ClusterBatchSampler, EmbeddingMemoryBank
 
@@ -162,7 +163,17 @@ class XMCTrainer(Trainer):
             callback = next((c for c in self.callback_handler.callbacks if isinstance(c, XMCEpochCallback)), None)
             if callback is not None and os.path.exists(state_file):
                 callback.load_state_dict(torch.load(state_file, weights_only=False))
+        elif getattr(self.model, "needs_label_state", False) and self.xmc_train_data is not None:
+            # a fresh PRIME-style model: free-vector clusters and centroids come from the initial encoder
+            data = self.xmc_train_data
+            initialize_label_state(self.model, data.texts, data.targets, seed=self.args.seed, show_progress_bar=not self.args.disable_tqdm)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        """transformers' choice (no decay on biases and norms) minus the model's ``no_weight_decay_parameters``."""
+        names = super().get_decay_parameter_names(model)
+        excluded = tuple(getattr(self.model, "no_weight_decay_parameters", ()))
+        return [n for n in names if not any(n == e or n.endswith("." + e) for e in excluded)]
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:

@@ -76,7 +76,7 @@ class XMCModelTesterMixin:
         np.testing.assert_array_equal(before.label_ids, after.label_ids)
         np.testing.assert_allclose(before.scores, after.scores, atol=1e-5)
         # re-encoding the labels with the reloaded weights reproduces the saved label vectors
-        torch.testing.assert_close(reloaded.encode_labels(), model.label_embeddings, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(reloaded.label_search_vectors(), model.label_embeddings, atol=1e-5, rtol=1e-4)
 
     def test_remote_code_reload_without_hf_xmc(self, model, tiny_task, tmp_path):
         data = tiny_task[0]

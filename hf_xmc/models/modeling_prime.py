@@ -1,0 +1,276 @@
+"""PRIME: label prototypes and a dynamic-margin triplet loss for extreme multi-label classification.
+
+Dahiya, Ortego, Jimenez, "Prototypical Extreme Multi-label Classification with a Dynamic Margin Loss", NAACL 2025.
+One shared encoder embeds queries and label texts. A query is not scored against the label-text embedding ``h_l``
+but against a label *prototype* ``z_l``: the Label Prototype Network (LPN, one transformer encoder layer, no
+positional encoding) attends over the set ``[h_l, v_l, c_l]`` and mean-pools it, where ``v_l`` is a learnable free
+vector shared by a cluster of similar labels and ``c_l`` is an exponential moving average of the embeddings of the
+training queries that carry label ``l``. Training sums the clipped, detached dynamic-margin triplet loss on
+query->prototype, query->label-text and label-text->query cosines plus a regulariser that makes prototypes beat
+label texts. At inference the prototypes of all labels are computed once, L2-normalised and indexed.
+
+Implementation spec: ``shared/specs/prime.md`` (where paper and official code disagree, the defaults follow the
+spec and the alternatives are config flags).
+"""
+
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+
+from .configuration_prime import PRIMEConfig, default_num_free_vectors
+from .modeling_xmc import (
+    XMCModelOutput,
+    XMCPreTrainedModel,
+    all_gather_rows,
+    distributed_world_size,
+    gather_label_pool,
+)
+from .xmc_losses import PRIMELoss
+
+
+class LabelPrototypeNetwork(nn.Module):
+    """One post-LN transformer encoder layer over a small *set* of per-label vectors, mean-pooled.
+
+    There is no positional encoding, so the output does not depend on the order of the inputs.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int = 1, intermediate_size: int = 1024, dropout: float = 0.1):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(
+            d_model=hidden_size,
+            nhead=num_heads,
+            dim_feedforward=intermediate_size,
+            dropout=dropout,
+            activation="gelu",
+            batch_first=True,
+            norm_first=False,
+        )
+
+    def forward(self, *tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens``: tensors of shape ``(num_labels, hidden)``; returns the ``(num_labels, hidden)`` prototypes."""
+        return self.layer(torch.stack(tokens, dim=1)).mean(dim=1)
+
+
+class PRIMEPreTrainedModel(XMCPreTrainedModel):
+    """Weights initialisation and loading glue for PRIME."""
+
+    config: PRIMEConfig
+    base_model_prefix = "prime"
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, PRIMEModel):
+            if module.free_vectors is not None:
+                init.xavier_uniform_(module.free_vectors)
+            init.zeros_(module.label_centroids)
+            init.zeros_(module.free_vector_map)
+            init.zeros_(module.label_state_initialized)
+
+
+class PRIMEModel(PRIMEPreTrainedModel):
+    """The PRIME prototype network.
+
+    Besides the encoder and the LPN the model holds, per label, the id of its free vector (``free_vector_map``,
+    from a balanced clustering of the initial label embeddings) and its query centroid (``label_centroids``, an
+    EMA buffer that moves during training). Both are set from the training data by
+    :func:`hf_xmc.training.initialize_label_state`, which :class:`~hf_xmc.training.XMCTrainer` runs when a fresh
+    model starts training, and both are saved with the model.
+
+    Example:
+        >>> model = PRIMEModel.from_encoder_pretrained("sentence-transformers/all-MiniLM-L6-v2", label_space_size=2)
+        >>> model.set_labels(["Games: Strategy", "Development: Library"])
+        >>> model.predict(["0ad : Real-time strategy game"], k=1).label_texts
+    """
+
+    # parameters trained without weight decay (paper Appx. G: the free-vector bank)
+    no_weight_decay_parameters = ("free_vectors",)
+
+    def __init__(self, config: PRIMEConfig):
+        if config.num_free_vectors is None:
+            config.num_free_vectors = default_num_free_vectors(config.label_space_size)
+        super().__init__(config)
+        hidden = config.encoder_config.hidden_size
+        self.lpn = LabelPrototypeNetwork(hidden, config.lpn_num_heads, config.lpn_intermediate_size, config.lpn_dropout)
+        if config.num_free_vectors:
+            self.free_vectors = nn.Parameter(torch.empty(config.num_free_vectors, hidden))
+        else:
+            self.register_parameter("free_vectors", None)
+        self.register_buffer("free_vector_map", torch.zeros(config.label_space_size, dtype=torch.long))
+        self.register_buffer("label_centroids", torch.zeros(config.label_space_size, hidden))
+        self.register_buffer("label_state_initialized", torch.zeros((), dtype=torch.bool))
+        self.loss_fn = PRIMELoss(
+            num_negatives=config.loss_num_negatives,
+            margin_min=config.margin_min,
+            margin_max=config.margin_max,
+            temperature=config.negative_temperature,
+            positive_selection=config.positive_selection,
+            paper_inverted_region=config.paper_inverted_region,
+            query_to_label_weight=config.query_to_label_weight,
+            label_to_query_weight=config.label_to_query_weight,
+            regularizer_weight=config.regularizer_weight,
+            regularizer_margin=config.regularizer_margin,
+        )
+        self.last_loss_terms: dict[str, float] = {}
+        self.post_init()
+
+    # ------------------------------------------------------------------ label state
+    @property
+    def needs_label_state(self) -> bool:
+        """True until free-vector map and centroids were set from training data (see :meth:`set_label_state`)."""
+        return not bool(self.label_state_initialized)
+
+    @torch.no_grad()
+    def set_label_state(self, free_vector_map: Optional[torch.Tensor], centroids: torch.Tensor) -> None:
+        """Install the label -> free-vector map (``(L,)`` ids) and the initial centroids (``(L, hidden)``)."""
+        num_labels, hidden = self.label_centroids.shape
+        if tuple(centroids.shape) != (num_labels, hidden):
+            raise ValueError(f"centroids must have shape ({num_labels}, {hidden}), got {tuple(centroids.shape)}")
+        if free_vector_map is not None:
+            free_vector_map = torch.as_tensor(free_vector_map, dtype=torch.long)
+            if tuple(free_vector_map.shape) != (num_labels,):
+                raise ValueError(f"free_vector_map must have shape ({num_labels},), got {tuple(free_vector_map.shape)}")
+            bank = self.config.num_free_vectors
+            if num_labels and (int(free_vector_map.min()) < 0 or int(free_vector_map.max()) >= max(bank, 1)):
+                raise ValueError(f"free_vector_map ids must lie in [0, {bank})")
+            self.free_vector_map.copy_(free_vector_map)
+        self.label_centroids.copy_(centroids.to(self.label_centroids))
+        self.label_state_initialized.fill_(True)
+        self.invalidate_label_index()
+
+    @torch.no_grad()
+    def update_centroids(
+        self,
+        query_embeds: torch.Tensor,
+        label_ids: torch.Tensor,
+        targets: torch.Tensor,
+        query_positive_ids: Optional[torch.Tensor] = None,
+    ) -> None:
+        """EMA step (paper eq. 4): ``c_l <- m c_l + (1 - m) mean_i normalise(h_q^i)`` over the batch queries ``i`` that
+        have pool label ``l`` as a positive (any of their positives, not only the sampled one).
+
+        Under several processes the queries of every process are gathered (with ``query_positive_ids``), so all
+        processes apply the same update to their copies of the buffer.
+        """
+        queries = F.normalize(query_embeds.detach().float(), dim=-1)
+        if distributed_world_size() > 1 and query_positive_ids is not None:
+            queries = all_gather_rows(queries, with_grad=False)
+            positives = all_gather_rows(query_positive_ids, with_grad=False)
+            targets = (positives.unsqueeze(1) == label_ids.view(1, -1, 1)).any(dim=2)
+        targets = targets.bool()
+        counts = targets.sum(dim=0)
+        owned = counts > 0
+        if not bool(owned.any()):
+            return
+        means = (targets.T.float() @ queries)[owned] / counts[owned].unsqueeze(1)
+        ids = label_ids[owned]
+        momentum = self.config.centroid_momentum
+        self.label_centroids[ids] = momentum * self.label_centroids[ids] + (1.0 - momentum) * means.to(self.label_centroids)
+
+    # ------------------------------------------------------------------ prototypes
+    def set_labels(self, texts, uids=None) -> None:
+        if len(texts) != self.config.label_space_size:
+            raise ValueError(
+                f"this PRIME model was built for {self.config.label_space_size} labels (label_space_size) but got "
+                f"{len(texts)} label texts; its centroids and free-vector map have one row per label"
+            )
+        super().set_labels(texts, uids)
+
+    def prototypes(self, label_embeds: torch.Tensor, label_ids: torch.Tensor) -> torch.Tensor:
+        """LPN output ``z_l`` for raw label-text embeddings ``(n, hidden)`` of labels ``label_ids`` (not normalised)."""
+        tokens = [F.normalize(label_embeds, dim=-1) if self.config.normalize_lpn_inputs else label_embeds]
+        if self.free_vectors is not None:
+            tokens.append(self.free_vectors[self.free_vector_map[label_ids]].to(label_embeds.dtype))
+        tokens.append(self.label_centroids[label_ids].to(label_embeds.dtype))
+        return self.lpn(*tokens)
+
+    @torch.no_grad()
+    def compute_prototypes(self, label_embeds: torch.Tensor, batch_size: int = 4096) -> torch.Tensor:
+        """L2-normalised prototypes of all labels (eval mode) from their raw label-text embeddings; ``(L, hidden)`` on CPU."""
+        was_training = self.training
+        self.eval()
+        out = []
+        try:
+            for start in range(0, label_embeds.shape[0], batch_size):
+                ids = torch.arange(start, min(start + batch_size, label_embeds.shape[0]), device=self.device)
+                chunk = label_embeds[start : start + batch_size].to(self.device)
+                out.append(F.normalize(self.prototypes(chunk, ids).float(), dim=-1).cpu())
+        finally:
+            self.train(was_training)
+        return torch.cat(out)
+
+    def label_search_vectors(self, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
+        """Indexed vectors: the normalised prototypes of all labels."""
+        raw = self.encode_labels(batch_size=batch_size, show_progress_bar=show_progress_bar, normalize=False)
+        return self.compute_prototypes(raw)
+
+    # ------------------------------------------------------------------ training
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        label_input_ids: Optional[torch.Tensor] = None,
+        label_attention_mask: Optional[torch.Tensor] = None,
+        targets: Optional[torch.Tensor] = None,
+        positive_index: Optional[torch.Tensor] = None,
+        label_ids: Optional[torch.Tensor] = None,
+        query_positive_ids: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> XMCModelOutput:
+        r"""
+        Args:
+            input_ids / attention_mask: tokenised queries, ``(batch, seq)``.
+            label_input_ids / label_attention_mask: tokenised label pool, ``(pool, seq)``.
+            targets: boolean ``(batch, pool)``; True where a pool label is any positive of the query (false negatives
+                are never used as negatives).
+            positive_index: unused (PRIME samples its positive per anchor from ``targets``); accepted for the shared
+                collator.
+            label_ids: ``(pool,)`` label ids of the pool: they select free vectors and centroids (required with a pool).
+            query_positive_ids: each query's positives (``-1``-padded), used to rebuild targets across processes.
+
+        Returns:
+            [`XMCModelOutput`] with ``loss`` (given ``targets``), ``logits`` (query/prototype cosines, batch x pool),
+            and the raw (un-normalised) ``query_embeds`` / ``label_embeds``. In training mode with ``targets``, the
+            centroids of the pool labels take one EMA step after the loss is computed.
+        """
+        query_embeds = self.embed(input_ids, attention_mask, normalize=False)
+        if label_input_ids is None:
+            return XMCModelOutput(query_embeds=query_embeds)
+        label_embeds = self.embed(label_input_ids, label_attention_mask, normalize=False)
+        loss, logits = self.pool_loss(query_embeds, label_embeds, targets, positive_index, label_ids, query_positive_ids)
+        return XMCModelOutput(loss=loss, logits=logits, query_embeds=query_embeds, label_embeds=label_embeds)
+
+    def pool_loss(
+        self,
+        query_embeds: torch.Tensor,
+        label_embeds: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        positive_index: Optional[torch.Tensor] = None,
+        label_ids: Optional[torch.Tensor] = None,
+        query_positive_ids: Optional[torch.Tensor] = None,
+    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """PRIME loss and query/prototype cosines from raw query and label-pool embeddings (the part of ``forward``
+        after the encoder, so a gradient cache can embed in chunks)."""
+        if label_ids is None:
+            raise ValueError("PRIME needs the pool's label_ids to look up free vectors and centroids")
+        if self.training and query_positive_ids is not None and distributed_world_size() > 1:
+            label_embeds, targets, positive_index, label_ids = gather_label_pool(label_embeds, label_ids, query_positive_ids, positive_index)
+        queries = F.normalize(query_embeds, dim=-1)
+        text_scores = queries @ F.normalize(label_embeds, dim=-1).T
+        prototype_scores = queries @ F.normalize(self.prototypes(label_embeds, label_ids), dim=-1).T
+        loss = None
+        if targets is not None:
+            terms = self.loss_fn(prototype_scores, text_scores, targets.bool())
+            loss = terms["loss"]
+            self.last_loss_terms = {name: float(value.detach()) for name, value in terms.items()}
+            if self.training and self.config.centroid_update == "ema":
+                # after the loss: this step's prototypes used the old centroids (official code order)
+                self.update_centroids(query_embeds, label_ids, targets, query_positive_ids)
+        return loss, prototype_scores
+
+
+__all__ = ["LabelPrototypeNetwork", "PRIMEModel", "PRIMEPreTrainedModel"]
