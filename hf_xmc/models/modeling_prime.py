@@ -25,6 +25,7 @@ from .configuration_prime import PRIMEConfig, default_num_free_vectors
 from .modeling_xmc import (
     XMCModelOutput,
     XMCPreTrainedModel,
+    all_gather_id_lists,
     all_gather_rows,
     distributed_world_size,
     gather_label_pool,
@@ -89,6 +90,8 @@ class PRIMEModel(PRIMEPreTrainedModel):
 
     # parameters trained without weight decay (paper Appx. G: the free-vector bank)
     no_weight_decay_parameters = ("free_vectors",)
+    # the LPN and free vectors get their gradients in the loss, outside the DDP-wrapped encoder replays
+    supports_distributed_gradient_cache = False
 
     def __init__(self, config: PRIMEConfig):
         if config.num_free_vectors is None:
@@ -159,7 +162,7 @@ class PRIMEModel(PRIMEPreTrainedModel):
         queries = F.normalize(query_embeds.detach().float(), dim=-1)
         if distributed_world_size() > 1 and query_positive_ids is not None:
             queries = all_gather_rows(queries, with_grad=False)
-            positives = all_gather_rows(query_positive_ids, with_grad=False)
+            positives = all_gather_id_lists(query_positive_ids)
             targets = (positives.unsqueeze(1) == label_ids.view(1, -1, 1)).any(dim=2)
         targets = targets.bool()
         counts = targets.sum(dim=0)

@@ -117,6 +117,17 @@ def all_gather_rows(tensor: torch.Tensor, with_grad: bool = True) -> torch.Tenso
     return torch.cat([part[:n] for part, n in zip(parts, sizes)])
 
 
+def all_gather_id_lists(ids: torch.Tensor, pad_value: int = -1) -> torch.Tensor:
+    """Concatenate ``(rows, width)`` ``pad_value``-padded id lists from every process (widths may differ: they are
+    padded to the widest first, which the collective needs)."""
+    width = torch.tensor([ids.shape[1]], device=ids.device)
+    torch.distributed.all_reduce(width, op=torch.distributed.ReduceOp.MAX)
+    pad = int(width.item()) - ids.shape[1]
+    if pad:
+        ids = torch.cat([ids, ids.new_full((ids.shape[0], pad), pad_value)], dim=1)
+    return all_gather_rows(ids, with_grad=False)
+
+
 def gather_label_pool(
     label_embeds: torch.Tensor, label_ids: torch.Tensor, query_positive_ids: torch.Tensor, positive_index: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:

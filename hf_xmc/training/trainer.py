@@ -104,6 +104,16 @@ class XMCTrainer(Trainer):
     ):
         if args is not None and args.remove_unused_columns:
             raise ValueError("XMCTrainer needs TrainingArguments(remove_unused_columns=False): the collator reads raw columns")
+        if (
+            getattr(args, "gradient_cache_chunk_size", 0)
+            and args.world_size > 1
+            and not getattr(model, "supports_distributed_gradient_cache", True)
+        ):
+            raise ValueError(
+                f"{type(model).__name__} has trainable parameters in its loss (outside the encoder), whose gradients the "
+                "gradient cache cannot synchronise across processes: use --gradient_cache_chunk_size 0 with several "
+                "processes, or one process"
+            )
         if label_texts is not None:
             model.set_labels(label_texts, label_uids)
         xmc_args = args if isinstance(args, XMCTrainingArguments) else None

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -209,3 +210,57 @@ def test_train_prime_script_contract(tiny_task, tiny_encoder_dir, tmp_path):
     assert os.path.exists(out / "modeling_prime.py") and os.path.exists(out / "label_embeddings.safetensors")
     reloaded = AutoModel.from_pretrained(out)
     assert not reloaded.needs_label_state
+
+
+def test_gradient_cache_gives_the_plain_gradients(tiny_encoder_dir, tiny_task):
+    # the LPN and free vectors sit in the loss: the cache must backpropagate into them as well as into the encoder
+    from hf_xmc.training import cached_loss
+
+    data = tiny_task[0]
+    model = make_prime(tiny_encoder_dir, data)
+    collator = XMCDataCollator(model.tokenizer, data.train.texts, data.train.targets, data.label_texts, 16, 16, num_positives=2)
+    batch = collator([{"index": i} for i in range(20)])
+    model.eval()  # no dropout, no centroid update: both runs see the same randomness (positive sampling re-seeded)
+    torch.manual_seed(3)
+    model(**batch).loss.backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    extra = {k: batch[k] for k in ("targets", "label_ids", "query_positive_ids")}
+    groups = [{"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
+              {"input_ids": batch["label_input_ids"], "attention_mask": batch["label_attention_mask"]}]
+    torch.manual_seed(3)
+    loss = cached_loss(lambda chunk: model(**chunk).query_embeds, groups, lambda q, lab: model.pool_loss(q, lab, **extra)[0], chunk_size=6)
+    loss.backward()
+    cached = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(cached) == set(plain) and "free_vectors" in cached and "lpn.layer.linear1.weight" in cached
+    for name in plain:
+        torch.testing.assert_close(cached[name], plain[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_distributed_gradient_cache_is_refused(tiny_encoder_dir, tiny_task, tmp_path, monkeypatch):
+    data = tiny_task[0]
+    model = make_prime(tiny_encoder_dir, data)
+    args = XMCTrainingArguments(output_dir=str(tmp_path), gradient_cache_chunk_size=8)
+    monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="gradient cache cannot synchronise"):
+        XMCTrainer(model=model, args=args, train_dataset=data.train, label_texts=data.label_texts)
+
+
+@pytest.mark.slow
+def test_train_prime_under_accelerate_two_processes(tiny_task, tiny_encoder_dir, tmp_path):
+    from tests.test_training import CONTRACT_KEYS, contract_args, run_script
+
+    _, task_dir = tiny_task
+    out = tmp_path / "out"
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533"]
+    proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(out), epochs="2") + ["--learning_rate", "2e-3"], launcher=launcher, script="train_prime.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert "Total train batch size (w. parallel, distributed & accumulation) = 64" in log  # 2 processes x 32
+    assert "clustered 480 queries" in log
+    results = json.load(open(out / "eval_results.json"))
+    assert all(0 <= results[k] <= 100 for k in CONTRACT_KEYS)
+    assert results["test_P@1"] > 20
+    reloaded = AutoModel.from_pretrained(out)
+    assert not reloaded.needs_label_state and reloaded.predict(["anything"], k=3).label_ids.shape == (1, 3)
