@@ -19,7 +19,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, set_seed
 
 from hf_xmc.models import DEXMLModel
 from hf_xmc.training import XMCTrainingArguments
@@ -59,6 +59,7 @@ def main(argv=None) -> dict:
     else:
         model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     setup_logging(training_args)
+    set_seed(training_args.seed)  # before the model: freshly initialised weights must not depend on chance
     data = load_data(data_args)
     model = DEXMLModel.from_encoder_pretrained(
         model_args.model_name_or_path,

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, set_seed
 
 from hf_xmc.models import PRIMEModel
 from hf_xmc.training import XMCTrainingArguments
@@ -78,6 +78,7 @@ def main(argv=None) -> dict:
     else:
         model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     setup_logging(training_args)
+    set_seed(training_args.seed)  # before the model: freshly initialised weights must not depend on chance
     data = load_data(data_args)
     model = PRIMEModel.from_encoder_pretrained(
         model_args.model_name_or_path,

@@ -264,3 +264,17 @@ def test_train_prime_under_accelerate_two_processes(tiny_task, tiny_encoder_dir,
     assert results["test_P@1"] > 20
     reloaded = AutoModel.from_pretrained(out)
     assert not reloaded.needs_label_state and reloaded.predict(["anything"], k=3).label_ids.shape == (1, 3)
+
+
+def test_train_prime_is_reproducible_with_a_seed(tiny_task, tiny_encoder_dir, tmp_path):
+    # the prototype network and free vectors start random: the script must seed before it builds the model
+    from tests.test_training import contract_args, run_script
+
+    _, task_dir = tiny_task
+    results = []
+    for name in ("a", "b"):
+        proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(tmp_path / name), epochs="1") + ["--save_strategy", "no"], script="train_prime.py")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(json.load(open(tmp_path / name / "eval_results.json")))
+    assert results[0]["train_loss"] == results[1]["train_loss"]
+    assert results[0]["test_P@1"] == results[1]["test_P@1"] and results[0]["test_PSP@5"] == results[1]["test_PSP@5"]
