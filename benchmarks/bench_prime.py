@@ -6,7 +6,7 @@ learning rate and seed, every run through its ``training_scripts/train_<method>.
 
 Debtags is the bundled dataset (PRIME's defaults were chosen on it); Reuters-21578 (``benchmarks/make_reuters.py``)
 is the check on data the defaults were not tuned on. Writes benchmarks/results/prime.json and, with
---update_readme, the table between the README's ``<!-- bench:prime -->`` markers.
+--update_readme, the table between the README's ``<!-- bench:prime -->`` markers (``--marker`` picks another pair).
 """
 
 import argparse
@@ -21,7 +21,6 @@ sys.path.insert(0, REPO)
 from benchmarks.sweep_defaults import prepare, run_training_script  # noqa: E402
 from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
 
-MARKER = "<!-- bench:prime -->"
 SHOWN = ["test_P@1", "test_P@3", "test_P@5", "test_nDCG@5", "test_PSP@1", "test_PSP@3", "test_PSP@5", "test_R@10"]
 MODES = {
     "dexml": ("DEXML, in-batch negatives (DecoupledSoftmax, uniform positives, random batches)", "dexml", []),
@@ -44,6 +43,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", "prime.json"))
     ap.add_argument("--update_readme", action="store_true")
+    ap.add_argument("--marker", default="prime", help="README marker to fill: <!-- bench:MARKER -->")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as work:
@@ -63,11 +63,12 @@ def main() -> None:
     print("\n" + table)
     write_json_atomic(args.results, {"epochs": args.epochs, "rows": rows})
     if args.update_readme:
+        marker = f"<!-- bench:{args.marker} -->"
         readme = os.path.join(REPO, "README.md")
         text = open(readme).read()
-        new, count = re.subn(re.escape(MARKER) + ".*?" + re.escape(MARKER), lambda _: f"{MARKER}\n{table}{MARKER}", text, flags=re.S)
+        new, count = re.subn(re.escape(marker) + ".*?" + re.escape(marker), lambda _: f"{marker}\n{table}{marker}", text, flags=re.S)
         if count != 1:
-            raise SystemExit(f"README.md must contain exactly one pair of {MARKER} markers")
+            raise SystemExit(f"README.md must contain exactly one pair of {marker} markers")
         open(readme, "w").write(new)
         print("README.md updated")
 
