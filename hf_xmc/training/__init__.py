@@ -1,5 +1,5 @@
 """Training machinery shared by every method: trainer, arguments, collator, evaluator, samplers, hard-negative
-mining and gradient caching."""
+mining, gradient caching and the per-label state (free-vector map, centroids) PRIME derives from the data."""
 
 from .clustering import balanced_2means_tree
 from .collator import XMCDataCollator, XMCTrainDataset
