@@ -143,6 +143,8 @@ class XMCTrainer(Trainer):
             **kwargs,
         )
         self.evaluator = evaluator
+        self._loss_term_sums: dict[str, float] = {}
+        self._loss_term_count = 0
         self.xmc_train_data = train_dataset
         self.cluster_sampler: Optional[ClusterBatchSampler] = None
         self.memory_bank: Optional[EmbeddingMemoryBank] = None
@@ -215,7 +217,21 @@ class XMCTrainer(Trainer):
             loss, query_embeds = outputs.loss, outputs.query_embeds
         if self.cluster_sampler is not None and indices is not None:
             self._update_memory_bank(indices, query_embeds.detach())
+        terms = getattr(self.model, "last_loss_terms", None)
+        if terms and model.training:  # multi-term objectives (PRIME): log each term's mean between two logs
+            for name, value in terms.items():
+                if name != "loss":
+                    self._loss_term_sums[name] = self._loss_term_sums.get(name, 0.0) + value
+            self._loss_term_count += 1
         return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
+        """``Trainer.log``; training logs also carry ``loss_<term>`` for models that report their loss terms."""
+        if "loss" in logs and self._loss_term_count:
+            for name, total in self._loss_term_sums.items():
+                logs[f"loss_{name}"] = round(total / self._loss_term_count, 4)
+            self._loss_term_sums, self._loss_term_count = {}, 0
+        super().log(logs, start_time)
 
     def _cached_pool_loss(self, model, inputs: dict, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """GradCache: embed queries and labels in chunks without graph, loss on the whole batch, replay on backward.

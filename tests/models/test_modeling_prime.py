@@ -278,3 +278,19 @@ def test_train_prime_is_reproducible_with_a_seed(tiny_task, tiny_encoder_dir, tm
         results.append(json.load(open(tmp_path / name / "eval_results.json")))
     assert results[0]["train_loss"] == results[1]["train_loss"]
     assert results[0]["test_P@1"] == results[1]["test_P@1"] and results[0]["test_PSP@5"] == results[1]["test_PSP@5"]
+
+
+def test_trainer_logs_each_loss_term(tiny_encoder_dir, tiny_task, tmp_path):
+    data = tiny_task[0]
+    model = make_prime(tiny_encoder_dir, data)
+    args = XMCTrainingArguments(output_dir=str(tmp_path), max_steps=4, logging_steps=2, per_device_train_batch_size=16,
+                                save_strategy="no", disable_tqdm=True)
+    trainer = XMCTrainer(model=model, args=args, train_dataset=data.train, label_texts=data.label_texts)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        terms = [entry[f"loss_{t}"] for t in ("query_to_prototype", "query_to_label", "label_to_query", "regularizer")]
+        assert all(t >= 0 for t in terms)
+        # the logged loss is the weighted sum of the logged terms (averaged over the same steps)
+        assert entry["loss"] == pytest.approx(terms[0] + terms[1] + terms[2] + 0.1 * terms[3], abs=2e-3)
