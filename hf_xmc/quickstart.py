@@ -1,10 +1,11 @@
-"""The quickstart: DEXML on the bundled Debtags data, from the real pretrained all-MiniLM-L6-v2, offline.
+"""The quickstart: DEXML (or PRIME) on the bundled Debtags data, from the real pretrained all-MiniLM-L6-v2, offline.
 
-    python -m hf_xmc.quickstart [--output_dir outputs/quickstart] [--num_train_epochs 0.5] ...
+    python -m hf_xmc.quickstart [--method prime] [--output_dir outputs/quickstart] [--num_train_epochs 0.5] ...
 
 1. loads the bundled Debtags split (Debian package titles -> Debtags tags, each tag with a text);
 2. scores the untrained encoder (zero-shot: query vs label-text embeddings) on the test split;
-3. trains DEXML (DecoupledSoftmax, in-batch negatives) with :class:`~hf_xmc.training.XMCTrainer`;
+3. trains DEXML (DecoupledSoftmax, in-batch negatives) or, with ``--method prime``, PRIME (label prototypes,
+   dynamic-margin triplet loss, 2 propensity-sampled positives per query) with :class:`~hf_xmc.training.XMCTrainer`;
 4. prints zero-shot and trained test metrics side by side, saves the model with its label index;
 5. reloads it with ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` and prints top-5 tags for a
    few test titles.
@@ -25,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never 
 from transformers import AutoModel, set_seed  # noqa: E402
 
 from .data import XCData, load_debtags  # noqa: E402
-from .models import DEXMLModel  # noqa: E402
+from .models import DEXMLModel, PRIMEModel  # noqa: E402
 from .training import XMCEvaluator, XMCTrainingArguments  # noqa: E402
 from .training.script_utils import train_and_evaluate, write_json_atomic  # noqa: E402
 
@@ -44,17 +45,20 @@ def minilm_path() -> str:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Command-line options of the quickstart."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output_dir", default="outputs/quickstart-dexml-debtags")
+    p.add_argument("--method", default="dexml", choices=["dexml", "prime"], help="the model to train")
+    p.add_argument("--output_dir", default=None, help="default: outputs/quickstart-<method>-debtags")
     p.add_argument("--encoder", default=None, help="encoder directory or Hub id (default: bundled all-MiniLM-L6-v2)")
     p.add_argument("--num_train_epochs", type=float, default=1.0)
     p.add_argument("--per_device_train_batch_size", type=int, default=64)
     p.add_argument("--learning_rate", type=float, default=3e-4)
-    p.add_argument("--temperature", type=float, default=0.05)
+    p.add_argument("--temperature", type=float, default=0.05, help="DEXML logit temperature")
     p.add_argument("--max_seq_length", type=int, default=32)
-    p.add_argument("--loss", default="decoupled_softmax")
+    p.add_argument("--loss", default="decoupled_softmax", help="DEXML loss")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--num_examples", type=int, default=3, help="test titles whose top-5 tags are printed")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.output_dir = args.output_dir or f"outputs/quickstart-{args.method}-debtags"
+    return args
 
 
 def evaluator_for(data: XCData) -> XMCEvaluator:
@@ -75,15 +79,21 @@ def run(args: argparse.Namespace) -> dict:
     data = load_debtags()
     print(f"Debtags: {len(data.train)} train / {len(data.test)} test package titles, {len(data.label_texts)} tags")
     encoder = args.encoder or minilm_path()
-    model = DEXMLModel.from_encoder_pretrained(
-        encoder, temperature=args.temperature, loss=args.loss, max_seq_length=args.max_seq_length, label_max_seq_length=args.max_seq_length
-    )
+    lengths = {"max_seq_length": args.max_seq_length, "label_max_seq_length": args.max_seq_length}
+    model = DEXMLModel.from_encoder_pretrained(encoder, temperature=args.temperature, loss=args.loss, **lengths)
     evaluator = evaluator_for(data)
 
     print("\n[1/3] zero-shot: the untrained encoder, query vs label-text embeddings")
     zero_shot = evaluator(model, show_progress_bar=True)
 
-    print("\n[2/3] training DEXML (DecoupledSoftmax, in-batch negatives), then evaluating it")
+    name = {"dexml": "DEXML", "prime": "PRIME"}[args.method]
+    sampling = {}
+    if args.method == "prime":
+        model = PRIMEModel.from_encoder_pretrained(encoder, label_space_size=len(data.label_texts), **lengths)
+        sampling = {"positive_sampling": "propensity", "num_positives": 2}
+        print("\n[2/3] training PRIME (label prototypes, dynamic-margin triplet loss), then evaluating it")
+    else:
+        print("\n[2/3] training DEXML (DecoupledSoftmax, in-batch negatives), then evaluating it")
     training_args = XMCTrainingArguments(
         output_dir=args.output_dir,
         num_train_epochs=args.num_train_epochs,
@@ -92,11 +102,12 @@ def run(args: argparse.Namespace) -> dict:
         seed=args.seed,
         save_strategy="no",
         logging_steps=20,
+        **sampling,
     )
     metrics = train_and_evaluate(model, data, evaluator, training_args)
     trained = {k: v for k, v in metrics.items() if k.startswith("test_")}
     print("\nTest metrics (%), Debtags:\n")
-    print(metrics_table({"zero-shot MiniLM": zero_shot, "DEXML (trained)": trained}))
+    print(metrics_table({"zero-shot MiniLM": zero_shot, f"{name} (trained)": trained}))
 
     print(f"[3/3] reloading {args.output_dir} with AutoModel.from_pretrained(..., trust_remote_code=True)")
     reloaded = AutoModel.from_pretrained(args.output_dir, trust_remote_code=True)
