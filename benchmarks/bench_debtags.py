@@ -12,7 +12,6 @@ the table between the README's ``<!-- bench:debtags -->`` markers.
 import argparse
 import os
 import platform
-import re
 import sys
 import time
 
@@ -23,6 +22,7 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.peers import markdown_table, run_peers  # noqa: E402
+from benchmarks.sweep_defaults import update_readme_block  # noqa: E402
 from hf_xmc import quickstart  # noqa: E402
 from hf_xmc.data import load_debtags  # noqa: E402
 from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
@@ -80,15 +80,7 @@ def main() -> None:
         f.write(table + note)
     print("\n" + table + note)
     if args.update_readme:
-        readme = os.path.join(REPO, "README.md")
-        text = open(readme).read()
-        block = f"{MARKER}\n{table}{note}{MARKER}"
-        new, count = re.subn(re.escape(MARKER) + ".*?" + re.escape(MARKER), lambda _: block, text, flags=re.S)
-        if count != 1:
-            raise SystemExit(f"README.md must contain exactly one pair of {MARKER} markers")
-        with open(readme, "w") as f:
-            f.write(new)
-        print("README.md updated")
+        update_readme_block(MARKER, table + note)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ Writes benchmarks/results/dexml_modes.json and, with --update_readme, the table 
 
 import argparse
 import os
-import re
 import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.sweep_defaults import run_training_script  # noqa: E402
+from benchmarks.sweep_defaults import run_training_script, update_readme_block  # noqa: E402
 from hf_xmc.data import DEBTAGS_DIR  # noqa: E402
 from hf_xmc.quickstart import minilm_path  # noqa: E402
 from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
@@ -56,13 +55,7 @@ def main() -> None:
     print("\n" + table)
     write_json_atomic(os.path.join(REPO, "benchmarks", "results", "dexml_modes.json"), {"epochs": args.epochs, "rows": rows})
     if args.update_readme:
-        readme = os.path.join(REPO, "README.md")
-        text = open(readme).read()
-        new, count = re.subn(re.escape(MARKER) + ".*?" + re.escape(MARKER), lambda _: f"{MARKER}\n{table}{MARKER}", text, flags=re.S)
-        if count != 1:
-            raise SystemExit(f"README.md must contain exactly one pair of {MARKER} markers")
-        open(readme, "w").write(new)
-        print("README.md updated")
+        update_readme_block(MARKER, table)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ is the check on data the defaults were not tuned on. Writes benchmarks/results/p
 
 import argparse
 import os
-import re
 import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.sweep_defaults import prepare, run_training_script  # noqa: E402
+from benchmarks.sweep_defaults import prepare, run_training_script, update_readme_block  # noqa: E402
 from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
 
 SHOWN = ["test_P@1", "test_P@3", "test_P@5", "test_nDCG@5", "test_PSP@1", "test_PSP@3", "test_PSP@5", "test_R@10"]
@@ -63,14 +62,7 @@ def main() -> None:
     print("\n" + table)
     write_json_atomic(args.results, {"epochs": args.epochs, "rows": rows})
     if args.update_readme:
-        marker = f"<!-- bench:{args.marker} -->"
-        readme = os.path.join(REPO, "README.md")
-        text = open(readme).read()
-        new, count = re.subn(re.escape(marker) + ".*?" + re.escape(marker), lambda _: f"{marker}\n{table}{marker}", text, flags=re.S)
-        if count != 1:
-            raise SystemExit(f"README.md must contain exactly one pair of {marker} markers")
-        open(readme, "w").write(new)
-        print("README.md updated")
+        update_readme_block(f"<!-- bench:{args.marker} -->", table)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Datasets: ``tiny`` (the contract checker's planted task and tiny random BERT, 3 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,19 @@ sys.path.insert(0, REPO)
 from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
 
 SHOWN = ["test_P@1", "test_P@5", "test_nDCG@5", "test_PSP@1", "test_PSP@5", "test_R@10"]
+
+
+def update_readme_block(marker: str, body: str) -> None:
+    """Replace the text between the README's one pair of ``marker`` lines by ``body``."""
+    readme = os.path.join(REPO, "README.md")
+    with open(readme) as f:
+        text = f.read()
+    new, count = re.subn(re.escape(marker) + ".*?" + re.escape(marker), lambda _: f"{marker}\n{body}{marker}", text, flags=re.S)
+    if count != 1:
+        raise SystemExit(f"README.md must contain exactly one pair of {marker} markers")
+    with open(readme, "w") as f:
+        f.write(new)
+    print("README.md updated")
 
 
 def run_training_script(method: str, data_dir: str, encoder: str, output_dir: str, extra: list[str]) -> tuple[dict, float]:
