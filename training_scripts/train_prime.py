@@ -18,16 +18,12 @@ spec's loss constants. Every TrainingArguments flag works, and so do the engine 
 """
 
 import logging
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from transformers import HfArgumentParser, set_seed
-
 from hf_xmc.models import PRIMEModel
 from hf_xmc.training import XMCTrainingArguments
-from hf_xmc.training.script_utils import XMCDataArguments, build_evaluator, load_data, setup_logging, train_and_evaluate
+from hf_xmc.training.script_utils import build_evaluator, load_data, parse_script_args, train_and_evaluate
 
 logger = logging.getLogger("train_prime")
 
@@ -72,13 +68,7 @@ class PRIMETrainingArguments(XMCTrainingArguments):
 
 
 def main(argv=None) -> dict:
-    parser = HfArgumentParser((PRIMEModelArguments, XMCDataArguments, PRIMETrainingArguments))
-    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        model_args, data_args, training_args = parser.parse_json_file(os.path.abspath(sys.argv[1]))
-    else:
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    setup_logging(training_args)
-    set_seed(training_args.seed)  # before the model: freshly initialised weights must not depend on chance
+    model_args, data_args, training_args = parse_script_args(PRIMEModelArguments, PRIMETrainingArguments, argv)
     data = load_data(data_args)
     model = PRIMEModel.from_encoder_pretrained(
         model_args.model_name_or_path,

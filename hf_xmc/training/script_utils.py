@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import transformers
-from transformers import set_seed
+from transformers import HfArgumentParser, set_seed
 
 from ..data import XCData, load_xc_dataset, read_filter_file
 from ..models.label_index import atomic_write
@@ -47,6 +47,20 @@ def setup_logging(training_args: XMCTrainingArguments) -> None:
     level = logging.INFO if training_args.process_index == 0 else logging.WARNING
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout, level=level)
     transformers.utils.logging.set_verbosity(level)
+
+
+def parse_script_args(model_arguments: type, training_arguments: type, argv: Optional[list[str]] = None) -> tuple:
+    """Parse ``(model, XMCDataArguments, training)`` arguments from the command line (or one ``.json`` file), then
+    set up logging and seed everything: the seed comes before the model, whose fresh weights must not depend on
+    chance."""
+    parser = HfArgumentParser((model_arguments, XMCDataArguments, training_arguments))
+    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        model_args, data_args, training_args = parser.parse_json_file(os.path.abspath(sys.argv[1]))
+    else:
+        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    setup_logging(training_args)
+    set_seed(training_args.seed)
+    return model_args, data_args, training_args
 
 
 def load_data(data_args: XMCDataArguments) -> XCData:
