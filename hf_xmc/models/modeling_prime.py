@@ -29,6 +29,7 @@ from .modeling_xmc import (
     all_gather_rows,
     distributed_world_size,
     gather_label_pool,
+    targets_from_positive_ids,
 )
 from .xmc_losses import PRIMELoss
 
@@ -163,7 +164,7 @@ class PRIMEModel(PRIMEPreTrainedModel):
         if distributed_world_size() > 1 and query_positive_ids is not None:
             queries = all_gather_rows(queries, with_grad=False)
             positives = all_gather_id_lists(query_positive_ids)
-            targets = (positives.unsqueeze(1) == label_ids.view(1, -1, 1)).any(dim=2)
+            targets = targets_from_positive_ids(positives, label_ids)
         targets = targets.bool()
         counts = targets.sum(dim=0)
         owned = counts > 0

@@ -117,6 +117,11 @@ def all_gather_rows(tensor: torch.Tensor, with_grad: bool = True) -> torch.Tenso
     return torch.cat([part[:n] for part, n in zip(parts, sizes)])
 
 
+def targets_from_positive_ids(query_positive_ids: torch.Tensor, label_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean ``(queries, pool)``: True where pool label ``label_ids[j]`` is among query ``i``'s ``-1``-padded positives."""
+    return (query_positive_ids.unsqueeze(1) == label_ids.view(1, -1, 1)).any(dim=2)
+
+
 def all_gather_id_lists(ids: torch.Tensor, pad_value: int = -1) -> torch.Tensor:
     """Concatenate ``(rows, width)`` ``pad_value``-padded id lists from every process (widths may differ: they are
     padded to the widest first, which the collective needs)."""
@@ -146,7 +151,7 @@ def gather_label_pool(
     first[order[1:]] = sorted_ids[1:] != sorted_ids[:-1]
     keep = first.nonzero().squeeze(1)
     embeds, ids = all_embeds[keep], all_ids[keep]
-    targets = (query_positive_ids.unsqueeze(1) == ids.view(1, -1, 1)).any(dim=2)
+    targets = targets_from_positive_ids(query_positive_ids, ids)
     new_positive_index = None
     if positive_index is not None:
         sampled = label_ids[positive_index]
