@@ -119,7 +119,7 @@ class PRIMEModel(PRIMEPreTrainedModel):
             regularizer_weight=config.regularizer_weight,
             regularizer_margin=config.regularizer_margin,
         )
-        self.last_loss_terms: dict[str, float] = {}
+        self.last_loss_terms: dict[str, torch.Tensor] = {}  # detached terms of the last loss, for logging
         self.post_init()
 
     # ------------------------------------------------------------------ label state
@@ -270,7 +270,7 @@ class PRIMEModel(PRIMEPreTrainedModel):
         if targets is not None:
             terms = self.loss_fn(prototype_scores, text_scores, targets.bool())
             loss = terms["loss"]
-            self.last_loss_terms = {name: float(value.detach()) for name, value in terms.items()}
+            self.last_loss_terms = {name: value.detach() for name, value in terms.items()}  # no device sync per step
             if self.training and self.config.centroid_update == "ema":
                 # after the loss: this step's prototypes used the old centroids (official code order)
                 self.update_centroids(query_embeds, label_ids, targets, query_positive_ids)

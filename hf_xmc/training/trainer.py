@@ -143,7 +143,7 @@ class XMCTrainer(Trainer):
             **kwargs,
         )
         self.evaluator = evaluator
-        self._loss_term_sums: dict[str, float] = {}
+        self._loss_term_sums: dict[str, torch.Tensor] = {}
         self._loss_term_count = 0
         self.xmc_train_data = train_dataset
         self.cluster_sampler: Optional[ClusterBatchSampler] = None
@@ -220,7 +220,7 @@ class XMCTrainer(Trainer):
         terms = getattr(self.model, "last_loss_terms", None)
         if terms and model.training:  # multi-term objectives (PRIME): log each term's mean between two logs
             for name, value in terms.items():
-                if name != "loss":
+                if name != "loss":  # summed as tensors: read back (one device sync) only when logging
                     self._loss_term_sums[name] = self._loss_term_sums.get(name, 0.0) + value
             self._loss_term_count += 1
         return (loss, outputs) if return_outputs else loss
@@ -229,7 +229,7 @@ class XMCTrainer(Trainer):
         """``Trainer.log``; training logs also carry ``loss_<term>`` for models that report their loss terms."""
         if "loss" in logs and self._loss_term_count:
             for name, total in self._loss_term_sums.items():
-                logs[f"loss_{name}"] = round(total / self._loss_term_count, 4)
+                logs[f"loss_{name}"] = round(float(total) / self._loss_term_count, 4)
             self._loss_term_sums, self._loss_term_count = {}, 0
         super().log(logs, start_time)
 

@@ -191,7 +191,7 @@ def test_auxiliary_terms_off_leaves_the_prototype_term(tiny_encoder_dir, tiny_ta
     model.train()
     out = model(**collator([{"index": i} for i in range(16)]))
     assert set(model.last_loss_terms) == {"query_to_prototype", "loss"}
-    assert out.loss.item() == pytest.approx(model.last_loss_terms["query_to_prototype"])
+    assert out.loss.item() == pytest.approx(model.last_loss_terms["query_to_prototype"].item())
 
 
 def test_train_prime_script_contract(tiny_task, tiny_encoder_dir, tmp_path):
