@@ -8,7 +8,9 @@ from .models import (  # noqa: E402  (registers the Auto classes on import)
     LabelIndex,
     PRIMEConfig,
     PRIMEModel,
+    UniDECConfig,
+    UniDECModel,
     XMCPrediction,
 )
 
-__all__ = ["DEXMLConfig", "DEXMLModel", "LabelIndex", "PRIMEConfig", "PRIMEModel", "XMCPrediction", "__version__"]
+__all__ = ["DEXMLConfig", "DEXMLModel", "LabelIndex", "PRIMEConfig", "PRIMEModel", "UniDECConfig", "UniDECModel", "XMCPrediction", "__version__"]

@@ -8,11 +8,14 @@ Importing this package registers every model with the transformers Auto classes,
 from transformers import AutoConfig, AutoModel
 
 from .configuration_dexml import DEXMLConfig
+from .classifier_head import ExtremeClassifier
 from .configuration_prime import PRIMEConfig
+from .configuration_unidec import UniDECConfig
 from .configuration_xmc import XMCConfig
 from .label_index import LabelIndex, faiss_available, faiss_gpu_available
 from .modeling_dexml import DEXMLModel, DEXMLPreTrainedModel
 from .modeling_prime import LabelPrototypeNetwork, PRIMEModel, PRIMEPreTrainedModel
+from .modeling_unidec import UniDECModel, UniDECPreTrainedModel
 from .modeling_xmc import XMCModelOutput, XMCPrediction, XMCPreTrainedModel
 from .xmc_losses import (
     BCELoss,
@@ -20,6 +23,7 @@ from .xmc_losses import (
     InfoNCELoss,
     PRIMELoss,
     SoftmaxLoss,
+    UniDECLoss,
     bce_loss,
     decoupled_softmax_loss,
     dynamic_margin_triplet,
@@ -28,9 +32,10 @@ from .xmc_losses import (
     infonce_loss,
     prototype_regularizer,
     softmax_loss,
+    symmetric_pool_loss,
 )
 
-MODEL_CLASSES = {"dexml": (DEXMLConfig, DEXMLModel), "prime": (PRIMEConfig, PRIMEModel)}
+MODEL_CLASSES = {"dexml": (DEXMLConfig, DEXMLModel), "prime": (PRIMEConfig, PRIMEModel), "unidec": (UniDECConfig, UniDECModel)}
 
 for _config_cls, _model_cls in MODEL_CLASSES.values():
     AutoConfig.register(_config_cls.model_type, _config_cls, exist_ok=True)
@@ -44,6 +49,7 @@ __all__ = [
     "DEXMLModel",
     "DEXMLPreTrainedModel",
     "DecoupledSoftmaxLoss",
+    "ExtremeClassifier",
     "InfoNCELoss",
     "LabelIndex",
     "LabelPrototypeNetwork",
@@ -53,6 +59,10 @@ __all__ = [
     "PRIMEModel",
     "PRIMEPreTrainedModel",
     "SoftmaxLoss",
+    "UniDECConfig",
+    "UniDECLoss",
+    "UniDECModel",
+    "UniDECPreTrainedModel",
     "XMCConfig",
     "XMCModelOutput",
     "XMCPreTrainedModel",
@@ -67,4 +77,5 @@ __all__ = [
     "infonce_loss",
     "prototype_regularizer",
     "softmax_loss",
+    "symmetric_pool_loss",
 ]

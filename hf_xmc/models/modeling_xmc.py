@@ -225,14 +225,18 @@ class XMCPreTrainedModel(PreTrainedModel):
         return model
 
     # ------------------------------------------------------------------ encoding
+    def pooled_embedding(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **encoder_kwargs) -> torch.Tensor:
+        """The encoder's pooled (dropout-regularised, float32) output: one raw vector per text."""
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **encoder_kwargs).last_hidden_state
+        pooled = POOLERS[self.config.pooling](hidden, attention_mask)
+        return self.embedding_dropout(pooled).float()
+
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: Optional[bool] = None, **encoder_kwargs) -> torch.Tensor:
         """Encode token ids into one (dropout-regularised, optionally L2-normalised) vector per text.
 
         ``normalize`` overrides ``config.normalize`` (PRIME feeds raw label embeddings to its prototype network).
         """
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **encoder_kwargs).last_hidden_state
-        pooled = POOLERS[self.config.pooling](hidden, attention_mask)
-        pooled = self.embedding_dropout(pooled).float()
+        pooled = self.pooled_embedding(input_ids, attention_mask, **encoder_kwargs)
         if self.config.normalize if normalize is None else normalize:
             pooled = F.normalize(pooled, dim=-1)
         return pooled
@@ -260,10 +264,11 @@ class XMCPreTrainedModel(PreTrainedModel):
         show_progress_bar: Optional[bool] = None,
         desc: str = "Encoding",
         normalize: Optional[bool] = None,
+        **embed_kwargs,
     ) -> torch.Tensor:
         """Embed texts in eval mode, batch by batch (longest first to limit padding); returns ``(n, dim)`` on CPU.
 
-        ``normalize`` overrides ``config.normalize``.
+        ``normalize`` overrides ``config.normalize``; ``embed_kwargs`` go to :meth:`embed` (e.g. UniDEC's ``head``).
         """
         if len(texts) == 0:
             raise ValueError("encode_texts got no texts")
@@ -277,7 +282,7 @@ class XMCPreTrainedModel(PreTrainedModel):
                 idx = order[start : start + batch_size]
                 batch = self.tokenize([texts[i] for i in idx], max_length)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                emb = self.embed(batch["input_ids"], batch["attention_mask"], normalize=normalize).cpu()
+                emb = self.embed(batch["input_ids"], batch["attention_mask"], normalize=normalize, **embed_kwargs).cpu()
                 for j, i in enumerate(idx):
                     out[i] = emb[j]
         finally:
@@ -294,10 +299,13 @@ class XMCPreTrainedModel(PreTrainedModel):
         batch_size: int = 128,
         show_progress_bar: Optional[bool] = None,
         normalize: Optional[bool] = None,
+        **embed_kwargs,
     ) -> torch.Tensor:
         """Embed label texts (``label_max_seq_length`` tokens); defaults to the model's own labels."""
         texts = self._require_labels() if texts is None else texts
-        return self.encode_texts(texts, self.config.label_max_seq_length, batch_size, show_progress_bar, desc="Encoding labels", normalize=normalize)
+        return self.encode_texts(
+            texts, self.config.label_max_seq_length, batch_size, show_progress_bar, desc="Encoding labels", normalize=normalize, **embed_kwargs
+        )
 
     # ------------------------------------------------------------------ label store and index
     def set_labels(self, texts: Sequence[str], uids: Optional[Sequence[str]] = None) -> None:

@@ -506,3 +506,99 @@ class PRIMELoss(nn.Module):
             loss = loss + self.regularizer_weight * terms["regularizer"]
         terms["loss"] = loss
         return terms
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# UniDEC (Kharbanda et al., WWW 2025)
+# --------------------------------------------------------------------------------------------------------------------
+
+PSL_LOSSES = {"decoupled_softmax": decoupled_softmax_loss, "softmax": softmax_loss}
+
+
+def symmetric_pool_loss(logits: torch.Tensor, targets: torch.Tensor, loss: str = "decoupled_softmax", query_to_label_weight: float = 0.5) -> dict[str, torch.Tensor]:
+    r"""UniDEC's symmetric pick-some-labels loss: ``w * l(queries -> pool) + (1 - w) * l(pool labels -> queries)``.
+
+    The label->query term is the same multi-class loss on the transposed scores: each pool label is an anchor whose
+    positives are the batch queries carrying it (labels no batch query carries, pure hard negatives, are skipped).
+    ``loss`` is ``"decoupled_softmax"`` (other positives out of each positive's denominator) or ``"softmax"``
+    (SupCon). Returns the terms ``query_to_label``, ``label_to_query`` and ``loss``; a term with weight 0 is not computed.
+    """
+    if loss not in PSL_LOSSES:
+        raise ValueError(f"unknown PSL loss {loss!r}; choose one of {sorted(PSL_LOSSES)}")
+    loss_fn = PSL_LOSSES[loss]
+    targets = targets.bool()
+    terms = {}
+    total = logits.new_zeros(())
+    if query_to_label_weight > 0:
+        terms["query_to_label"] = loss_fn(logits, targets)
+        total = total + query_to_label_weight * terms["query_to_label"]
+    if query_to_label_weight < 1:
+        terms["label_to_query"] = loss_fn(logits.T, targets.T)
+        total = total + (1.0 - query_to_label_weight) * terms["label_to_query"]
+    terms["loss"] = total
+    return terms
+
+
+class UniDECLoss(nn.Module):
+    r"""UniDEC's objective (paper Sec. 3.2-3.3 and Table 3's headline configuration):
+
+    ``L = lambda * L_DE + (1 - lambda) * L_CLF`` with
+    ``L_DE = lambda_D * l(q -> l) + (1 - lambda_D) * l(l -> q)`` on the scaled DE cosines and
+    ``L_CLF = lambda_C * l(q -> l) + (1 - lambda_C) * l(l -> q) + w_bce * BCE`` on the scaled classifier scores,
+    where ``l`` is the Decoupled Softmax (or SupCon) over the PSL pool and BCE is the auxiliary one-vs-all loss on
+    the un-scaled classifier scores, averaged over every (query, pool label) pair. Without classifier scores (DePSL)
+    ``L = L_DE``.
+
+    Example:
+        >>> loss = UniDECLoss()(torch.randn(4, 10), torch.rand(4, 10) > 0.7, torch.randn(4, 10), torch.randn(4, 10))
+    """
+
+    citation = (
+        "@inproceedings{kharbanda2025unidec,\n  title={UniDEC: Unified Dual Encoder and Classifier Training for Extreme "
+        "Multi-Label Classification},\n  author={Kharbanda, Siddhant and Gupta, Devaansh and K, Gururaj and Malhotra, Pankaj "
+        "and Singh, Amit and Hsieh, Cho-Jui and Babbar, Rohit},\n  booktitle={WWW},\n  year={2025}\n}"
+    )
+
+    def __init__(
+        self,
+        de_loss: str = "decoupled_softmax",
+        clf_loss: str = "decoupled_softmax",
+        de_query_to_label_weight: float = 0.5,
+        clf_query_to_label_weight: float = 0.5,
+        de_weight: float = 0.5,
+        clf_bce_weight: float = 1.0,
+    ):
+        super().__init__()
+        self.de_loss, self.clf_loss = de_loss, clf_loss
+        self.de_query_to_label_weight = de_query_to_label_weight
+        self.clf_query_to_label_weight = clf_query_to_label_weight
+        self.de_weight = de_weight
+        self.clf_bce_weight = clf_bce_weight
+
+    def forward(
+        self,
+        de_logits: torch.Tensor,
+        targets: torch.Tensor,
+        clf_logits: Optional[torch.Tensor] = None,
+        clf_scores: Optional[torch.Tensor] = None,
+    ) -> dict[str, torch.Tensor]:
+        """``de_logits`` / ``clf_logits``: scaled ``(batch, pool)`` scores of each head; ``clf_scores``: the un-scaled
+        classifier scores for the BCE term; ``targets``: boolean ``(batch, pool)``. Returns every term and ``loss``."""
+        targets = targets.bool()
+        de = symmetric_pool_loss(de_logits, targets, self.de_loss, self.de_query_to_label_weight)
+        terms = {f"de_{name}": value for name, value in de.items() if name != "loss"}
+        terms["de"] = de["loss"]
+        if clf_logits is None:
+            terms["loss"] = de["loss"]
+            return terms
+        clf = symmetric_pool_loss(clf_logits, targets, self.clf_loss, self.clf_query_to_label_weight)
+        terms.update({f"clf_{name}": value for name, value in clf.items() if name != "loss"})
+        clf_total = clf["loss"]
+        if self.clf_bce_weight:
+            if clf_scores is None:
+                raise ValueError("the auxiliary BCE term needs the un-scaled classifier scores (clf_scores)")
+            terms["clf_bce"] = bce_loss(clf_scores, targets)
+            clf_total = clf_total + self.clf_bce_weight * terms["clf_bce"]
+        terms["clf"] = clf_total
+        terms["loss"] = self.de_weight * de["loss"] + (1.0 - self.de_weight) * clf_total
+        return terms

@@ -2,7 +2,7 @@
 mining, gradient caching and the per-label state (free-vector map, centroids) PRIME derives from the data."""
 
 from .clustering import balanced_2means_tree
-from .collator import XMCDataCollator, XMCTrainDataset
+from .collator import PSLDataCollator, XMCDataCollator, XMCTrainDataset
 from .evaluation import XMCEvaluator
 from .gradcache import CachedLossOutput, RandContext, cached_loss
 from .label_state import free_vector_assignment, initialize_label_state, label_centroids
@@ -14,6 +14,7 @@ __all__ = [
     "CachedLossOutput",
     "ClusterBatchSampler",
     "EmbeddingMemoryBank",
+    "PSLDataCollator",
     "RandContext",
     "XMCDataCollator",
     "XMCEpochCallback",

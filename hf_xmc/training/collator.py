@@ -129,7 +129,9 @@ class XMCDataCollator:
                 out.append(rng.choice(candidates, min(self.num_negatives, len(candidates)), replace=False))
         return np.concatenate(out) if out else None
 
-    def build_pool(self, rows: np.ndarray, sampled: list[np.ndarray], extra_labels: Optional[np.ndarray] = None) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    def build_pool(
+        self, rows: np.ndarray, sampled: list[np.ndarray], extra_labels: Optional[np.ndarray] = None, rng: Optional[np.random.Generator] = None
+    ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         """Pool = unique sampled positives (+ ``extra_labels``); returns pool ids, targets and positive_index."""
         parts = [s for s in sampled if len(s)] + ([extra_labels] if extra_labels is not None else [])
         pool = np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
@@ -151,7 +153,7 @@ class XMCDataCollator:
         rng = self.batch_rng(rows)
         sampled = self.sample_positives(rows, rng)
         extra = np.arange(len(self.label_texts)) if self.all_labels else self.sample_negatives(rows, rng)
-        pool, targets, positive_index = self.build_pool(rows, sampled, extra)
+        pool, targets, positive_index = self.build_pool(rows, sampled, extra, rng)
         q = self.tokenizer([self.texts[r] for r in rows], padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt")
         lab = self.tokenizer([self.label_texts[i] for i in pool], padding=True, truncation=True, max_length=self.label_max_seq_length, return_tensors="pt")
         return {
@@ -165,3 +167,79 @@ class XMCDataCollator:
             "label_ids": torch.from_numpy(pool.astype(np.int64)),
             "query_positive_ids": self.query_positive_ids(rows),
         }
+
+
+@dataclass
+class PSLDataCollator(XMCDataCollator):
+    """UniDEC's pick-some-labels (PSL) batch: a capped label pool instead of every positive of every query.
+
+    Per query ``num_positives`` positives are drawn *with replacement* (uniformly or by ``positive_weights``), as the
+    official code does, so head queries contribute a few labels and tail queries all of theirs. The pool is then
+    filled, up to ``max_label_pool`` labels, in three rounds, each ranked by how often the batch drew a label (ties
+    broken at random): (1) the sampled positives, (2) the hard negatives drawn from each query's shortlist, (3) the
+    batch queries' other positives, so that for torso and tail queries PSL equals pick-all-labels. Targets mark every
+    positive of a query present in the pool, whoever brought it in (false negatives are never negatives).
+
+    Args:
+        max_label_pool: the cap on the pool (0 = no cap: every sampled positive, hard negative and batch positive).
+        fill_with_batch_positives: run round (3).
+        (other arguments: :class:`XMCDataCollator`)
+    """
+
+    max_label_pool: int = 0
+    fill_with_batch_positives: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_label_pool < 0:
+            raise ValueError(f"max_label_pool must be >= 0, got {self.max_label_pool}")
+
+    def sample_positives(self, rows: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+        """``num_positives`` draws with replacement per query (duplicates kept: they count in the ranking)."""
+        out = []
+        for r in rows:
+            labels = self._labels_of(r)
+            if len(labels) == 0:
+                out.append(labels.astype(np.int64))
+                continue
+            p = None
+            if self.positive_weights is not None:
+                w = self.positive_weights[labels]
+                p = w / w.sum()
+            out.append(rng.choice(labels, self.num_positives, replace=True, p=p))
+        return out
+
+    def build_pool(
+        self, rows: np.ndarray, sampled: list[np.ndarray], extra_labels: Optional[np.ndarray] = None, rng: Optional[np.random.Generator] = None
+    ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """Fill the pool by rounds (sampled positives, hard negatives, batch positives) up to the cap."""
+        rng = rng if rng is not None else self.batch_rng(rows)
+        cap = self.max_label_pool or np.inf
+        rounds = [np.concatenate(sampled) if sampled else np.zeros(0, dtype=np.int64)]
+        if extra_labels is not None:
+            rounds.append(np.asarray(extra_labels))
+        if self.fill_with_batch_positives:
+            rounds.append(np.concatenate([self._labels_of(r) for r in rows]))
+        chosen: list[np.ndarray] = []
+        taken: set[int] = set()
+        for candidates in rounds:
+            room = cap - len(taken)
+            if room <= 0 or len(candidates) == 0:
+                continue
+            ids, counts = np.unique(candidates.astype(np.int64), return_counts=True)
+            fresh = np.array([i not in taken for i in ids.tolist()], dtype=bool)
+            ids, counts = ids[fresh], counts[fresh]
+            shuffle = rng.permutation(len(ids))  # random tie-break, then most frequent first
+            ids, counts = ids[shuffle], counts[shuffle]
+            ids = ids[np.argsort(-counts, kind="stable")][: int(min(room, len(ids)))]
+            chosen.append(ids)
+            taken.update(ids.tolist())
+        pool = np.sort(np.concatenate(chosen)) if chosen else np.zeros(0, dtype=np.int64)
+        targets = torch.from_numpy(self.targets[rows][:, pool].toarray() > 0)
+        # positive_index: the first sampled positive that made it into the pool, else any pooled positive (else 0)
+        positive_index = targets.float().argmax(dim=1)
+        for b, s in enumerate(sampled):
+            hit = np.isin(s, pool)
+            if hit.any():
+                positive_index[b] = int(np.searchsorted(pool, s[hit][0]))
+        return pool, targets, positive_index

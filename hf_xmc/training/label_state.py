@@ -52,7 +52,14 @@ def initialize_label_state(
     batch_size: int = 128,
     show_progress_bar: Optional[bool] = None,
 ) -> None:
-    """Set a PRIME-style model's free-vector map and centroids from its current (initial) encoder and the training set."""
+    """Set a PRIME-style model's free-vector map and centroids from its current (initial) encoder and the training set.
+
+    A model with its own ``initialize_label_state`` method (UniDEC: classifier vectors from the label texts) does it
+    itself.
+    """
+    if hasattr(model, "initialize_label_state"):
+        model.initialize_label_state(train_texts, train_targets, seed=seed, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        return
     num_free = int(getattr(model.config, "num_free_vectors", 0) or 0)
     assignment = None
     if num_free:

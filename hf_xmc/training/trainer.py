@@ -16,7 +16,7 @@ from transformers.trainer_utils import SaveStrategy
 
 from ..data import XMCDataset
 from ..metrics import inverse_propensity
-from .collator import XMCDataCollator, XMCTrainDataset
+from .collator import PSLDataCollator, XMCDataCollator, XMCTrainDataset
 from .evaluation import XMCEvaluator
 from .gradcache import cached_loss
 from .label_state import initialize_label_state
@@ -55,13 +55,16 @@ class XMCTrainingArguments(TrainingArguments):
     hard_negative_start_epoch: int = field(default=5, metadata={"help": "First epoch that uses the shortlist (in-batch negatives before)."})
     hard_negative_refresh_interval: int = field(default=5, metadata={"help": "Re-mine the shortlist every N epochs."})
     gradient_cache_chunk_size: int = field(default=0, metadata={"help": "GradCache: encode queries and labels in chunks of N rows (0 = off)."})
-    label_pool: str = field(default="in_batch", metadata={"help": "'in_batch' (sampled positives [+ hard negatives]) or 'all' (every label re-encoded each step: DEXML brute force)."})
+    label_pool: str = field(default="in_batch", metadata={"help": "'in_batch' (sampled positives [+ hard negatives]), 'psl' (UniDEC pick-some-labels: sampled positives, hard negatives and the batch's other positives, capped at max_label_pool) or 'all' (every label re-encoded each step: DEXML brute force)."})
+    max_label_pool: int = field(default=0, metadata={"help": "label_pool='psl': most labels in a pool (0 = no cap)."})
 
     def __post_init__(self):
         if not _accelerator_present():
             self.use_cpu = True
-        if self.label_pool not in ("in_batch", "all"):
-            raise ValueError(f"label_pool must be 'in_batch' or 'all', got {self.label_pool!r}")
+        if self.label_pool not in ("in_batch", "psl", "all"):
+            raise ValueError(f"label_pool must be 'in_batch', 'psl' or 'all', got {self.label_pool!r}")
+        if self.max_label_pool < 0:
+            raise ValueError(f"max_label_pool must be >= 0, got {self.max_label_pool}")
         if self.positive_sampling not in ("uniform", "propensity"):
             raise ValueError(f"positive_sampling must be 'uniform' or 'propensity', got {self.positive_sampling!r}")
         for name in ("num_positives", "cluster_init_size", "cluster_refresh_interval", "hard_negative_top_k", "hard_negative_refresh_interval"):
@@ -121,7 +124,9 @@ class XMCTrainer(Trainer):
             weights = None
             if xmc_args is not None and xmc_args.positive_sampling == "propensity":
                 weights = inverse_propensity(train_dataset.targets, model.config.propensity_a, model.config.propensity_b)
-            data_collator = XMCDataCollator(
+            psl = xmc_args is not None and xmc_args.label_pool == "psl"
+            pool_kwargs = {"max_label_pool": xmc_args.max_label_pool} if psl else {}
+            data_collator = (PSLDataCollator if psl else XMCDataCollator)(
                 tokenizer=model._require_tokenizer(),
                 texts=train_dataset.texts,
                 targets=sp.csr_matrix(train_dataset.targets),
@@ -133,6 +138,7 @@ class XMCTrainer(Trainer):
                 num_negatives=xmc_args.hard_negatives if xmc_args is not None else 0,
                 all_labels=xmc_args is not None and xmc_args.label_pool == "all",
                 seed=args.seed if args is not None else 0,
+                **pool_kwargs,
             )
         super().__init__(
             model=model,
@@ -187,6 +193,33 @@ class XMCTrainer(Trainer):
         excluded = tuple(getattr(self.model, "no_weight_decay_parameters", ()))
         return [n for n in names if not any(n == e or n.endswith("." + e) for e in excluded)]
 
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        """transformers' optimizer, with per-module learning rates when the model asks for them.
+
+        A model may define ``parameter_learning_rates(base_lr) -> {name prefix: lr}`` (UniDEC: heads at twice the
+        encoder's rate, classifier vectors at 1e-3); each prefix gets its own parameter groups (with and without
+        weight decay). The schedule scales every group by the same factor.
+        """
+        opt_model = self.model if model is None else model
+        rates_of = getattr(self.model, "parameter_learning_rates", None)
+        if self.optimizer is not None or rates_of is None or self.optimizer_cls_and_kwargs is not None:
+            return super().create_optimizer(model)
+        rates = rates_of(self.args.learning_rate)
+        decay = set(self.get_decay_parameter_names(opt_model))
+        groups: dict[tuple[float, bool], list] = {}
+        for name, param in opt_model.named_parameters():
+            if not param.requires_grad:
+                continue
+            bare = name[len("module."):] if name.startswith("module.") else name
+            lr = next((rate for prefix, rate in rates.items() if bare.startswith(prefix)), self.args.learning_rate)
+            groups.setdefault((lr, name in decay), []).append(param)
+        optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        self.optimizer = optimizer_cls(
+            [{"params": params, "lr": lr, "weight_decay": self.args.weight_decay if decays else 0.0} for (lr, decays), params in groups.items()],
+            **optimizer_kwargs,
+        )
+        return self.optimizer
+
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
         """The stock loader, or one driven by the rank-aware cluster batch sampler (not re-sharded by Accelerate)."""
@@ -216,7 +249,8 @@ class XMCTrainer(Trainer):
                 raise ValueError("the model returned no loss: the batch must carry 'targets'")
             loss, query_embeds = outputs.loss, outputs.query_embeds
         if self.cluster_sampler is not None and indices is not None:
-            self._update_memory_bank(indices, query_embeds.detach())
+            to_cluster = getattr(self.model, "clustering_vectors", None)  # UniDEC clusters in its DE-head space
+            self._update_memory_bank(indices, to_cluster(query_embeds.detach()) if to_cluster else query_embeds.detach())
         terms = getattr(self.model, "last_loss_terms", None)
         if terms and model.training:  # multi-term objectives (PRIME): log each term's mean between two logs
             for name, value in terms.items():
