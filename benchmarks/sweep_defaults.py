@@ -28,6 +28,7 @@ sys.path.insert(0, REPO)
 from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
 
 SHOWN = ["test_P@1", "test_P@5", "test_nDCG@5", "test_PSP@1", "test_PSP@5", "test_R@10"]
+BENCH_SHOWN = ["test_P@1", "test_P@3", "test_P@5", "test_nDCG@5", "test_PSP@1", "test_PSP@3", "test_PSP@5", "test_R@10"]
 
 
 def update_readme_block(marker: str, body: str) -> None:
@@ -56,6 +57,33 @@ def run_training_script(method: str, data_dir: str, encoder: str, output_dir: st
         raise SystemExit(f"run failed: {' '.join(cmd)}")
     with open(os.path.join(output_dir, "eval_results.json")) as f:
         return json.load(f), time.perf_counter() - start
+
+
+def run_modes(modes: dict, args, title: str) -> list[dict]:
+    """Run every ``(description, method, extra args)`` of ``modes`` named in ``args.modes`` on every dataset of
+    ``args.datasets`` for ``args.epochs`` epochs (batch size of the dataset, max length 32, seed 42), through the training
+    scripts; print a markdown table, write ``args.results`` and, with ``args.update_readme``, the README block
+    ``<!-- bench:args.marker -->``. Returns the result rows."""
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for dataset in args.datasets:
+            data_dir, encoder, extra_data = prepare(dataset, work)
+            batch = extra_data[extra_data.index("--per_device_train_batch_size") + 1]
+            common = ["--num_train_epochs", args.epochs, "--per_device_train_batch_size", batch, "--max_seq_length", "32", "--seed", "42"]
+            for mode in args.modes:
+                desc, method, extra = modes[mode]
+                results, seconds = run_training_script(method, data_dir, encoder, os.path.join(work, f"{dataset}-{mode}"), common + extra)
+                rows.append({"dataset": dataset, "mode": mode, "description": desc, "args": extra, "batch_size": batch, "wall_seconds": seconds, **results})
+                print(f"{dataset} {mode}: " + " ".join(f"{k[5:]}={results[k]:.2f}" for k in BENCH_SHOWN), flush=True)
+    table = f"| {args.epochs} epoch(s), {title} | dataset | " + " | ".join(k[5:] for k in BENCH_SHOWN) + " | wall s |\n"
+    table += "|---|---|" + "---:|" * (len(BENCH_SHOWN) + 1) + "\n"
+    for r in rows:
+        table += f"| {r['description']} | {r['dataset']} (batch {r['batch_size']}) | " + " | ".join(f"{r[k]:.2f}" for k in BENCH_SHOWN) + f" | {r['wall_seconds']:.0f} |\n"
+    print("\n" + table)
+    write_json_atomic(args.results, {"epochs": args.epochs, "rows": rows})
+    if args.update_readme:
+        update_readme_block(f"<!-- bench:{args.marker} -->", table)
+    return rows
 
 
 def minilm() -> str:

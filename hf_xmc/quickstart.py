@@ -1,11 +1,12 @@
-"""The quickstart: DEXML (or PRIME) on the bundled Debtags data, from the real pretrained all-MiniLM-L6-v2, offline.
+"""The quickstart: DEXML (or PRIME, UniDEC) on the bundled Debtags data, from the real pretrained all-MiniLM-L6-v2, offline.
 
-    python -m hf_xmc.quickstart [--method prime] [--output_dir outputs/quickstart] [--num_train_epochs 0.5] ...
+    python -m hf_xmc.quickstart [--method prime|unidec] [--output_dir outputs/quickstart] [--num_train_epochs 0.5] ...
 
 1. loads the bundled Debtags split (Debian package titles -> Debtags tags, each tag with a text);
 2. scores the untrained encoder (zero-shot: query vs label-text embeddings) on the test split;
 3. trains DEXML (DecoupledSoftmax, in-batch negatives) or, with ``--method prime``, PRIME (label prototypes,
-   dynamic-margin triplet loss, 2 propensity-sampled positives per query) with :class:`~hf_xmc.training.XMCTrainer`;
+   dynamic-margin triplet loss, 2 propensity-sampled positives per query) or, with ``--method unidec``, UniDEC (DE and
+   classifier heads, pick-some-labels pools) with :class:`~hf_xmc.training.XMCTrainer`;
 4. prints zero-shot and trained test metrics side by side, saves the model with its label index;
 5. reloads it with ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` and prints top-5 tags for a
    few test titles.
@@ -26,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never 
 from transformers import AutoModel, set_seed  # noqa: E402
 
 from .data import XCData, load_debtags  # noqa: E402
-from .models import DEXMLModel, PRIMEModel  # noqa: E402
+from .models import DEXMLModel, PRIMEModel, UniDECModel  # noqa: E402
 from .training import XMCEvaluator, XMCTrainingArguments  # noqa: E402
 from .training.script_utils import train_and_evaluate, write_json_atomic  # noqa: E402
 
@@ -45,7 +46,7 @@ def minilm_path() -> str:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Command-line options of the quickstart."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", default="dexml", choices=["dexml", "prime"], help="the model to train")
+    p.add_argument("--method", default="dexml", choices=["dexml", "prime", "unidec"], help="the model to train")
     p.add_argument("--output_dir", default=None, help="default: outputs/quickstart-<method>-debtags")
     p.add_argument("--encoder", default=None, help="encoder directory or Hub id (default: bundled all-MiniLM-L6-v2)")
     p.add_argument("--num_train_epochs", type=float, default=1.0)
@@ -86,12 +87,16 @@ def run(args: argparse.Namespace) -> dict:
     print("\n[1/3] zero-shot: the untrained encoder, query vs label-text embeddings")
     zero_shot = evaluator(model, show_progress_bar=True)
 
-    name = {"dexml": "DEXML", "prime": "PRIME"}[args.method]
+    name = {"dexml": "DEXML", "prime": "PRIME", "unidec": "UniDEC"}[args.method]
     sampling = {}
     if args.method == "prime":
         model = PRIMEModel.from_encoder_pretrained(encoder, label_space_size=len(data.label_texts), **lengths)
         sampling = {"positive_sampling": "propensity", "num_positives": 2}
         print("\n[2/3] training PRIME (label prototypes, dynamic-margin triplet loss), then evaluating it")
+    elif args.method == "unidec":
+        model = UniDECModel.from_encoder_pretrained(encoder, label_space_size=len(data.label_texts), **lengths)
+        sampling = {"label_pool": "psl", "max_label_pool": 256, "positive_sampling": "propensity", "num_positives": 3, "lr_scheduler_type": "cosine"}
+        print("\n[2/3] training UniDEC (DE + classifier heads, pick-some-labels pools), then evaluating it")
     else:
         print("\n[2/3] training DEXML (DecoupledSoftmax, in-batch negatives), then evaluating it")
     training_args = XMCTrainingArguments(

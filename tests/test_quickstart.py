@@ -3,6 +3,8 @@
 import json
 import re
 
+import pytest
+
 from hf_xmc import quickstart
 
 
@@ -26,13 +28,14 @@ def test_quickstart_end_to_end(tiny_encoder_dir, tmp_path, capsys):
     assert (out / "label_index.json").exists() and (out / "modeling_dexml.py").exists()
 
 
-def test_quickstart_trains_prime(tiny_encoder_dir, tmp_path, capsys):
-    out = tmp_path / "qs-prime"
-    args = quickstart.parse_args(["--method", "prime", "--encoder", tiny_encoder_dir, "--output_dir", str(out), "--num_train_epochs",
+@pytest.mark.parametrize("method,name", [("prime", "PRIME"), ("unidec", "UniDEC")])
+def test_quickstart_trains_other_methods(method, name, tiny_encoder_dir, tmp_path, capsys):
+    out = tmp_path / f"qs-{method}"
+    args = quickstart.parse_args(["--method", method, "--encoder", tiny_encoder_dir, "--output_dir", str(out), "--num_train_epochs",
                                   "0.02", "--per_device_train_batch_size", "32", "--max_seq_length", "16", "--num_examples", "1"])
     result = quickstart.run(args)
     printed = capsys.readouterr().out
-    assert "| metric | zero-shot MiniLM | PRIME (trained) |" in printed
-    assert json.load(open(out / "config.json"))["model_type"] == "hf_xmc_prime"
-    assert (out / "modeling_prime.py").exists() and 0 <= result["trained"]["test_P@1"] <= 100
+    assert f"| metric | zero-shot MiniLM | {name} (trained) |" in printed
+    assert json.load(open(out / "config.json"))["model_type"] == f"hf_xmc_{method}"
+    assert (out / f"modeling_{method}.py").exists() and 0 <= result["trained"]["test_P@1"] <= 100
     assert quickstart.parse_args([]).output_dir == "outputs/quickstart-dexml-debtags"

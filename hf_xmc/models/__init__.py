@@ -7,8 +7,8 @@ Importing this package registers every model with the transformers Auto classes,
 
 from transformers import AutoConfig, AutoModel
 
-from .configuration_dexml import DEXMLConfig
 from .classifier_head import ExtremeClassifier
+from .configuration_dexml import DEXMLConfig
 from .configuration_prime import PRIMEConfig
 from .configuration_unidec import UniDECConfig
 from .configuration_xmc import XMCConfig

@@ -4,8 +4,8 @@ training query, its known positives removed; the collator draws negatives from i
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Optional
 
 import numpy as np

@@ -1,0 +1,46 @@
+#!/usr/bin/env python
+"""UniDEC against its own DE-only ablation (DePSL) and DEXML at the same budget: same encoder (all-MiniLM-L6-v2),
+epochs, batch size, learning rate and seed, every run through its ``training_scripts/train_<method>.py`` contract.
+
+    python benchmarks/bench_unidec.py [--datasets debtags reuters] [--epochs 1] [--modes ...] [--update_readme]
+
+``unidec`` is train_unidec.py with its defaults (search over [DE ; classifier]); ``depsl`` is the same recipe with
+``--use_classifier false`` (no classifier head, no Psi: the DE-only ablation); ``unidec_de`` / ``unidec_clf`` train
+UniDEC and search one head only (the paper's UniDEC-de / UniDEC-clf rows). Debtags is the bundled dataset (defaults
+chosen on it); Reuters-21578 (``benchmarks/make_reuters.py``) is the check on data they were not tuned on. Writes
+benchmarks/results/unidec.json and, with --update_readme, the table between the README's ``<!-- bench:unidec -->``
+markers (``--marker`` picks another pair).
+"""
+
+import argparse
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.sweep_defaults import run_modes  # noqa: E402
+
+MODES = {
+    "unidec": ("UniDEC, train_unidec.py defaults (search: DE + classifier)", "unidec", []),
+    "depsl": ("DePSL: the same recipe without classifier (--use_classifier false)", "unidec", ["--use_classifier", "false"]),
+    "unidec_de": ("UniDEC-de: UniDEC trained, DE head searched", "unidec", ["--search_mode", "de"]),
+    "unidec_clf": ("UniDEC-clf: UniDEC trained, classifier searched", "unidec", ["--search_mode", "classifier"]),
+    "dexml": ("DEXML, in-batch negatives (train_dexml.py defaults)", "dexml", []),
+}
+DEFAULT_MODES = ["unidec", "depsl"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters"])
+    ap.add_argument("--epochs", default="1")
+    ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
+    ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", "unidec.json"))
+    ap.add_argument("--update_readme", action="store_true")
+    ap.add_argument("--marker", default="unidec", help="README marker to fill: <!-- bench:MARKER -->")
+    run_modes(MODES, ap.parse_args(), "MiniLM-L6, lr 3e-4")
+
+
+if __name__ == "__main__":
+    main()
