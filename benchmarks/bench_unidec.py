@@ -4,7 +4,8 @@ epochs, batch size, learning rate and seed, every run through its ``training_scr
 
     python benchmarks/bench_unidec.py [--datasets debtags reuters] [--epochs 1] [--modes ...] [--update_readme]
 
-``unidec`` is train_unidec.py with its defaults (search over [DE ; classifier]); ``depsl`` is the same recipe with
+``unidec_*`` modes are train_unidec.py (search over [DE ; classifier]) with the classifier's initialisation and loss
+named explicitly (the rows stay valid whatever the defaults); ``depsl`` is the same recipe with
 ``--use_classifier false`` (no classifier head, no Psi: the DE-only ablation); ``unidec_de`` / ``unidec_clf`` train
 UniDEC and search one head only (the paper's UniDEC-de / UniDEC-clf rows). Debtags is the bundled dataset (defaults
 chosen on it); Reuters-21578 (``benchmarks/make_reuters.py``) is the check on data they were not tuned on. Writes
@@ -22,13 +23,29 @@ sys.path.insert(0, REPO)
 from benchmarks.sweep_defaults import run_modes  # noqa: E402
 
 MODES = {
-    "unidec": ("UniDEC, train_unidec.py defaults (search: DE + classifier)", "unidec", []),
-    "depsl": ("DePSL: the same recipe without classifier (--use_classifier false)", "unidec", ["--use_classifier", "false"]),
-    "unidec_de": ("UniDEC-de: UniDEC trained, DE head searched", "unidec", ["--search_mode", "de"]),
-    "unidec_clf": ("UniDEC-clf: UniDEC trained, classifier searched", "unidec", ["--search_mode", "classifier"]),
+    "depsl": ("DePSL: the UniDEC recipe without classifier (--use_classifier false)", "unidec", ["--use_classifier", "false"]),
+    "unidec_text_bce": (
+        "UniDEC, classifier from label texts, DS + BCE classifier loss",
+        "unidec",
+        ["--classifier_init", "label_text", "--clf_bce_weight", "1"],
+    ),
+    "unidec_xavier_bce": (
+        "UniDEC, xavier classifier (official), DS + BCE classifier loss",
+        "unidec",
+        ["--classifier_init", "xavier", "--clf_bce_weight", "1"],
+    ),
+    "unidec_text_ds": ("UniDEC, classifier from label texts, DS classifier loss", "unidec", ["--classifier_init", "label_text", "--clf_bce_weight", "0"]),
+    "unidec_xavier_ds": ("UniDEC, xavier classifier (official), DS classifier loss", "unidec", ["--classifier_init", "xavier", "--clf_bce_weight", "0"]),
+    "unidec_symmetric": (
+        "UniDEC defaults + the symmetric label->query terms (--de/--clf_query_to_label_weight 0.5, the paper's)",
+        "unidec",
+        ["--de_query_to_label_weight", "0.5", "--clf_query_to_label_weight", "0.5"],
+    ),
+    "unidec_de": ("UniDEC-de: UniDEC defaults trained, DE head searched", "unidec", ["--search_mode", "de"]),
+    "unidec_clf": ("UniDEC-clf: UniDEC defaults trained, classifier searched", "unidec", ["--search_mode", "classifier"]),
     "dexml": ("DEXML, in-batch negatives (train_dexml.py defaults)", "dexml", []),
 }
-DEFAULT_MODES = ["unidec", "depsl"]
+DEFAULT_MODES = ["depsl", "unidec_text_bce", "unidec_xavier_bce", "unidec_text_ds", "unidec_xavier_ds"]
 
 
 def main() -> None:

@@ -16,8 +16,9 @@ test_R@10/100, train_runtime, test_samples_per_second).
 Defaults follow the paper's recipe at a short budget: per query 3 positives drawn with replacement by inverse
 propensity, 6 hard negatives from a DE-head shortlist of 30 (mined from the second epoch, re-mined every epoch), the
 batch's other positives, a pool capped at 256 labels per process; learning rates encoder / heads / classifier =
-lr / 2 lr / 1e-3, cosine schedule with warm-up; NGAME cluster batching from the second epoch. --use_classifier false
-trains DePSL (the DE-only ablation). Every TrainingArguments flag and every engine flag of XMCTrainingArguments works.
+lr / 2 lr / 1e-3, cosine schedule with warm-up; NGAME cluster batching from the second epoch; query->label terms only
+(--de_query_to_label_weight 0.5 --clf_query_to_label_weight 0.5 adds the paper's symmetric label->query terms, which
+lost on both datasets at this budget, see README). --use_classifier false trains DePSL (the DE-only ablation). Every TrainingArguments flag and every engine flag of XMCTrainingArguments works.
 """
 
 import logging
@@ -45,8 +46,8 @@ class UniDECModelArguments:
     clf_bce_weight: float = field(default=1.0, metadata={"help": "Weight of the auxiliary BCE on classifier scores (0 = off)."})
     logit_scale_init: float = field(default=18.0, metadata={"help": "Initial learnable logit scale of each head."})
     learnable_logit_scale: bool = field(default=True, metadata={"help": "Train the logit scales."})
-    de_query_to_label_weight: float = field(default=0.5, metadata={"help": "lambda_D (1 - it weighs the label->query term)."})
-    clf_query_to_label_weight: float = field(default=0.5, metadata={"help": "lambda_C."})
+    de_query_to_label_weight: float = field(default=1.0, metadata={"help": "lambda_D (1 - it weighs the label->query term; paper 0.5, see README)."})
+    clf_query_to_label_weight: float = field(default=1.0, metadata={"help": "lambda_C (paper 0.5)."})
     de_weight: float = field(default=0.5, metadata={"help": "lambda: weight of the DE loss against the classifier loss."})
     search_mode: str = field(default="concat", metadata={"help": "Saved index: concat (DE + classifier) | de | classifier."})
     classifier_init: str = field(default="label_text", metadata={"help": "label_text (Psi_l from the label's text) | xavier (official code)."})
