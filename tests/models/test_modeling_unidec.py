@@ -250,7 +250,8 @@ def test_train_unidec_script_contract_and_loss_terms(tiny_task, tiny_encoder_dir
     assert all(0 <= results[k] <= 100 for k in CONTRACT_KEYS)
     assert results["test_P@1"] > 40
     log = proc.stdout + proc.stderr
-    assert "loss_clf_bce" in log and "loss_de_label_to_query" in log
+    assert "loss_clf_bce" in log and "loss_de_query_to_label" in log and "loss_clf_query_to_label" in log
+    assert "loss_de_label_to_query" not in log  # the script's default drops the symmetric terms
     reloaded = AutoModel.from_pretrained(out)
     assert isinstance(reloaded, UniDECModel) and reloaded.search_mode == "concat" and not reloaded.needs_label_state
     assert reloaded.predict(["anything"], k=3).label_ids.shape == (1, 3)
