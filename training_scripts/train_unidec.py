@@ -50,7 +50,7 @@ class UniDECModelArguments:
     clf_query_to_label_weight: float = field(default=1.0, metadata={"help": "lambda_C (paper 0.5)."})
     de_weight: float = field(default=0.5, metadata={"help": "lambda: weight of the DE loss against the classifier loss."})
     search_mode: str = field(default="concat", metadata={"help": "Saved index: concat (DE + classifier) | de | classifier."})
-    classifier_init: str = field(default="label_text", metadata={"help": "label_text (Psi_l from the label's text) | xavier (official code)."})
+    classifier_init: str = field(default="xavier", metadata={"help": "xavier (official code) | label_text (Psi_l from the label's text; for very short training)."})
     head_learning_rate_multiplier: float = field(default=2.0, metadata={"help": "Head learning rate / encoder learning rate."})
     classifier_learning_rate: Optional[float] = field(default=1e-3, metadata={"help": "Learning rate of the classifier vectors."})
     index_kind: str = field(default="exact", metadata={"help": "Label index saved with the model: exact | hnsw | torch."})

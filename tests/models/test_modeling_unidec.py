@@ -124,7 +124,7 @@ def test_classifier_gradient_only_on_pool_rows(tiny_encoder_dir, tiny_task):
 
 def test_label_text_classifier_init_and_its_reload(tiny_encoder_dir, tiny_task, tmp_path):
     data = tiny_task[0]
-    model = UniDECModel.from_encoder_pretrained(tiny_encoder_dir, label_space_size=len(data.label_texts), projection_dim=12)
+    model = UniDECModel.from_encoder_pretrained(tiny_encoder_dir, label_space_size=len(data.label_texts), projection_dim=12, classifier_init="label_text")
     model.set_labels(data.label_texts)
     assert model.needs_label_state
     model.initialize_label_state(show_progress_bar=False)
@@ -138,6 +138,17 @@ def test_label_text_classifier_init_and_its_reload(tiny_encoder_dir, tiny_task, 
     assert not xavier.needs_label_state
     bound = (6 / (len(data.label_texts) + 12)) ** 0.5
     assert xavier.classifier.weight.abs().max() <= bound and xavier.classifier.weight.std() > bound / 4
+
+
+def test_trainer_initialises_label_text_classifiers_before_the_first_step(tiny_encoder_dir, tiny_task, tmp_path):
+    data = tiny_task[0]
+    model = UniDECModel.from_encoder_pretrained(tiny_encoder_dir, label_space_size=len(data.label_texts), projection_dim=12, classifier_init="label_text")
+    args = XMCTrainingArguments(output_dir=str(tmp_path), max_steps=1, learning_rate=1e-12, save_strategy="no", disable_tqdm=True)
+    trainer = XMCTrainer(model=model, args=args, train_dataset=data.train, label_texts=data.label_texts)
+    trainer.train()
+    assert not model.needs_label_state
+    norms = model.classifier.weight.detach().norm(dim=1)
+    torch.testing.assert_close(norms, torch.ones_like(norms), atol=1e-3, rtol=0)  # unit rows from the label texts
 
 
 def test_heads_start_orthogonal_and_scales_at_their_init(tiny_encoder_dir, tiny_task):
