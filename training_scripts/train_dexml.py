@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 
 from hf_xmc.models import DEXMLModel
 from hf_xmc.training import XMCTrainingArguments
-from hf_xmc.training.script_utils import build_evaluator, load_data, parse_script_args, train_and_evaluate
+from hf_xmc.training.script_utils import (
+    build_evaluator,
+    load_data,
+    model_config_kwargs,
+    parse_script_args,
+    train_and_evaluate,
+)
 
 logger = logging.getLogger("train_dexml")
 
@@ -53,18 +59,7 @@ def main(argv=None) -> dict:
     data = load_data(data_args)
     model = DEXMLModel.from_encoder_pretrained(
         model_args.model_name_or_path,
-        pooling=model_args.pooling,
-        normalize=model_args.normalize,
-        temperature=model_args.temperature,
-        loss=model_args.loss,
-        topk_k=model_args.topk_k,
-        topk_alpha=model_args.topk_alpha,
-        embedding_dropout=model_args.embedding_dropout,
-        index_kind=model_args.index_kind,
-        max_seq_length=data_args.max_seq_length,
-        label_max_seq_length=data_args.label_max_seq_length or data_args.max_seq_length,
-        propensity_a=data_args.propensity_a,
-        propensity_b=data_args.propensity_b,
+        **model_config_kwargs(model_args, data_args),
     )
     return train_and_evaluate(model, data, build_evaluator(data, data_args), training_args)
 

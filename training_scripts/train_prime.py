@@ -23,7 +23,13 @@ from typing import Optional
 
 from hf_xmc.models import PRIMEModel
 from hf_xmc.training import XMCTrainingArguments
-from hf_xmc.training.script_utils import build_evaluator, load_data, parse_script_args, train_and_evaluate
+from hf_xmc.training.script_utils import (
+    build_evaluator,
+    load_data,
+    model_config_kwargs,
+    parse_script_args,
+    train_and_evaluate,
+)
 
 logger = logging.getLogger("train_prime")
 
@@ -73,27 +79,7 @@ def main(argv=None) -> dict:
     model = PRIMEModel.from_encoder_pretrained(
         model_args.model_name_or_path,
         label_space_size=len(data.label_texts),
-        pooling=model_args.pooling,
-        num_free_vectors=model_args.num_free_vectors,
-        lpn_intermediate_size=model_args.lpn_intermediate_size,
-        lpn_dropout=model_args.lpn_dropout,
-        centroid_update=model_args.centroid_update,
-        centroid_momentum=model_args.centroid_momentum,
-        margin_min=model_args.margin_min,
-        margin_max=model_args.margin_max,
-        loss_num_negatives=model_args.loss_num_negatives,
-        negative_temperature=model_args.negative_temperature,
-        positive_selection=model_args.positive_selection,
-        paper_inverted_region=model_args.paper_inverted_region,
-        query_to_label_weight=model_args.query_to_label_weight,
-        label_to_query_weight=model_args.label_to_query_weight,
-        regularizer_weight=model_args.regularizer_weight,
-        regularizer_margin=model_args.regularizer_margin,
-        index_kind=model_args.index_kind,
-        max_seq_length=data_args.max_seq_length,
-        label_max_seq_length=data_args.label_max_seq_length or data_args.max_seq_length,
-        propensity_a=data_args.propensity_a,
-        propensity_b=data_args.propensity_b,
+        **model_config_kwargs(model_args, data_args),
     )
     return train_and_evaluate(model, data, build_evaluator(data, data_args), training_args)
 

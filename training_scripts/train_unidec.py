@@ -27,7 +27,13 @@ from typing import Optional
 
 from hf_xmc.models import UniDECModel
 from hf_xmc.training import XMCTrainingArguments
-from hf_xmc.training.script_utils import build_evaluator, load_data, parse_script_args, train_and_evaluate
+from hf_xmc.training.script_utils import (
+    build_evaluator,
+    load_data,
+    model_config_kwargs,
+    parse_script_args,
+    train_and_evaluate,
+)
 
 logger = logging.getLogger("train_unidec")
 
@@ -84,27 +90,7 @@ def main(argv=None) -> dict:
     model = UniDECModel.from_encoder_pretrained(
         model_args.model_name_or_path,
         label_space_size=len(data.label_texts),
-        pooling=model_args.pooling,
-        projection_dim=model_args.projection_dim,
-        head_dropout=model_args.head_dropout,
-        use_classifier=model_args.use_classifier,
-        de_loss=model_args.de_loss,
-        clf_loss=model_args.clf_loss,
-        clf_bce_weight=model_args.clf_bce_weight,
-        logit_scale_init=model_args.logit_scale_init,
-        learnable_logit_scale=model_args.learnable_logit_scale,
-        de_query_to_label_weight=model_args.de_query_to_label_weight,
-        clf_query_to_label_weight=model_args.clf_query_to_label_weight,
-        de_weight=model_args.de_weight,
-        search_mode=model_args.search_mode,
-        classifier_init=model_args.classifier_init,
-        head_learning_rate_multiplier=model_args.head_learning_rate_multiplier,
-        classifier_learning_rate=model_args.classifier_learning_rate,
-        index_kind=model_args.index_kind,
-        max_seq_length=data_args.max_seq_length,
-        label_max_seq_length=data_args.label_max_seq_length or data_args.max_seq_length,
-        propensity_a=data_args.propensity_a,
-        propensity_b=data_args.propensity_b,
+        **model_config_kwargs(model_args, data_args),
     )
     return train_and_evaluate(model, data, build_evaluator(data, data_args), training_args)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -61,6 +62,20 @@ def parse_script_args(model_arguments: type, training_arguments: type, argv: Opt
     setup_logging(training_args)
     set_seed(training_args.seed)
     return model_args, data_args, training_args
+
+
+def model_config_kwargs(model_args, data_args: XMCDataArguments) -> dict:
+    """Config fields for ``<Model>.from_encoder_pretrained``: every field of a script's model-argument dataclass (they
+    are named after the config fields) except ``model_name_or_path``, plus the token budgets and propensity constants
+    of the data arguments."""
+    kwargs = {f.name: getattr(model_args, f.name) for f in dataclasses.fields(model_args) if f.name != "model_name_or_path"}
+    kwargs.update(
+        max_seq_length=data_args.max_seq_length,
+        label_max_seq_length=data_args.label_max_seq_length or data_args.max_seq_length,
+        propensity_a=data_args.propensity_a,
+        propensity_b=data_args.propensity_b,
+    )
+    return kwargs
 
 
 def load_data(data_args: XMCDataArguments) -> XCData:
