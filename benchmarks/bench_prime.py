@@ -9,14 +9,13 @@ is the check on data the defaults were not tuned on. Writes benchmarks/results/p
 --update_readme, the table between the README's ``<!-- bench:prime -->`` markers (``--marker`` picks another pair).
 """
 
-import argparse
 import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.sweep_defaults import run_modes  # noqa: E402
+from benchmarks.sweep_defaults import modes_main  # noqa: E402
 
 MODES = {
     "dexml": ("DEXML, in-batch negatives (DecoupledSoftmax, uniform positives, random batches)", "dexml", []),
@@ -33,14 +32,7 @@ DEFAULT_MODES = ["dexml", "prime", "prime_random_batches"]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters"])
-    ap.add_argument("--epochs", default="1")
-    ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
-    ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", "prime.json"))
-    ap.add_argument("--update_readme", action="store_true")
-    ap.add_argument("--marker", default="prime", help="README marker to fill: <!-- bench:MARKER -->")
-    run_modes(MODES, ap.parse_args(), "MiniLM-L6, lr 3e-4")
+    modes_main(__doc__, MODES, DEFAULT_MODES, "prime.json", "prime")
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ benchmarks/results/unidec.json and, with --update_readme, the table between the 
 markers (``--marker`` picks another pair).
 """
 
-import argparse
 import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.sweep_defaults import run_modes  # noqa: E402
+from benchmarks.sweep_defaults import modes_main  # noqa: E402
 
 MODES = {
     "depsl": ("DePSL: the UniDEC recipe without classifier (--use_classifier false)", "unidec", ["--use_classifier", "false"]),
@@ -49,14 +48,7 @@ DEFAULT_MODES = ["depsl", "unidec_text_bce", "unidec_xavier_bce", "unidec_text_d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters"])
-    ap.add_argument("--epochs", default="1")
-    ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
-    ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", "unidec.json"))
-    ap.add_argument("--update_readme", action="store_true")
-    ap.add_argument("--marker", default="unidec", help="README marker to fill: <!-- bench:MARKER -->")
-    run_modes(MODES, ap.parse_args(), "MiniLM-L6, lr 3e-4")
+    modes_main(__doc__, MODES, DEFAULT_MODES, "unidec.json", "unidec")
 
 
 if __name__ == "__main__":

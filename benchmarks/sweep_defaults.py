@@ -86,6 +86,19 @@ def run_modes(modes: dict, args, title: str) -> list[dict]:
     return rows
 
 
+def modes_main(doc: str, modes: dict, default_modes: list[str], results_name: str, marker: str, title: str = "MiniLM-L6, lr 3e-4") -> None:
+    """Command line of a modes benchmark (bench_prime, bench_unidec): ``--datasets --epochs --modes --results
+    --update_readme --marker``, then :func:`run_modes`."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters"])
+    ap.add_argument("--epochs", default="1")
+    ap.add_argument("--modes", nargs="+", default=default_modes, choices=list(modes))
+    ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", results_name))
+    ap.add_argument("--update_readme", action="store_true")
+    ap.add_argument("--marker", default=marker, help="README marker to fill: <!-- bench:MARKER -->")
+    run_modes(modes, ap.parse_args(), title)
+
+
 def minilm() -> str:
     from hf_xmc.quickstart import minilm_path
 
