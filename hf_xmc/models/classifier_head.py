@@ -1,7 +1,7 @@
 """Extreme classifiers: one learnable vector per label, trained and searched without dense label x batch logits.
 
 Shared by the methods with per-label classifiers (UniDEC's ``Psi``; SiameseXML, MUFIN and PRIME's OvA stage reuse
-it). Training scores a batch only against the rows of its label pool (``pool_scores``), so one step costs
+it). Training scores a batch only against the rows of its label pool (``pool_weights``), so one step costs
 ``batch x pool x d`` whatever the label space; inference never scores all labels either: the normalised weights go
 into the label index and a query's top-k come from the index search.
 
@@ -28,7 +28,7 @@ class ExtremeClassifier(nn.Module):
 
     Example:
         >>> clf = ExtremeClassifier(1_000_000, 64)
-        >>> scores = clf.pool_scores(torch.randn(8, 64), torch.tensor([3, 17, 999_999]))  # (8, 3)
+        >>> scores = torch.randn(8, 64) @ clf.pool_weights(torch.tensor([3, 17, 999_999])).T  # (8, 3)
     """
 
     def __init__(self, num_labels: int, dim: int):
@@ -46,10 +46,6 @@ class ExtremeClassifier(nn.Module):
         if label_ids.numel() and (int(label_ids.min()) < 0 or int(label_ids.max()) >= self.num_labels):
             raise ValueError(f"label ids must lie in [0, {self.num_labels}), got [{int(label_ids.min())}, {int(label_ids.max())}]")
         return self.weight.index_select(0, label_ids.to(self.weight.device))
-
-    def pool_scores(self, query_vectors: torch.Tensor, label_ids: torch.Tensor) -> torch.Tensor:
-        """Inner products ``(batch, pool)`` of query vectors with the classifiers of ``label_ids``."""
-        return query_vectors @ self.pool_weights(label_ids).to(query_vectors.dtype).T
 
     @torch.no_grad()
     def normalized_weights(self, chunk_size: int = 65536) -> torch.Tensor:

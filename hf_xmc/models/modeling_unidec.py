@@ -262,7 +262,8 @@ class UniDECModel(UniDECPreTrainedModel):
         clf_scores = None
         if self.classifier is not None:
             clf_queries = self.clf_head(query_embeds)
-            clf_scores = self.classifier.pool_scores(clf_queries, label_ids)  # (batch, pool): never (batch, L)
+            pool_vectors = self.classifier.pool_weights(label_ids)  # the pool's rows only: never (batch, L) scores
+            clf_scores = clf_queries @ pool_vectors.to(clf_queries.dtype).T
         loss = None
         if targets is not None:
             terms = self.loss_fn(
@@ -277,8 +278,7 @@ class UniDECModel(UniDECPreTrainedModel):
             if self.search_mode == "de":
                 logits = de_scores
             else:
-                pool_vectors = F.normalize(self.classifier.pool_weights(label_ids), dim=-1)
-                clf_cosines = F.normalize(clf_queries, dim=-1) @ pool_vectors.T
+                clf_cosines = F.normalize(clf_queries, dim=-1) @ F.normalize(pool_vectors.to(clf_queries.dtype), dim=-1).T
                 logits = clf_cosines if self.search_mode == "classifier" else de_scores + clf_cosines
         return loss, logits.detach()
 
