@@ -102,6 +102,13 @@ class XMCDataCollator:
     def _labels_of(self, r: int) -> np.ndarray:
         return self.targets.indices[self.targets.indptr[r] : self.targets.indptr[r + 1]]
 
+    def _positive_probabilities(self, labels: np.ndarray) -> Optional[np.ndarray]:
+        """Draw probabilities over a query's labels: ``positive_weights`` normalised, or None (uniform)."""
+        if self.positive_weights is None:
+            return None
+        w = self.positive_weights[labels]
+        return w / w.sum()
+
     def sample_positives(self, rows: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
         """Sample up to ``num_positives`` distinct positives per query (uniform or by ``positive_weights``)."""
         out = []
@@ -110,11 +117,7 @@ class XMCDataCollator:
             if len(labels) <= self.num_positives:
                 out.append(rng.permutation(labels))
                 continue
-            p = None
-            if self.positive_weights is not None:
-                w = self.positive_weights[labels]
-                p = w / w.sum()
-            out.append(rng.choice(labels, self.num_positives, replace=False, p=p))
+            out.append(rng.choice(labels, self.num_positives, replace=False, p=self._positive_probabilities(labels)))
         return out
 
     def sample_negatives(self, rows: np.ndarray, rng: np.random.Generator) -> Optional[np.ndarray]:
@@ -202,11 +205,7 @@ class PSLDataCollator(XMCDataCollator):
             if len(labels) == 0:
                 out.append(labels.astype(np.int64))
                 continue
-            p = None
-            if self.positive_weights is not None:
-                w = self.positive_weights[labels]
-                p = w / w.sum()
-            out.append(rng.choice(labels, self.num_positives, replace=True, p=p))
+            out.append(rng.choice(labels, self.num_positives, replace=True, p=self._positive_probabilities(labels)))
         return out
 
     def build_pool(
