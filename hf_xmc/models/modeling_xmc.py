@@ -6,18 +6,22 @@ texts, plus a *label store* that rides with the checkpoint:
 * ``tokenizer``: saved with the model (``tokenizer.json`` ...);
 * ``labels.jsonl``: one ``{"uid", "text"}`` per label, in label-id order;
 * ``label_embeddings.safetensors``: the label vectors used for search (the source of truth);
-* ``label_index.faiss`` + ``label_index.json``: the search index, a rebuildable cache.
+* ``label_index.faiss`` + ``label_index.json``: the search index, a rebuildable cache;
+* ``README.md`` + ``xmc_metrics.png``: the model card, when the model has one (``hf_xmc.cards`` generates it
+  from a training run; a loaded model keeps the card it was loaded with).
 
 ``save_pretrained`` writes them (so Trainer checkpoints and ``push_to_hub`` carry them) and ``from_pretrained``
-reads them back through ``cached_file``, so a local directory and a Hub repo id both work.
+reads them back through ``cached_file``, so a local directory and a Hub repo id both work. ``push_to_hub``
+uploads everything ``save_pretrained`` writes in one commit.
 
-This file is part of the remote-code bundle: it imports only torch, transformers, numpy, safetensors, tqdm
-and its siblings.
+This file is part of the remote-code bundle: it imports only torch, transformers, huggingface_hub, numpy,
+safetensors, tqdm and its siblings.
 """
 
 
 import json
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -25,6 +29,7 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
+from huggingface_hub import HfApi, ModelCardData
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
@@ -39,6 +44,8 @@ logger = logging.get_logger(__name__)
 
 LABELS_FILE = "labels.jsonl"
 LABEL_EMBEDDINGS_FILE = "label_embeddings.safetensors"
+MODEL_CARD_FILE = "README.md"
+MODEL_CARD_ASSETS = ("xmc_metrics.png",)  # files the card shows; they travel with it
 
 
 @dataclass
@@ -71,6 +78,57 @@ class XMCModelOutput(ModelOutput):
     logits: Optional[torch.FloatTensor] = None
     query_embeds: Optional[torch.FloatTensor] = None
     label_embeds: Optional[torch.FloatTensor] = None
+
+
+class ModelCardFiles:
+    """A model card as files: ``README.md`` (metadata + markdown) and the images it shows, saved next to the model.
+
+    ``hf_xmc.cards.generate_model_card`` builds one from a training run; ``from_pretrained`` reads back the card a
+    model was saved with, so saving or pushing a loaded model keeps it.
+    """
+
+    def __init__(self, files: dict[str, bytes]):
+        if MODEL_CARD_FILE not in files:
+            raise ValueError(f"a model card needs a {MODEL_CARD_FILE}; got {sorted(files)}")
+        self.files = dict(files)
+
+    @property
+    def text(self) -> str:
+        """The ``README.md`` text."""
+        return self.files[MODEL_CARD_FILE].decode("utf-8")
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write every file of the card into ``directory`` (each through a temp file and a rename)."""
+        for name, data in self.files.items():
+            atomic_write(os.path.join(str(directory), name), lambda p, data=data: _write_bytes(p, data))
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def default_model_card(model: "XMCPreTrainedModel", repo_id: str, tags: Optional[Sequence[str]] = None) -> ModelCardFiles:
+    """A minimal card for a model without one: metadata and how to load it (``hf_xmc.cards`` writes full cards)."""
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-classification",
+        tags=["extreme-classification", "xmc", "hf_xmc", model.config.model_type, *(tags or [])],
+    )
+    num_labels = len(model.label_texts) if model.label_texts is not None else 0
+    text = (
+        f"---\n{data.to_yaml()}\n---\n\n# {repo_id.split('/')[-1]}\n\n"
+        f"An extreme multi-label classification model (`{type(model).__name__}`, {num_labels:,} labels) from hf_xmc.\n\n"
+        "```python\nfrom transformers import AutoModel\n\n"
+        f'model = AutoModel.from_pretrained("{repo_id}", trust_remote_code=True)\n'
+        'pred = model.predict(["a query text"], k=5)  # label_ids, scores, label_texts\n```\n'
+    )
+    return ModelCardFiles({MODEL_CARD_FILE: text.encode("utf-8")})
 
 
 def mean_pooling(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -206,6 +264,7 @@ class XMCPreTrainedModel(PreTrainedModel):
         self.label_uids: Optional[list[str]] = None
         self.label_embeddings: Optional[torch.Tensor] = None
         self.label_index: Optional[LabelIndex] = None
+        self.model_card: Optional[ModelCardFiles] = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -390,6 +449,49 @@ class XMCPreTrainedModel(PreTrainedModel):
             )
             if self.label_index is not None:
                 self.label_index.save(save_directory)
+        if self.model_card is not None:
+            self.model_card.save(save_directory)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: Optional[str] = None,
+        commit_description: Optional[str] = None,
+        private: Optional[bool] = None,
+        token: Optional[bool | str] = None,
+        revision: Optional[str] = None,
+        create_pr: bool = False,
+        max_shard_size: int | str = "50GB",
+        tags: Optional[list[str]] = None,
+        api: Optional[HfApi] = None,
+    ) -> str:
+        """Upload the model with its label store and card to the Hub in one commit; returns the commit URL.
+
+        Everything :meth:`save_pretrained` writes goes up: weights (safetensors), config with ``auto_map``, the
+        flat remote-code files, tokenizer, ``labels.jsonl``, label vectors, the index and the model card
+        (``self.model_card``, or a minimal one when the model has none). Unlike ``PreTrainedModel.push_to_hub``
+        the card is not replaced by the Hub's existing one. ``revision`` names a branch (created if missing);
+        ``api`` lets tests and tools inject an ``HfApi``-like client.
+        """
+        api = api if api is not None else HfApi(library_name="hf_xmc")
+        repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        if revision is not None and not create_pr:
+            api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp, max_shard_size=max_shard_size)
+            if self.model_card is None:
+                default_model_card(self, repo_id, tags).save(tmp)
+            commit = api.upload_folder(
+                repo_id=repo_id,
+                folder_path=tmp,
+                commit_message=commit_message or f"Upload {type(self).__name__}",
+                commit_description=commit_description,
+                token=token,
+                revision=revision,
+                create_pr=create_pr,
+            )
+        return str(getattr(commit, "commit_url", commit))
 
     def _write_labels(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -435,3 +537,8 @@ class XMCPreTrainedModel(PreTrainedModel):
             self.label_index = LabelIndex.load(
                 emb, meta_path=fetch(INDEX_META_FILE), index_path=fetch(INDEX_FILE), kind=self.config.index_kind
             )
+        card_path = fetch(MODEL_CARD_FILE)
+        if card_path is not None:
+            files = {MODEL_CARD_FILE: card_path}
+            files.update({name: fetch(name) for name in MODEL_CARD_ASSETS})
+            self.model_card = ModelCardFiles({name: _read_bytes(p) for name, p in files.items() if p is not None})

@@ -54,11 +54,15 @@ class XMCEvaluator:
         self.label_texts = list(label_texts)
         self.label_uids = list(label_uids) if label_uids is not None else None
         self.inv_propensity = inverse_propensity(train_targets, propensity_a, propensity_b) if train_targets is not None else None
+        self.train_label_counts = np.asarray(train_targets.sum(axis=0)).ravel() if train_targets is not None else None
+        self.propensity_a, self.propensity_b = propensity_a, propensity_b
         self.filter_matrix = sp.csr_matrix(filter_matrix) if filter_matrix is not None else None
         self.ks = tuple(ks)
         self.recall_ks = tuple(recall_ks)
         self.name = name
         self.batch_size = batch_size
+        # top-max(ks) label ids of the last evaluation (the model card's curves are computed from them)
+        self.last_predictions: Optional[np.ndarray] = None
 
     @property
     def top_k(self) -> int:
@@ -83,6 +87,7 @@ class XMCEvaluator:
         start = time.perf_counter()
         ids, _, query_seconds = self.predict(model, show_progress_bar)
         metrics = xmc_metrics(ids, self.data.targets, self.inv_propensity, ks=self.ks, recall_ks=self.recall_ks)
+        self.last_predictions = np.ascontiguousarray(ids[:, : max(self.ks)])
         out = {f"{self.name}_{key}": float(value) for key, value in metrics.items()}
         out[f"{self.name}_runtime"] = round(time.perf_counter() - start, 4)
         out[f"{self.name}_samples_per_second"] = round(len(self.data) / max(query_seconds, 1e-9), 3)

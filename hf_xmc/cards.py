@@ -1,0 +1,308 @@
+"""Model cards generated from a training run.
+
+``generate_model_card(model, summary, ...)`` renders the method's template from ``model_cards/`` into a
+``README.md`` whose YAML front matter is a ``huggingface_hub.ModelCardData`` with a ``model-index`` of the test
+results (P@k, nDCG@k, PSP@k on the named dataset), plus ``xmc_metrics.png``: P@k and PSP@k by k, and each
+label-frequency bucket's share of P@k. The card rides with the model (``model.model_card``), so
+``save_pretrained``, Trainer checkpoints and ``push_to_hub`` write it next to the weights.
+
+    summary = evaluation_summary(evaluator)              # after evaluator(model) ran
+    card = generate_model_card(model, summary, dataset_name="Debtags", training_args=args)
+    model.model_card = card                              # saved and pushed with the model
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import sys
+import sysconfig
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from .metrics import precision_by_frequency_bucket, xmc_metrics
+from .models.modeling_xmc import MODEL_CARD_ASSETS, MODEL_CARD_FILE, ModelCardFiles
+
+PLOT_FILE = MODEL_CARD_ASSETS[0]
+CARD_METRICS = ("P@1", "P@3", "P@5", "nDCG@1", "nDCG@3", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")
+# model-index metric ids (free text on the Hub: there is no precision_at_k metric id there)
+METRIC_TYPES = {"P": "precision_at_{k}", "nDCG": "ndcg_at_{k}", "PSP": "propensity_scored_precision_at_{k}"}
+# Training arguments a card lists when they are set (the rest are transformers' defaults).
+CARD_TRAINING_ARGS = (
+    "learning_rate", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "seed",
+    "lr_scheduler_type", "warmup_steps", "weight_decay", "label_pool", "max_label_pool", "positive_sampling",
+    "num_positives", "hard_negatives", "hard_negative_top_k", "hard_negative_start_epoch", "cluster_batching",
+    "gradient_cache_chunk_size", "bf16", "fp16",
+)
+TEMPLATES_ENV = "HF_XMC_MODEL_CARDS"
+
+
+def templates_dir() -> Path:
+    """Where the card templates live: ``$HF_XMC_MODEL_CARDS``, the repository's ``model_cards/`` (a clone or an
+    editable install), or ``<prefix>/share/hf_xmc/model_cards`` (a wheel install)."""
+    candidates = [os.environ.get(TEMPLATES_ENV), Path(__file__).resolve().parent.parent / "model_cards"]
+    candidates += [Path(sysconfig.get_path("data")) / "share" / "hf_xmc" / "model_cards", Path(sys.prefix) / "share" / "hf_xmc" / "model_cards"]
+    for path in candidates:
+        if path and (Path(path) / "base.md").is_file():
+            return Path(path)
+    raise FileNotFoundError(f"model card templates not found (looked in {[str(c) for c in candidates if c]}); set {TEMPLATES_ENV}")
+
+
+def evaluation_summary(evaluator, num_buckets: int = 5) -> dict[str, Any]:
+    """What a card shows of the last evaluation of ``evaluator`` (an ``XMCEvaluator`` that has run).
+
+    Returns ``metrics`` (the evaluator's metric names without prefix, in percent), ``curve`` (P@k and PSP@k for
+    k = 1..max(ks)), ``buckets`` (``precision_by_frequency_bucket`` at the largest k, when train targets were
+    given), ``num_queries``, ``split`` (the evaluator's name) and the propensity constants.
+    """
+    ids = evaluator.last_predictions
+    if ids is None:
+        raise ValueError("the evaluator has not run yet: call evaluator(model) (or trainer.evaluate()) first")
+    truth = evaluator.data.targets
+    k_max = ids.shape[1]
+    ks = tuple(range(1, k_max + 1))
+    per_k = xmc_metrics(ids, truth, evaluator.inv_propensity, ks=ks, recall_ks=())
+    metrics = xmc_metrics(ids, truth, evaluator.inv_propensity, ks=evaluator.ks, recall_ks=())
+    curve: dict[str, list[float]] = {"k": list(ks), "P@k": [per_k[f"P@{k}"] for k in ks]}
+    if evaluator.inv_propensity is not None:
+        curve["PSP@k"] = [per_k[f"PSP@{k}"] for k in ks]
+    buckets = None
+    if evaluator.train_label_counts is not None:
+        buckets = precision_by_frequency_bucket(ids, truth, evaluator.train_label_counts, k=k_max, num_buckets=num_buckets)
+    return {
+        "metrics": metrics,
+        "curve": curve,
+        "buckets": buckets,
+        "bucket_k": k_max,
+        "num_queries": int(truth.shape[0]),
+        "split": evaluator.name,
+        "propensity": (evaluator.propensity_a, evaluator.propensity_b),
+    }
+
+
+def plot_metrics(summary: Mapping[str, Any], title: Optional[str] = None) -> bytes:
+    """PNG of the card's figure: P@k / PSP@k against k, and the share of P@k won in each label-frequency bucket
+    (head to tail). Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    buckets = summary.get("buckets")
+    fig, axes = plt.subplots(1, 2 if buckets else 1, figsize=(10 if buckets else 5, 3.6), squeeze=False)
+    ax = axes[0, 0]
+    curve = summary["curve"]
+    for name, marker in (("P@k", "o"), ("PSP@k", "s")):
+        if name in curve:
+            ax.plot(curve["k"], curve[name], marker=marker, label=name)
+    ax.set_xlabel("k")
+    ax.set_ylabel("%")
+    ax.set_xticks(curve["k"])
+    ax.set_title("precision at k")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if buckets:
+        ax = axes[0, 1]
+        k = summary["bucket_k"]
+        names = [_bucket_name(b) for b in buckets]
+        values = [100.0 * b["precision_contribution"] for b in buckets]
+        bars = ax.bar(range(len(buckets)), values, color="tab:green")
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        ax.set_xticks(range(len(buckets)), names, fontsize=7)
+        ax.set_xlabel("label bucket by train frequency (head -> tail)")
+        ax.set_ylabel(f"contribution to P@{k} (%)")
+        ax.set_title(f"P@{k} by label frequency")
+        ax.grid(alpha=0.3, axis="y")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png", dpi=110)
+    plt.close(fig)
+    return out.getvalue()
+
+
+def _bucket_name(bucket: Mapping[str, Any]) -> str:
+    if bucket["min_freq"] is None:
+        return f"{bucket['num_labels']} labels"
+    low, high = int(bucket["min_freq"]), int(bucket["max_freq"])
+    freq = f"{low}" if low == high else f"{low}-{high}"
+    return f"freq {freq}\n{bucket['num_labels']} labels"
+
+
+def eval_results(summary: Mapping[str, Any], dataset_name: str, dataset_id: Optional[str] = None) -> list[EvalResult]:
+    """``model-index`` entries (percent values) of the card's metrics that the summary holds."""
+    results = []
+    for name in CARD_METRICS:
+        if name not in summary["metrics"]:
+            continue
+        family, k = name.split("@")
+        results.append(
+            EvalResult(
+                task_type="text-classification",
+                task_name="Extreme multi-label classification",
+                dataset_type=dataset_id or dataset_name,
+                dataset_name=dataset_name,
+                dataset_split=summary["split"],
+                metric_type=METRIC_TYPES[family].format(k=k),
+                metric_name=name,
+                metric_value=round(float(summary["metrics"][name]), 2),
+            )
+        )
+    return results
+
+
+def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_format(v) for v in value)
+    return f"`{value}`" if isinstance(value, str) else str(value)
+
+
+def _config_rows(model) -> list[tuple[str, str]]:
+    """The method's own config fields (not PreTrainedConfig's generic ones; the encoder is summarised by type)."""
+    from transformers import PreTrainedConfig
+
+    generic = {f.name for f in dataclasses.fields(PreTrainedConfig)} | {"encoder_config"}
+    encoder = model.config.encoder_config
+    rows = [("encoder", f"`{encoder.model_type}`, hidden size {encoder.hidden_size}, {encoder.num_hidden_layers} layers")]
+    for f in dataclasses.fields(type(model.config)):
+        value = getattr(model.config, f.name, None)
+        if f.name not in generic and value is not None and not isinstance(value, dict):
+            rows.append((f.name, _format(value)))
+    return rows
+
+
+def _training_rows(training_args, train_metrics: Optional[Mapping[str, float]]) -> list[tuple[str, str]]:
+    rows = []
+    if training_args is not None:
+        for key in CARD_TRAINING_ARGS:
+            value = getattr(training_args, key, None)
+            if value is None or value is False:
+                continue
+            if key in ("label_pool", "positive_sampling") or value != 0:
+                rows.append((key, _format(value.value if hasattr(value, "value") else value)))
+        rows.append(("processes", str(getattr(training_args, "world_size", 1))))
+    for key in ("train_runtime", "train_samples_per_second"):
+        if train_metrics and key in train_metrics:
+            rows.append((key, f"{train_metrics[key]:.1f}"))
+    return rows
+
+
+def _bucket_rows(summary: Mapping[str, Any]) -> list[tuple]:
+    rows = []
+    for b in summary["buckets"] or []:
+        freq = "-" if b["min_freq"] is None else f"{int(b['min_freq'])}-{int(b['max_freq'])}"
+        rows.append((b["bucket"], freq, f"{b['num_labels']:,}", f"{100 * b['train_mass_share']:.1f}", f"{100 * b['precision_contribution']:.2f}"))
+    return rows
+
+
+def generate_model_card(
+    model,
+    summary: Optional[Mapping[str, Any]] = None,
+    *,
+    dataset_name: Optional[str] = None,
+    dataset_id: Optional[str] = None,
+    model_name: Optional[str] = None,
+    base_model: Optional[str] = None,
+    training_args=None,
+    train_metrics: Optional[Mapping[str, float]] = None,
+    license: str = "apache-2.0",
+    tags: Sequence[str] = (),
+    template_path: Optional[str | os.PathLike] = None,
+) -> ModelCardFiles:
+    """Render the model card of ``model`` (``README.md`` and, with a summary, ``xmc_metrics.png``).
+
+    Args:
+        model: an hf_xmc model (its config, label count and class pick the template ``model_cards/<method>.md``).
+        summary: :func:`evaluation_summary` of its test evaluation; without it the card has no results.
+        dataset_name / dataset_id: the evaluation dataset's name, and its Hub dataset id if it has one.
+        model_name: the card's title and ``model-index`` name (default: ``<method>-<dataset>``).
+        base_model: the Hub id of the encoder the model started from (metadata ``base_model``).
+        training_args: the run's ``TrainingArguments`` (hyper-parameter table).
+        train_metrics: ``train_runtime`` etc. from ``Trainer.train``.
+        template_path: a jinja2 template to use instead of the method's.
+    """
+    import jinja2
+
+    method = model.config.model_type.removeprefix("hf_xmc_")
+    dataset_name = dataset_name or "unnamed dataset"
+    model_name = model_name or f"{method}-{dataset_name}".lower().replace(" ", "-")
+    num_labels = len(model.label_texts) if model.label_texts is not None else 0
+    card_data = ModelCardData(
+        model_name=model_name,
+        library_name="transformers",
+        pipeline_tag="text-classification",
+        license=license,
+        base_model=base_model,
+        datasets=[dataset_id] if dataset_id else None,
+        metrics=["precision", "ndcg"] if summary else None,
+        tags=["extreme-classification", "xmc", "hf_xmc", method, *tags],
+        eval_results=eval_results(summary, dataset_name, dataset_id) if summary else None,
+    )
+    files: dict[str, bytes] = {}
+    if summary is not None:
+        files[PLOT_FILE] = plot_metrics(summary, title=f"{model_name}: {dataset_name} {summary['split']} split")
+    if template_path is not None:
+        loader = jinja2.FileSystemLoader([str(Path(template_path).parent), str(templates_dir())])
+        template_name = Path(template_path).name
+    else:
+        directory = templates_dir()
+        loader = jinja2.FileSystemLoader(str(directory))
+        template_name = f"{method}.md" if (directory / f"{method}.md").is_file() else "base.md"
+    env = jinja2.Environment(loader=loader, keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
+    metrics = summary["metrics"] if summary else {}
+    training_rows = _training_rows(training_args, train_metrics)
+    text = env.get_template(template_name).render(
+        card_data=card_data.to_yaml(),
+        model_name=model_name,
+        model_class=type(model).__name__,
+        method=method,
+        num_labels=f"{num_labels:,}",
+        base_model=base_model,
+        dataset_name=dataset_name,
+        summary=summary,
+        metrics_table=_table([(m, f"{metrics[m]:.2f}") for m in CARD_METRICS if m in metrics], ("metric", "value (%)")) if metrics else None,
+        bucket_table=_table(_bucket_rows(summary), ("bucket (head -> tail)", "train frequency", "labels", "train positives (%)", f"contribution to P@{summary['bucket_k']} (%)")) if summary and summary["buckets"] else None,
+        plot_file=PLOT_FILE if summary is not None else None,
+        training_table=_table(training_rows, ("hyper-parameter", "value")) if training_rows else None,
+        config_table=_table(_config_rows(model), ("config field", "value")),
+        example_text=(model.label_texts[0] if model.label_texts else "a query text"),
+    )
+    ModelCard(text)  # parses the front matter: a broken template fails here, not on the Hub
+    files[MODEL_CARD_FILE] = text.encode("utf-8")
+    return ModelCardFiles(files)
+
+
+def summary_from_metrics(metrics: Mapping[str, float], split: str = "test") -> dict[str, Any]:
+    """A results-only summary (no curves, no buckets) from ``eval_results.json``-style ``<split>_P@1`` keys, for a
+    card written after the fact."""
+    prefix = f"{split}_"
+    values = {k[len(prefix):]: float(v) for k, v in metrics.items() if k.startswith(prefix) and k[len(prefix):] in CARD_METRICS}
+    ks = sorted({int(m.split("@")[1]) for m in values if m.startswith("P@")})
+    curve = {"k": ks, "P@k": [values[f"P@{k}"] for k in ks]}
+    if all(f"PSP@{k}" in values for k in ks):
+        curve["PSP@k"] = [values[f"PSP@{k}"] for k in ks]
+    return {"metrics": values, "curve": curve, "buckets": None, "bucket_k": max(ks, default=0), "num_queries": None, "split": split, "propensity": None}
+
+
+__all__ = [
+    "PLOT_FILE",
+    "evaluation_summary",
+    "eval_results",
+    "generate_model_card",
+    "plot_metrics",
+    "summary_from_metrics",
+    "templates_dir",
+]
