@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import re
 import sys
 import sysconfig
 from collections.abc import Mapping, Sequence
@@ -57,7 +58,7 @@ def evaluation_summary(evaluator, num_buckets: int = 5) -> dict[str, Any]:
 
     Returns ``metrics`` (the evaluator's metric names without prefix, in percent), ``curve`` (P@k and PSP@k for
     k = 1..max(ks)), ``buckets`` (``precision_by_frequency_bucket`` at the largest k, when train targets were
-    given), ``num_queries``, ``split`` (the evaluator's name) and the propensity constants.
+    given), ``num_queries``, ``split`` (the evaluator's name), ``dataset_name`` and the propensity constants.
     """
     ids = evaluator.last_predictions
     if ids is None:
@@ -80,7 +81,8 @@ def evaluation_summary(evaluator, num_buckets: int = 5) -> dict[str, Any]:
         "bucket_k": k_max,
         "num_queries": int(truth.shape[0]),
         "split": evaluator.name,
-        "propensity": (evaluator.propensity_a, evaluator.propensity_b),
+        "dataset_name": evaluator.dataset_name,
+        "propensity": (evaluator.propensity_a, evaluator.propensity_b) if evaluator.inv_propensity is not None else None,
     }
 
 
@@ -156,6 +158,13 @@ def eval_results(summary: Mapping[str, Any], dataset_name: str, dataset_id: Opti
     return results
 
 
+def _hub_repo_id(name: Optional[str]) -> Optional[str]:
+    """``name`` if it reads as a Hub repo id (``org/name``) and is not a local path, else None."""
+    if not name or os.path.exists(name) or not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        return None
+    return name
+
+
 def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -215,6 +224,7 @@ def generate_model_card(
     dataset_name: Optional[str] = None,
     dataset_id: Optional[str] = None,
     model_name: Optional[str] = None,
+    model_id: Optional[str] = None,
     base_model: Optional[str] = None,
     training_args=None,
     train_metrics: Optional[Mapping[str, float]] = None,
@@ -227,9 +237,11 @@ def generate_model_card(
     Args:
         model: an hf_xmc model (its config, label count and class pick the template ``model_cards/<method>.md``).
         summary: :func:`evaluation_summary` of its test evaluation; without it the card has no results.
-        dataset_name / dataset_id: the evaluation dataset's name, and its Hub dataset id if it has one.
+        dataset_name / dataset_id: the evaluation dataset's name (default: the summary's), and its Hub dataset id.
         model_name: the card's title and ``model-index`` name (default: ``<method>-<dataset>``).
-        base_model: the Hub id of the encoder the model started from (metadata ``base_model``).
+        model_id: the repo id shown in the loading example (default: ``model_name``).
+        base_model: the Hub id of the encoder the model started from (metadata ``base_model``; default: the
+            encoder's ``name_or_path`` when that is a repo id and not a local directory).
         training_args: the run's ``TrainingArguments`` (hyper-parameter table).
         train_metrics: ``train_runtime`` etc. from ``Trainer.train``.
         template_path: a jinja2 template to use instead of the method's.
@@ -237,7 +249,8 @@ def generate_model_card(
     import jinja2
 
     method = model.config.model_type.removeprefix("hf_xmc_")
-    dataset_name = dataset_name or "unnamed dataset"
+    dataset_name = dataset_name or (summary or {}).get("dataset_name") or "unnamed dataset"
+    base_model = base_model or _hub_repo_id(model.config.encoder_config.name_or_path)
     model_name = model_name or f"{method}-{dataset_name}".lower().replace(" ", "-")
     num_labels = len(model.label_texts) if model.label_texts is not None else 0
     card_data = ModelCardData(
@@ -267,6 +280,7 @@ def generate_model_card(
     text = env.get_template(template_name).render(
         card_data=card_data.to_yaml(),
         model_name=model_name,
+        model_id=model_id or model_name,
         model_class=type(model).__name__,
         method=method,
         num_labels=f"{num_labels:,}",

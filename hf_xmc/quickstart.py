@@ -64,7 +64,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def evaluator_for(data: XCData) -> XMCEvaluator:
     """Test-split evaluator (PSP@k with the default propensity constants 0.55/1.5)."""
-    return XMCEvaluator(data.test, data.label_texts, data.label_uids, train_targets=data.train.targets, name="test")
+    return XMCEvaluator(data.test, data.label_texts, data.label_uids, train_targets=data.train.targets, name="test", dataset_name="Debtags")
 
 
 def metrics_table(columns: dict[str, dict[str, float]]) -> str:
@@ -109,7 +109,10 @@ def run(args: argparse.Namespace) -> dict:
         logging_steps=20,
         **sampling,
     )
-    metrics = train_and_evaluate(model, data, evaluator, training_args)
+    # the bundled encoder is all-MiniLM-L6-v2 from site-packages: name its Hub id in the card
+    card = {"finetuned_from": "sentence-transformers/all-MiniLM-L6-v2"} if args.encoder is None else {}
+    card["model_name"] = f"{args.method}-debtags"
+    metrics = train_and_evaluate(model, data, evaluator, training_args, card_kwargs=card)
     trained = {k: v for k, v in metrics.items() if k.startswith("test_")}
     print("\nTest metrics (%), Debtags:\n")
     print(metrics_table({"zero-shot MiniLM": zero_shot, f"{name} (trained)": trained}))
@@ -142,7 +145,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Entry point of ``python -m hf_xmc.quickstart``."""
     start = time.perf_counter()
     result = run(parse_args(argv))
-    print(f"\nDone in {time.perf_counter() - start:.0f} s; model in {result['model_dir']}")
+    print(f"\nDone in {time.perf_counter() - start:.0f} s; model (with its card, README.md) in {result['model_dir']}")
     print(json.dumps({"zero_shot_P@1": result["zero_shot"]["test_P@1"], "trained_P@1": result["trained"]["test_P@1"]}))
 
 

@@ -30,8 +30,9 @@ class XMCEvaluator:
         propensity_a / propensity_b: constants of the propensity model (pyxclib defaults 0.55 / 1.5).
         filter_matrix: optional CSR ``(num_queries, num_labels)`` of pairs removed from the predictions.
         ks / recall_ks: cut-offs for precision-type metrics and for recall.
-        name: key prefix (``"test"`` gives ``test_P@1``).
+        name: key prefix (``"test"`` gives ``test_P@1``) and the split named in model cards.
         batch_size: encoding batch size.
+        dataset_name: the dataset's name, for model cards (e.g. ``"LF-AmazonTitles-131K"``).
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class XMCEvaluator:
         recall_ks: Sequence[int] = (10, 100),
         name: str = "test",
         batch_size: int = 256,
+        dataset_name: Optional[str] = None,
     ):
         if data.targets.shape[1] != len(label_texts):
             raise ValueError(f"evaluation targets have {data.targets.shape[1]} label columns but there are {len(label_texts)} labels")
@@ -61,6 +63,7 @@ class XMCEvaluator:
         self.recall_ks = tuple(recall_ks)
         self.name = name
         self.batch_size = batch_size
+        self.dataset_name = dataset_name
         # top-max(ks) label ids of the last evaluation (the model card's curves are computed from them)
         self.last_predictions: Optional[np.ndarray] = None
 

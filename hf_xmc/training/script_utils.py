@@ -41,6 +41,9 @@ class XMCDataArguments:
     propensity_a: float = field(default=0.55, metadata={"help": "Propensity constant A for PSP@k (0.6 Amazon, 0.5 Wikipedia)."})
     propensity_b: float = field(default=1.5, metadata={"help": "Propensity constant B for PSP@k (2.6 Amazon, 0.4 Wikipedia)."})
     eval_batch_size: int = field(default=256, metadata={"help": "Encoding batch size at evaluation."})
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "Dataset name for the model card (default: the train file's folder name)."}
+    )
 
 
 def setup_logging(training_args: XMCTrainingArguments) -> None:
@@ -107,12 +110,27 @@ def build_evaluator(data: XCData, data_args: XMCDataArguments) -> XMCEvaluator:
         filter_matrix=filt,
         name="test",
         batch_size=data_args.eval_batch_size,
+        dataset_name=data_args.dataset_name or dataset_name_from_path(data_args.train_file),
     )
 
 
-def train_and_evaluate(model, data: XCData, evaluator: XMCEvaluator, training_args: XMCTrainingArguments, **trainer_kwargs) -> dict:
-    """Train ``model``, evaluate it with ``evaluator``, save it (with labels, vectors and index) to ``output_dir``
-    and write ``eval_results.json`` there; returns the metrics (``train_*`` and ``<evaluator name>_*``)."""
+def dataset_name_from_path(path: str) -> str:
+    """A dataset's name from one of its files: the folder name (``.../LF-AmazonTitles-131K/trn.json.gz``)."""
+    return os.path.basename(os.path.dirname(os.path.abspath(path))) or "dataset"
+
+
+def train_and_evaluate(
+    model,
+    data: XCData,
+    evaluator: XMCEvaluator,
+    training_args: XMCTrainingArguments,
+    card_kwargs: Optional[dict] = None,
+    **trainer_kwargs,
+) -> dict:
+    """Train ``model``, evaluate it with ``evaluator``, save it (with labels, vectors, index and model card) to
+    ``output_dir``, write ``eval_results.json`` there and, with ``--push_to_hub``, upload the directory; returns
+    the metrics (``train_*`` and ``<evaluator name>_*``). ``card_kwargs`` go to ``XMCTrainer.create_model_card``
+    (``dataset``, ``finetuned_from``, ``model_name``, ``license``, ``tags``)."""
     set_seed(training_args.seed)
     trainer = XMCTrainer(
         model=model,
@@ -131,6 +149,9 @@ def train_and_evaluate(model, data: XCData, evaluator: XMCEvaluator, training_ar
     if trainer.is_world_process_zero():
         write_json_atomic(os.path.join(training_args.output_dir, EVAL_RESULTS_FILE), metrics)
         logger.info("test metrics: %s", json.dumps({k: round(v, 2) for k, v in metrics.items() if k.startswith("test_")}))
+    trainer.create_model_card(**(card_kwargs or {}))  # README.md + plot from this run's results, beside the model
+    if training_args.push_to_hub:
+        trainer.push_to_hub()  # to --hub_model_id: the model directory with its card, labels and index
     return metrics
 
 

@@ -314,6 +314,47 @@ class XMCTrainer(Trainer):
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
+    def create_model_card(
+        self,
+        language: Optional[str] = None,
+        license: Optional[str] = None,
+        tags: Optional[str | list[str]] = None,
+        model_name: Optional[str] = None,
+        finetuned_from: Optional[str] = None,
+        tasks: Optional[str | list[str]] = None,
+        dataset_tags: Optional[str | list[str]] = None,
+        dataset: Optional[str | list[str]] = None,
+        dataset_args: Optional[str | list[str]] = None,
+    ) -> None:
+        """Write hf_xmc's model card (``README.md`` + ``xmc_metrics.png``, see :mod:`hf_xmc.cards`) into
+        ``output_dir`` and attach it to the model, so later saves and ``push_to_hub`` carry it.
+
+        Results come from the evaluator's last run (``trainer.evaluate()``); ``dataset`` names the evaluation data
+        (default: the evaluator's ``dataset_name``), ``finetuned_from`` the encoder's Hub id. ``Trainer.push_to_hub``
+        calls this before uploading ``output_dir``. ``language``, ``tasks``, ``dataset_tags`` and ``dataset_args``
+        are accepted for Trainer compatibility and not used.
+        """
+        if not self.is_world_process_zero():
+            return
+        from ..cards import evaluation_summary, generate_model_card
+
+        ran = self.evaluator is not None and self.evaluator.last_predictions is not None
+        train_metrics = next((row for row in reversed(self.state.log_history) if "train_runtime" in row), None)
+        card = generate_model_card(
+            self.accelerator.unwrap_model(self.model),
+            evaluation_summary(self.evaluator) if ran else None,
+            dataset_name=dataset if isinstance(dataset, str) or dataset is None else dataset[0],
+            model_name=model_name,
+            model_id=getattr(self, "hub_model_id", None),
+            base_model=finetuned_from,
+            training_args=self.args,
+            train_metrics=train_metrics,
+            license=license or "apache-2.0",
+            tags=[tags] if isinstance(tags, str) else (tags or ()),
+        )
+        self.accelerator.unwrap_model(self.model).model_card = card
+        card.save(self.args.output_dir)
+
 
 class XMCEpochCallback(TrainerCallback):
     """Start-of-epoch work of :class:`XMCTrainer` (collator epoch, NGAME re-clustering, hard-negative refresh), and
