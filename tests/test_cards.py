@@ -1,0 +1,102 @@
+"""Model cards: results summary, model-index metadata, per-method templates, the plot."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from PIL import Image
+
+from hf_xmc.cards import PLOT_FILE, evaluation_summary, generate_model_card, summary_from_metrics
+from hf_xmc.models import DEXMLModel, PRIMEModel, UniDECModel
+from hf_xmc.training import XMCEvaluator
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_encoder_dir, tiny_task):
+    data, _ = tiny_task
+    torch.manual_seed(0)
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir)
+    evaluator = XMCEvaluator(data.test, data.label_texts, data.label_uids, train_targets=data.train.targets, dataset_name="tiny-planted")
+    return model, evaluator, evaluator(model)
+
+
+def test_summary_matches_the_evaluation(evaluated):
+    _, evaluator, metrics = evaluated
+    summary = evaluation_summary(evaluator)
+    assert summary["dataset_name"] == "tiny-planted" and summary["split"] == "test"
+    assert summary["num_queries"] == len(evaluator.data)
+    for name in ("P@1", "P@5", "nDCG@3", "PSP@5"):
+        assert summary["metrics"][name] == pytest.approx(metrics[f"test_{name}"])
+    assert summary["curve"]["k"] == [1, 2, 3, 4, 5]
+    assert summary["curve"]["P@k"][2] == pytest.approx(metrics["test_P@3"])
+    assert summary["curve"]["PSP@k"][4] == pytest.approx(metrics["test_PSP@5"])
+    # the buckets split P@5 (head to tail) and cover every label once
+    contributions = [b["precision_contribution"] for b in summary["buckets"]]
+    assert 100 * sum(contributions) == pytest.approx(metrics["test_P@5"])
+    assert sum(b["num_labels"] for b in summary["buckets"]) == len(evaluator.label_texts)
+
+
+def test_summary_needs_an_evaluation(tiny_task):
+    data, _ = tiny_task
+    with pytest.raises(ValueError, match="has not run yet"):
+        evaluation_summary(XMCEvaluator(data.test, data.label_texts))
+
+
+def test_card_metadata_tables_and_plot(evaluated):
+    model, evaluator, metrics = evaluated
+    files = generate_model_card(model, evaluation_summary(evaluator), model_id="org/tiny").files
+    assert set(files) == {"README.md", PLOT_FILE}
+    card = ModelCard(files["README.md"].decode())
+    data = card.data
+    assert data.library_name == "transformers" and data.pipeline_tag == "text-classification"
+    assert {"extreme-classification", "xmc", "dexml"} <= set(data.tags)
+    assert data.model_name == "dexml-tiny-planted"
+    results = {r.metric_name: r for r in data.eval_results}
+    assert list(results) == ["P@1", "P@3", "P@5", "nDCG@1", "nDCG@3", "nDCG@5", "PSP@1", "PSP@3", "PSP@5"]
+    assert results["PSP@3"].metric_value == round(metrics["test_PSP@3"], 2)
+    assert results["P@1"].metric_type == "precision_at_1" and results["P@1"].dataset_split == "test"
+    assert results["P@1"].dataset_name == "tiny-planted"
+    text = card.text
+    assert f"| P@5 | {metrics['test_P@5']:.2f} |" in text
+    assert f"![P@k and PSP@k by k, and P@k by label frequency]({PLOT_FILE})" in text
+    assert "contribution to P@5 (%)" in text and "| temperature | 0.05 |" in text
+    assert 'AutoModel.from_pretrained("org/tiny", trust_remote_code=True)' in text
+    assert "@inproceedings{gupta2024dexml" in text  # DEXML's template, with its citation
+    image = Image.open(io.BytesIO(files[PLOT_FILE]))
+    assert image.format == "PNG" and image.width > 2 * image.height  # two panels side by side
+
+
+def test_each_method_gets_its_template(tiny_encoder_dir, tiny_task):
+    data, _ = tiny_task
+    for model_class, citation in ((PRIMEModel, "dahiya2025prime"), (UniDECModel, "kharbanda2025unidec")):
+        model = model_class.from_encoder_pretrained(tiny_encoder_dir, label_space_size=len(data.label_texts))
+        model.set_labels(data.label_texts, data.label_uids)
+        card = ModelCard(generate_model_card(model, dataset_name="tiny").text)
+        assert citation in card.text and model_class.__name__ in card.text
+        assert card.data.eval_results is None and "No evaluation was recorded" in card.text
+
+
+def test_base_model_from_the_encoder_name(evaluated, tmp_path):
+    model, evaluator, _ = evaluated
+    assert ModelCard(generate_model_card(model).text).data.base_model is None  # a local directory is not a Hub id
+    model.config.encoder_config._name_or_path = "sentence-transformers/all-MiniLM-L6-v2"
+    try:
+        assert ModelCard(generate_model_card(model).text).data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
+    finally:
+        model.config.encoder_config._name_or_path = str(tmp_path)
+
+
+def test_custom_template_and_results_only_summary(evaluated, tmp_path):
+    model, _, _ = evaluated
+    template = tmp_path / "mine.md"
+    template.write_text('{% extends "base.md" %}{% block method %}\nMY METHOD NOTES\n{% endblock %}')
+    summary = summary_from_metrics({"test_P@1": 61.5, "test_P@3": 40.0, "test_PSP@1": 50.0, "test_PSP@3": 45.0, "train_runtime": 3.0})
+    assert summary["curve"] == {"k": [1, 3], "P@k": [61.5, 40.0], "PSP@k": [50.0, 45.0]}
+    files = generate_model_card(model, summary, dataset_name="X", template_path=template).files
+    text = files["README.md"].decode()
+    assert "MY METHOD NOTES" in text and "| PSP@3 | 45.00 |" in text
+    image = Image.open(io.BytesIO(files[PLOT_FILE]))
+    assert image.width < 2 * image.height  # no buckets: one panel
+    assert np.asarray(image.convert("L")).std() > 10  # something is drawn
