@@ -1,0 +1,226 @@
+"""Gradio demo (Hugging Face Spaces) for an hf_xmc extreme multi-label classifier.
+
+Type a text (and, for a multimodal model, add an image); the app shows the model's top-k labels with their
+scores. The model is loaded with ``AutoModel.from_pretrained(name, trust_remote_code=True)`` from a local model
+directory or a Hub repo id, so the Space does not need hf_xmc installed: the model repo carries its own code.
+
+Environment:
+    HF_XMC_MODEL: model directory or Hub repo id (default: ``DEFAULT_MODEL``, a placeholder to replace).
+    HF_XMC_REVISION: optional Hub revision (branch, tag or commit) to pin.
+    HF_XMC_MAX_CHARS / HF_XMC_MAX_K: input bounds (defaults ``MAX_CHARS`` / ``MAX_K``).
+
+Run locally: ``HF_XMC_MODEL=outputs/quickstart-dexml-debtags python spaces/app.py`` (the quickstart's model).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import gradio as gr
+import numpy as np
+import torch
+from PIL import Image
+from transformers import AutoModel
+
+DEFAULT_MODEL = "your-org/hf-xmc-dexml-debtags"  # placeholder: also listed under `models:` in spaces/README.md
+MAX_CHARS = 2000  # a query is a title or a short document; longer input only costs time (models truncate tokens)
+MAX_K = 20
+MAX_IMAGE_SIDE = 1024  # image encoders resize to ~224 px anyway; this only bounds the work on huge uploads
+TABLE_HEADERS = ["rank", "label id", "label text", "score"]
+
+
+# ---------------------------------------------------------------------------------------------- model
+def load_model(name_or_path: str, revision: Optional[str] = None) -> Any:
+    """Load an hf_xmc model (directory or Hub repo id) through its remote code, in eval mode."""
+    try:
+        model = AutoModel.from_pretrained(name_or_path, trust_remote_code=True, revision=revision)
+    except Exception as err:  # noqa: BLE001 - re-raised with the fix the user needs
+        raise RuntimeError(
+            f"could not load the hf_xmc model {name_or_path!r}: {err}\n"
+            "Set HF_XMC_MODEL to a saved model directory or a Hub repo id of an hf_xmc model."
+        ) from err
+    if not callable(getattr(model, "predict", None)):
+        raise TypeError(f"{name_or_path!r} loaded as {type(model).__name__}, which has no predict(): not an hf_xmc model")
+    if torch.cuda.is_available():
+        model = model.to("cuda")
+    return model.eval()
+
+
+def input_modalities(model: Any) -> tuple[str, ...]:
+    """The inputs a model takes: ``config.input_modalities`` if set, else the class attribute, else text only."""
+    config = getattr(model, "config", None)
+    found = getattr(config, "input_modalities", None) or getattr(model, "input_modalities", None) or ("text",)
+    return (found,) if isinstance(found, str) else tuple(found)
+
+
+def accepts_images(model: Any) -> bool:
+    """Whether the model's ``predict`` takes ``images=`` (a multimodal model such as MUFIN)."""
+    return "image" in input_modalities(model)
+
+
+def num_labels(model: Any) -> Optional[int]:
+    """Size of the model's label space, or None when it cannot be told."""
+    texts = getattr(model, "label_texts", None)
+    if texts is not None:
+        return len(texts)
+    size = getattr(getattr(model, "config", None), "label_space_size", None)
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------- prediction
+def clamp_k(k: Any, max_k: int, n_labels: Optional[int] = None) -> int:
+    """``k`` as an int within ``1..min(max_k, n_labels)``; a value that is not a number is a ``gr.Error``."""
+    try:
+        value = int(round(float(k)))
+    except (TypeError, ValueError, OverflowError):
+        raise gr.Error(f"k must be a number, got {k!r}", print_exception=False) from None
+    upper = max_k if n_labels is None else max(1, min(max_k, n_labels))
+    return min(max(value, 1), upper)
+
+
+def check_text(text: Optional[str], max_chars: int, required: bool = True) -> str:
+    """The stripped text; ``gr.Error`` when it is over ``max_chars`` or, if ``required``, empty."""
+    text = "" if text is None else str(text)
+    if len(text) > max_chars:
+        raise gr.Error(f"The text has {len(text):,} characters; this demo accepts at most {max_chars:,}.", print_exception=False)
+    text = text.strip()
+    if required and not text:
+        raise gr.Error("Type a text to classify.", print_exception=False)  # user input, not a server fault: no traceback
+    return text
+
+
+def bound_image(image: Image.Image) -> Image.Image:
+    """An RGB copy no larger than ``MAX_IMAGE_SIDE`` on its longer side."""
+    image = image.convert("RGB")  # convert() copies, so the caller's image is left alone
+    image.thumbnail((MAX_IMAGE_SIDE, MAX_IMAGE_SIDE))
+    return image
+
+
+def format_prediction(label_ids: Sequence[int], scores: Sequence[float], label_texts: Sequence[str]) -> tuple[dict[str, float], list[list]]:
+    """Turn one row of a prediction into the ``gr.Label`` value and the table rows (rank, id, text, score).
+
+    ``gr.Label`` draws confidences in [0, 1] as bars, but XMC scores are cosines or sums of them (any sign,
+    possibly above 1), so each bar is the score relative to the best one over the baseline ``min(0, lowest)``;
+    the table keeps the raw scores.
+    """
+    # float(str(float32)) is the shortest decimal that reads back as the same float32: exact and legible
+    rows = [[rank, int(i), str(t), float(str(np.float32(s)))] for rank, (i, s, t) in enumerate(zip(label_ids, scores, label_texts), start=1) if i >= 0]
+    if not rows:
+        return {}, []
+    raw = np.array([r[3] for r in rows], dtype=np.float64)
+    low = min(0.0, float(raw.min()))
+    span = float(raw.max()) - low
+    bars = (raw - low) / span if span > 0 else np.ones_like(raw)
+    confidences: dict[str, float] = {}
+    for (_, label_id, text, _), bar in zip(rows, bars):
+        key = text if text and text not in confidences else f"{text} (#{label_id})"  # gr.Label keys must be unique
+        confidences[key] = float(bar)
+    return confidences, rows
+
+
+def make_predict_fn(model: Any, *, max_chars: int = MAX_CHARS, max_k: int = MAX_K) -> Callable[..., tuple[dict[str, float], list[list]]]:
+    """The demo's prediction function: ``fn(text, k)``, or ``fn(text, image, k)`` for a multimodal model.
+
+    Returns ``(label confidences for gr.Label, table rows)``. Bad input raises ``gr.Error``, which Gradio shows
+    to the user; ``k`` is clamped (the UI's slider already refuses values outside its range, API calls included).
+    A multimodal model gets ``predict([text], k=k)`` for a text alone, ``predict([""], images=[img], k=k)`` for an
+    image alone (an empty text is a missing one) and ``predict([text], images=[img], k=k)`` for both.
+    """
+    n_labels = num_labels(model)
+
+    def run(texts: list[str], k: Any, images: Optional[list[Image.Image]] = None) -> tuple[dict[str, float], list[list]]:
+        k = clamp_k(k, max_k, n_labels)
+        kwargs = {} if images is None else {"images": images}
+        with torch.no_grad():
+            pred = model.predict(texts, k=k, **kwargs)
+        return format_prediction(np.asarray(pred.label_ids)[0].tolist(), np.asarray(pred.scores, dtype=np.float32)[0], pred.label_texts[0])
+
+    if not accepts_images(model):
+
+        def predict_text(text: str, k: float) -> tuple[dict[str, float], list[list]]:
+            """Top-k labels of a text."""
+            return run([check_text(text, max_chars)], k)
+
+        return predict_text
+
+    def predict_multimodal(text: str, image: Optional[Image.Image], k: float) -> tuple[dict[str, float], list[list]]:
+        """Top-k labels of a text, an image, or both."""
+        text = check_text(text, max_chars, required=image is None)
+        if image is None:
+            return run([text], k)
+        return run([text], k, images=[bound_image(image)])
+
+    return predict_multimodal
+
+
+# ---------------------------------------------------------------------------------------------- UI
+def build_demo(model: Any, *, max_chars: int = MAX_CHARS, max_k: int = MAX_K, title: Optional[str] = None) -> gr.Blocks:
+    """The demo's ``gr.Blocks``: text (and image) input, a k slider and a button; top-k bars and a table.
+
+    The event has ``api_name="predict"``: ``gradio_client.Client(url).predict(text, k, api_name="/predict")``
+    (multimodal: ``predict(text, image, k, ...)``).
+    """
+    if max_chars < 1 or max_k < 1:
+        raise ValueError(f"max_chars and max_k must be >= 1, got {max_chars} and {max_k}")
+    n_labels = num_labels(model)
+    k_max = max_k if n_labels is None else max(1, min(max_k, n_labels))
+    with_image = accepts_images(model)
+    name = getattr(model, "name_or_path", "") or type(model).__name__
+    method = getattr(getattr(model, "config", None), "model_type", "") or type(model).__name__
+    title = title or "hf_xmc: extreme multi-label classification"
+    predict = make_predict_fn(model, max_chars=max_chars, max_k=max_k)
+
+    with gr.Blocks(title=title) as demo:
+        gr.Markdown(
+            f"# {title}\n"
+            f"Model `{name}` ({method}), {n_labels if n_labels is not None else 'unknown number of'} labels. "
+            f"{'Type a text and/or add an image' if with_image else 'Type a text'}, choose k and press **Predict**: "
+            "the bars show each label's score relative to the best one, the table the raw scores."
+        )
+        with gr.Row():
+            with gr.Column():
+                text = gr.Textbox(
+                    label="Text",
+                    placeholder="e.g. a product or package title",
+                    lines=3,
+                    max_length=max_chars,
+                    elem_id="query-text",
+                )
+                inputs: list[gr.components.Component] = [text]
+                if with_image:
+                    inputs.append(gr.Image(type="pil", label="Image (optional)", elem_id="query-image"))
+                k = gr.Slider(1, k_max, value=min(5, k_max), step=1, label="k (labels to show)", elem_id="k-slider")
+                inputs.append(k)
+                button = gr.Button("Predict", variant="primary", elem_id="predict-button")
+            with gr.Column():
+                bars = gr.Label(num_top_classes=k_max, label="Top-k labels", elem_id="top-labels")
+                table = gr.Dataframe(
+                    headers=TABLE_HEADERS,
+                    datatype=["number", "number", "str", "number"],
+                    interactive=False,
+                    label="Scores",
+                    elem_id="top-table",
+                )
+        # one endpoint for the button and Enter in the textbox
+        gr.on([button.click, text.submit], predict, inputs=inputs, outputs=[bars, table], api_name="predict")
+    return demo
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+# Spaces run this file and tests import it: the model is loaded once, at import.
+model = load_model(os.environ.get("HF_XMC_MODEL", "").strip() or DEFAULT_MODEL, revision=os.environ.get("HF_XMC_REVISION") or None)
+demo = build_demo(model, max_chars=_env_int("HF_XMC_MAX_CHARS", MAX_CHARS), max_k=_env_int("HF_XMC_MAX_K", MAX_K))
+
+if __name__ == "__main__":
+    demo.launch()
