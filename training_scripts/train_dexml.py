@@ -14,55 +14,8 @@ so do the training-engine flags of XMCTrainingArguments: --cluster_batching, --h
 --gradient_cache_chunk_size, --label_pool all (DEXML's brute-force all-label mode), --resume_from_checkpoint.
 """
 
-import logging
-from dataclasses import dataclass, field
-
-from hf_xmc.models import DEXMLModel
-from hf_xmc.training import XMCTrainingArguments
-from hf_xmc.training.script_utils import (
-    build_evaluator,
-    load_data,
-    model_config_kwargs,
-    parse_script_args,
-    train_and_evaluate,
-)
-
-logger = logging.getLogger("train_dexml")
-
-
-@dataclass
-class DEXMLModelArguments:
-    """Model arguments of DEXML (see DEXMLConfig for the meaning of each field)."""
-
-    model_name_or_path: str = field(metadata={"help": "Encoder to start from: a Hub id or a local directory."})
-    pooling: str = field(default="mean", metadata={"help": "'mean' or 'cls' pooling."})
-    normalize: bool = field(default=True, metadata={"help": "L2-normalise embeddings (cosine scores)."})
-    temperature: float = field(default=0.05, metadata={"help": "Logit temperature (0.05 with normalisation, paper Table 7)."})
-    loss: str = field(default="decoupled_softmax", metadata={"help": "decoupled_softmax | softmax | infonce | bce | soft_topk."})
-    topk_k: int = field(default=5, metadata={"help": "k of the SoftTop-k loss."})
-    topk_alpha: float = field(default=2.0, metadata={"help": "Sigmoid slope of SoftTop-k."})
-    embedding_dropout: float = field(default=0.0, metadata={"help": "Dropout on pooled embeddings during training."})
-    index_kind: str = field(default="exact", metadata={"help": "Label index saved with the model: exact | hnsw | torch."})
-
-
-@dataclass
-class DEXMLTrainingArguments(XMCTrainingArguments):
-    """Training defaults for DEXML, tuned on Debtags and checked on Reuters-21578 (see README)."""
-
-    learning_rate: float = field(default=3e-4, metadata={"help": "Peak AdamW learning rate."})
-    num_train_epochs: float = field(default=3.0, metadata={"help": "Training epochs."})
-    per_device_train_batch_size: int = field(default=64, metadata={"help": "Queries per batch and process."})
-
-
-def main(argv=None) -> dict:
-    model_args, data_args, training_args = parse_script_args(DEXMLModelArguments, DEXMLTrainingArguments, argv)
-    data = load_data(data_args)
-    model = DEXMLModel.from_encoder_pretrained(
-        model_args.model_name_or_path,
-        **model_config_kwargs(model_args, data_args),
-    )
-    return train_and_evaluate(model, data, build_evaluator(data, data_args), training_args)
-
+# The recipe lives in the package (hf_xmc/training/recipes/dexml.py) so that `hf-xmc train dexml` runs the same code.
+from hf_xmc.training.recipes.dexml import main
 
 if __name__ == "__main__":
     main()

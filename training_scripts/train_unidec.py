@@ -21,79 +21,8 @@ lr / 2 lr / 1e-3, cosine schedule with warm-up; NGAME cluster batching from the 
 lost on both datasets at this budget, see README). --use_classifier false trains DePSL (the DE-only ablation). Every TrainingArguments flag and every engine flag of XMCTrainingArguments works.
 """
 
-import logging
-from dataclasses import dataclass, field
-from typing import Optional
-
-from hf_xmc.models import UniDECModel
-from hf_xmc.training import XMCTrainingArguments
-from hf_xmc.training.script_utils import (
-    build_evaluator,
-    load_data,
-    model_config_kwargs,
-    parse_script_args,
-    train_and_evaluate,
-)
-
-logger = logging.getLogger("train_unidec")
-
-
-@dataclass
-class UniDECModelArguments:
-    """Model arguments of UniDEC (see UniDECConfig for the meaning of each field)."""
-
-    model_name_or_path: str = field(metadata={"help": "Encoder to start from: a Hub id or a local directory."})
-    pooling: str = field(default="mean", metadata={"help": "'mean' or 'cls' pooling."})
-    projection_dim: int = field(default=384, metadata={"help": "Output size of each head (paper: 384; 256 on LF-AmazonTitles-1.3M)."})
-    head_dropout: float = field(default=0.1, metadata={"help": "Dropout of the heads."})
-    use_classifier: bool = field(default=True, metadata={"help": "False = DePSL, the DE-only model."})
-    de_loss: str = field(default="decoupled_softmax", metadata={"help": "Multi-class loss of the DE head: decoupled_softmax | softmax (SupCon)."})
-    clf_loss: str = field(default="decoupled_softmax", metadata={"help": "Multi-class loss of the classifier head."})
-    clf_bce_weight: float = field(default=1.0, metadata={"help": "Weight of the auxiliary BCE on classifier scores (0 = off)."})
-    logit_scale_init: float = field(default=18.0, metadata={"help": "Initial learnable logit scale of each head."})
-    learnable_logit_scale: bool = field(default=True, metadata={"help": "Train the logit scales."})
-    de_query_to_label_weight: float = field(default=1.0, metadata={"help": "lambda_D (1 - it weighs the label->query term; paper 0.5, see README)."})
-    clf_query_to_label_weight: float = field(default=1.0, metadata={"help": "lambda_C (paper 0.5)."})
-    de_weight: float = field(default=0.5, metadata={"help": "lambda: weight of the DE loss against the classifier loss."})
-    search_mode: str = field(default="concat", metadata={"help": "Saved index: concat (DE + classifier) | de | classifier."})
-    classifier_init: str = field(default="xavier", metadata={"help": "xavier (official code) | label_text (Psi_l from the label's text; for very short training)."})
-    head_learning_rate_multiplier: float = field(default=2.0, metadata={"help": "Head learning rate / encoder learning rate."})
-    classifier_learning_rate: Optional[float] = field(default=1e-3, metadata={"help": "Learning rate of the classifier vectors."})
-    index_kind: str = field(default="exact", metadata={"help": "Label index saved with the model: exact | hnsw | torch."})
-
-
-@dataclass
-class UniDECTrainingArguments(XMCTrainingArguments):
-    """Training defaults for UniDEC at a short budget (see README: tuned on Debtags, checked on Reuters-21578)."""
-
-    learning_rate: float = field(default=3e-4, metadata={"help": "Peak learning rate of the encoder (heads: x2, classifier: its own)."})
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Schedule after warm-up (paper: cosine)."})
-    num_train_epochs: float = field(default=3.0, metadata={"help": "Training epochs."})
-    per_device_train_batch_size: int = field(default=64, metadata={"help": "Queries per batch and process."})
-    label_pool: str = field(default="psl", metadata={"help": "'psl' (pick-some-labels), 'in_batch' or 'all'."})
-    max_label_pool: int = field(default=256, metadata={"help": "Most labels in a pool per process (paper: about 3 per query)."})
-    positive_sampling: str = field(default="propensity", metadata={"help": "'propensity' or 'uniform' positive draws."})
-    num_positives: int = field(default=3, metadata={"help": "beta: positives drawn per query (with replacement)."})
-    hard_negatives: int = field(default=6, metadata={"help": "eta: hard negatives per query per step (0 = none)."})
-    hard_negative_top_k: int = field(default=30, metadata={"help": "Shortlist per query (paper: eta x refresh interval)."})
-    hard_negative_start_epoch: int = field(default=1, metadata={"help": "First epoch with hard negatives (mined with the DE head)."})
-    hard_negative_refresh_interval: int = field(default=1, metadata={"help": "Re-mine every N epochs."})
-    cluster_batching: bool = field(default=True, metadata={"help": "Batches of similar queries (clustered in the DE space)."})
-    cluster_init_size: int = field(default=8, metadata={"help": "Queries per cluster at the first clustering."})
-    cluster_curriculum_epochs: list[int] = field(default_factory=lambda: [1, 10, 25, 50, 75, 100, 125, 150, 200], metadata={"help": "Epochs at which the cluster size doubles; clustering starts at the first."})
-    cluster_refresh_interval: int = field(default=1, metadata={"help": "Re-cluster every N epochs."})
-
-
-def main(argv=None) -> dict:
-    model_args, data_args, training_args = parse_script_args(UniDECModelArguments, UniDECTrainingArguments, argv)
-    data = load_data(data_args)
-    model = UniDECModel.from_encoder_pretrained(
-        model_args.model_name_or_path,
-        label_space_size=len(data.label_texts),
-        **model_config_kwargs(model_args, data_args),
-    )
-    return train_and_evaluate(model, data, build_evaluator(data, data_args), training_args)
-
+# The recipe lives in the package (hf_xmc/training/recipes/unidec.py) so that `hf-xmc train unidec` runs the same code.
+from hf_xmc.training.recipes.unidec import main
 
 if __name__ == "__main__":
     main()

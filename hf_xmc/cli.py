@@ -1,0 +1,316 @@
+"""The ``hf-xmc`` console command: ``train``, ``evaluate``, ``predict`` and ``push`` over the package's own code.
+
+    hf-xmc train dexml --train_file trn.json.gz --test_file tst.json.gz --label_file lbl.json.gz \\
+        --model_name_or_path sentence-transformers/all-MiniLM-L6-v2 --output_dir out/dexml
+    accelerate launch --num_processes 2 -m hf_xmc.cli train unidec ...     # several processes
+    hf-xmc evaluate out/dexml --test_file tst.json.gz --train_file trn.json.gz --output_file metrics.json
+    hf-xmc predict out/dexml --text "The Grasshopper Trap" --k 5
+    hf-xmc predict org/name --input_file queries.txt --output_file preds.jsonl
+    hf-xmc push out/dexml org/name --private
+
+``train`` runs the recipe that ``training_scripts/train_<method>.py`` runs (:mod:`hf_xmc.training.recipes`), with the
+same flags; ``evaluate`` runs the evaluator the recipes use (:func:`hf_xmc.training.script_utils.build_evaluator`);
+``push`` is :func:`hf_xmc.hub.push_to_hub`. A fault in the user's input (a missing file, an unknown method, a
+directory that holds no model, a malformed data line) is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
+from typing import IO, Any, Optional
+
+PROG = "hf-xmc"
+EXIT_USER_ERROR = 2
+PREDICT_CHUNK = 8192  # queries per model.predict call: bounds the query vectors held at once on large input files
+JSON_SUFFIXES = (".json", ".json.gz", ".jsonl", ".jsonl.gz")
+_REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+class UserError(Exception):
+    """A fault in what the user asked for; reported as ``hf-xmc <command>: <message>`` with exit status 2."""
+
+
+# ---------------------------------------------------------------------------------------------------------- helpers
+def _require_file(path: Optional[str], flag: str) -> None:
+    """Refuse a missing input file before any model is loaded (loading can take minutes)."""
+    if path is not None and not os.path.isfile(path):
+        raise UserError(f"{path}: no such file ({flag})")
+
+
+def load_model(name_or_path: str):
+    """``AutoModel.from_pretrained(name_or_path, trust_remote_code=True)``, refusing anything but an hf_xmc model
+    with labels; ``name_or_path`` is a model directory or a Hub repo id."""
+    from transformers import AutoModel
+
+    if os.path.exists(name_or_path):
+        if not os.path.isdir(name_or_path):
+            raise UserError(f"{name_or_path}: not a model directory (a file)")
+        where = f"{name_or_path}: cannot load a model from this directory"
+    elif _REPO_ID.match(name_or_path):
+        where = f"{name_or_path}: no such directory, and loading it as a Hub repo id failed"
+    else:
+        raise UserError(f"{name_or_path}: no such model directory")
+    try:
+        model = AutoModel.from_pretrained(name_or_path, trust_remote_code=True)
+    except (OSError, ValueError) as err:  # transformers' "no config.json", "not a valid model identifier", ...
+        raise UserError(f"{where} ({_first_line(err)})") from None
+    if not getattr(model, "label_texts", None) or not hasattr(model, "predict"):
+        raise UserError(f"{name_or_path}: not an hf_xmc model with labels (no labels.jsonl beside the weights)")
+    return model
+
+
+def _first_line(err: BaseException) -> str:
+    """The first non-empty line of an exception's message (transformers' messages run to several lines)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def _config_value(model, name: str):
+    """``model.config.<name>``, or the training scripts' default when the config lacks the field."""
+    from .training.script_utils import XMCDataArguments
+
+    return getattr(model.config, name, XMCDataArguments.__dataclass_fields__[name].default)
+
+
+def _pick_device(model, device: Optional[str]) -> None:
+    """Move ``model`` to ``device`` (default: the first GPU when there is one)."""
+    import torch
+
+    model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+# ---------------------------------------------------------------------------------------------------------- train
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run ``args.method``'s recipe with the remaining arguments, exactly as its training script would."""
+    from .training.recipes import RECIPES, get_recipe
+
+    if args.method not in RECIPES:
+        raise UserError(f"unknown method {args.method!r} (choose from {', '.join(sorted(RECIPES))})")
+    main = get_recipe(args.method)
+    # The recipe parses sys.argv like its script does (help shows 'hf-xmc train <method>', and one .json argument
+    # is read as a config file); the caller's sys.argv comes back afterwards.
+    saved = sys.argv
+    sys.argv = [f"{PROG} train {args.method}", *args.recipe_args]
+    try:
+        main()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------- evaluate
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """Score a saved model on a test file with the training scripts' evaluator; print (and write) the metrics."""
+    from .data import XCData, read_xc_raw
+    from .training.script_utils import XMCDataArguments, build_evaluator, dataset_name_from_path, write_json_atomic
+
+    _require_file(args.test_file, "--test_file")
+    _require_file(args.train_file, "--train_file")
+    _require_file(args.test_filter_file, "--test_filter_file")
+    model = load_model(args.model)
+    _pick_device(model, args.device)
+    num_labels = len(model.label_texts)  # the test file is read against the model's label space
+    fields = tuple(args.text_fields.split(","))
+    test = read_xc_raw(args.test_file, num_labels=num_labels, text_fields=fields)
+    # The propensity constants default to the ones the model was trained (and evaluated) with.
+    data_args = XMCDataArguments(
+        train_file=args.train_file or "",
+        test_file=args.test_file,
+        label_file="",
+        test_filter_file=args.test_filter_file,
+        text_fields=args.text_fields,
+        propensity_a=args.propensity_a if args.propensity_a is not None else _config_value(model, "propensity_a"),
+        propensity_b=args.propensity_b if args.propensity_b is not None else _config_value(model, "propensity_b"),
+        eval_batch_size=args.batch_size,
+        dataset_name=dataset_name_from_path(args.train_file or args.test_file),
+    )
+    if args.train_file:
+        train = read_xc_raw(args.train_file, num_labels=num_labels, text_fields=fields)
+    else:
+        # build_evaluator reads only train.targets from the training split; None = no propensities (PS metrics
+        # left out), the XMCEvaluator's documented behaviour
+        train = SimpleNamespace(targets=None)
+        print(f"{PROG} evaluate: note: no --train_file, so no label propensities: PSP@k and PSnDCG@k are left out",
+              file=sys.stderr)
+    data = XCData(train=train, test=test, label_texts=model.label_texts, label_uids=model.label_uids)
+    metrics = build_evaluator(data, data_args)(model)
+    if args.output_file:
+        write_json_atomic(args.output_file, metrics)
+    print(json.dumps(metrics, indent=2, sort_keys=True))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------- predict
+def read_queries(path: str, text_fields: Sequence[str] = ("title",)) -> list[str]:
+    """Queries of a file: XC raw JSON lines (``.json``/``.jsonl``, optionally ``.gz``; ``text_fields`` joined) or
+    plain text, one query per line (blank lines skipped; ``.gz`` read compressed)."""
+    from .data.xc_raw import _get_text, _iter_lines, _open_text, _parse_object
+
+    texts: list[str] = []
+    is_json = path.endswith(JSON_SUFFIXES)
+    with _open_text(path) as f:
+        for lineno, line in _iter_lines(f, path):
+            if not line.strip():
+                continue
+            texts.append(_get_text(_parse_object(line, path, lineno), text_fields, path, lineno) if is_json else line)
+    if not texts:
+        raise UserError(f"{path}: no queries in the file")
+    return texts
+
+
+def prediction_records(model, texts: Sequence[str], k: int, batch_size: int) -> Iterator[dict[str, Any]]:
+    """``{"text", "labels": [{"id", "uid", "text", "score"}, ...]}`` per query, best label first (``model.predict``
+    top-``k``; empty slots, when ``k`` exceeds the label count, are dropped)."""
+    uids, names = model.label_uids, model.label_texts
+    for start in range(0, len(texts), PREDICT_CHUNK):
+        chunk = list(texts[start : start + PREDICT_CHUNK])
+        pred = model.predict(chunk, k=k, batch_size=batch_size)
+        for text, ids, scores in zip(chunk, pred.label_ids.tolist(), pred.scores.tolist()):
+            labels = [{"id": i, "uid": uids[i], "text": names[i], "score": s} for i, s in zip(ids, scores) if i >= 0]
+            yield {"text": text, "labels": labels}
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    """Top-k labels for texts given on the command line or in a file, as JSON lines."""
+    if args.k < 1:
+        raise UserError(f"--k must be at least 1, got {args.k}")
+    _require_file(args.input_file, "--input_file")
+    texts = args.text if args.text is not None else read_queries(args.input_file, tuple(args.text_fields.split(",")))
+    model = load_model(args.model)
+    _pick_device(model, args.device)
+    records = prediction_records(model, texts, args.k, args.batch_size)
+    if args.output_file is None:
+        _write_json_lines(sys.stdout, records)
+    else:
+        from .models.label_index import atomic_write
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_file)), exist_ok=True)
+        atomic_write(args.output_file, lambda tmp: _write_json_lines(tmp, records))  # no half-written file on failure
+    return 0
+
+
+def _write_json_lines(out: str | IO[str], records: Iterator[dict[str, Any]]) -> None:
+    """Write one JSON object per line to a stream or to a file path."""
+    if isinstance(out, str):
+        with open(out, "w", encoding="utf-8") as f:
+            _write_json_lines(f, records)
+        return
+    for record in records:
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------- push
+def cmd_push(args: argparse.Namespace) -> int:
+    """Upload a saved model directory to the Hub with :func:`hf_xmc.hub.push_to_hub`; prints the commit URL."""
+    if not os.path.isdir(args.model_dir):
+        raise UserError(f"{args.model_dir}: no such model directory")
+    hub = importlib.import_module("hf_xmc.hub")  # imported here: the upload machinery is for push only
+    try:
+        url = hub.push_to_hub(
+            args.model_dir,
+            args.repo_id,
+            revision=args.revision,
+            private=args.private,
+            create_pr=args.create_pr,
+            commit_message=args.commit_message,
+            token=args.token,
+        )
+    except ValueError as err:  # push_to_hub's check of the directory (no weights, no labels, ...)
+        message = _first_line(err)
+        raise UserError(message if args.model_dir in message else f"{args.model_dir}: {message}") from None
+    except OSError as err:  # HfHubHTTPError (authentication, permissions), offline mode, no connection
+        print(f"{PROG} push: upload to {args.repo_id} failed: {_first_line(err)}", file=sys.stderr)
+        return 1
+    print(url)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hf-xmc`` argument parser (one subparser per command)."""
+    from . import __version__
+    from .training.recipes import RECIPES
+    from .training.script_utils import XMCDataArguments
+
+    defaults = XMCDataArguments.__dataclass_fields__  # evaluate's defaults are the training scripts' defaults
+    parser = argparse.ArgumentParser(prog=PROG, description="Extreme multi-label classification models: train, evaluate, predict, push.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,predict,push}")
+
+    methods = ",".join(sorted(RECIPES))
+    p = sub.add_parser(
+        "train",
+        help="train a method (the recipe of training_scripts/train_<method>.py)",
+        description=f"Train a method with its recipe; every flag of training_scripts/train_<method>.py passes through "
+        f"('{PROG} train <method> --help' lists them).",
+    )
+    p.add_argument("method", metavar=f"{{{methods}}}", help="the method to train")
+    p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's flags (--train_file ... --output_dir ...)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("evaluate", help="P@k, nDCG@k, PSP@k, R@k of a saved model on a test file",
+                       description="Evaluate a model directory or Hub repo id on XC raw test data with the evaluator "
+                       "of the training scripts; prints the metrics as JSON (keys as in eval_results.json).")
+    p.add_argument("model", help="model directory or Hub repo id")
+    p.add_argument("--test_file", required=True, help="test points: XC raw JSON lines (tst.json.gz)")
+    p.add_argument("--train_file", help="training points, for the label propensities of PSP@k (without it PSP is left out)")
+    p.add_argument("--test_filter_file", help="pairs 'point_idx label_idx' removed from the predictions before scoring")
+    p.add_argument("--text_fields", default=defaults["text_fields"].default, help="comma-separated JSON fields joined into a query text")
+    p.add_argument("--propensity_a", type=float, help="propensity constant A (default: the model's config)")
+    p.add_argument("--propensity_b", type=float, help="propensity constant B (default: the model's config)")
+    p.add_argument("--batch_size", type=int, default=defaults["eval_batch_size"].default, help="encoding batch size")
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--output_file", help="also write the metrics JSON here")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("predict", help="top-k labels for texts, as JSON lines",
+                       description='Rank the model\'s labels for each query; one JSON line per query: {"text": ..., '
+                       '"labels": [{"id", "uid", "text", "score"}, ...]}, best first.')
+    p.add_argument("model", help="model directory or Hub repo id")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", action="append", help="a query (repeat for several)")
+    src.add_argument("--input_file", help="plain text (one query per line) or XC raw JSON lines (.json/.json.gz)")
+    p.add_argument("--text_fields", default="title", help="JSON fields joined into a query text (JSON input)")
+    p.add_argument("--k", type=int, default=5, help="labels per query")
+    p.add_argument("--batch_size", type=int, default=128, help="encoding batch size")
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--output_file", help="write the JSON lines here (default: stdout)")
+    p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("push", help="upload a saved model directory to the Hugging Face Hub",
+                       description="Upload a model directory (weights, labels, label index, card) to a Hub repo.")
+    p.add_argument("model_dir", help="directory written by training or save_pretrained")
+    p.add_argument("repo_id", help="Hub repo id, e.g. org/name")
+    p.add_argument("--revision", help="branch to push to")
+    p.add_argument("--private", action=argparse.BooleanOptionalAction, default=None,
+                   help="create the repo private (--no-private: public; default: the Hub's default)")
+    p.add_argument("--create_pr", action="store_true", help="open a pull request instead of committing")
+    p.add_argument("--commit_message", help="commit message")
+    p.add_argument("--token", help="Hub token (default: the logged-in one)")
+    p.set_defaults(func=cmd_push)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``hf-xmc`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    from .data import XMCDataError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (UserError, XMCDataError) as err:  # XMCDataError names the file, the line and the fault
+        print(f"{PROG} {args.command}: {err}", file=sys.stderr)
+    except FileNotFoundError as err:
+        print(f"{PROG} {args.command}: {err.filename}: no such file or directory", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""The ``hf-xmc`` console command (train / evaluate / predict / push) and the training scripts as thin launchers of
+the recipes in ``hf_xmc.training.recipes`` (tiny local task, CPU, no network)."""
+
+import gzip
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hf_xmc import cli
+from hf_xmc.training.recipes import RECIPES, get_recipe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# metrics that do not measure time: the ones evaluate must reproduce exactly
+TIMED = ("test_runtime", "test_samples_per_second")
+
+
+def run_cli(capsys, *argv):
+    """Run ``hf-xmc argv`` in-process; returns (exit status, stdout, stderr)."""
+    code = cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_task, tiny_encoder_dir, tmp_path_factory):
+    """One short DEXML run through ``hf-xmc train dexml`` (with a filter file): (task dir, filter file, output dir)."""
+    _, task_dir = tiny_task
+    work = tmp_path_factory.mktemp("cli")
+    filter_file = work / "filter.txt"
+    filter_file.write_text("0 0\n1 5\n2 7\n")
+    out = work / "dexml"
+    code = cli.main(["train", "dexml", "--train_file", f"{task_dir}/trn.json.gz", "--test_file", f"{task_dir}/tst.json.gz",
+                     "--label_file", f"{task_dir}/lbl.json.gz", "--model_name_or_path", tiny_encoder_dir,
+                     "--output_dir", str(out), "--num_train_epochs", "1", "--per_device_train_batch_size", "32",
+                     "--max_seq_length", "16", "--learning_rate", "5e-4", "--seed", "1", "--report_to", "none",
+                     "--save_strategy", "no", "--disable_tqdm", "true", "--test_filter_file", str(filter_file)])
+    assert code == 0
+    return task_dir, str(filter_file), str(out)
+
+
+@pytest.fixture(scope="module")
+def reloaded(trained):
+    """The trained model loaded the way the CLI loads it (AutoModel + remote code)."""
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(trained[2], trust_remote_code=True)
+
+
+# ------------------------------------------------------------------------------------------------ train
+def test_train_writes_the_model_and_eval_results(trained):
+    _, _, out = trained
+    results = json.load(open(os.path.join(out, "eval_results.json")))
+    for key in ("test_P@1", "test_P@5", "test_nDCG@3", "test_PSP@1", "test_PSP@5", "test_R@10", "test_R@100"):
+        assert 0 <= results[key] <= 100, key
+    assert results["train_runtime"] > 0 and results["test_samples_per_second"] > 0
+    for name in ("config.json", "model.safetensors", "labels.jsonl", "label_embeddings.safetensors"):
+        assert os.path.exists(os.path.join(out, name)), name
+
+
+def test_train_method_help_is_the_recipes_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "unidec", "--help"])
+    assert exit_info.value.code == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("usage: hf-xmc train unidec")
+    for flag in ("--projection_dim", "--use_classifier", "--label_pool", "--train_file", "--output_dir", "--learning_rate"):
+        assert flag in shown, flag
+
+
+def test_training_scripts_are_launchers_of_the_recipes():
+    for method in RECIPES:
+        path = os.path.join(ROOT, "training_scripts", f"train_{method}.py")
+        spec = importlib.util.spec_from_file_location(f"_script_{method}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # the __main__ guard keeps it from training
+        assert module.main is get_recipe(method) is importlib.import_module(f"hf_xmc.training.recipes.{method}").main
+        assert f"training_scripts/train_{method}.py" in module.__doc__  # usage kept in the script
+
+
+def test_training_script_help_lists_the_recipe_flags():
+    own_flags = {"dexml": "--temperature", "prime": "--num_free_vectors", "unidec": "--projection_dim"}
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    procs = {m: subprocess.Popen([sys.executable, os.path.join(ROOT, "training_scripts", f"train_{m}.py"), "--help"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                                 stdin=subprocess.DEVNULL)
+             for m in own_flags}  # side by side: each one spends its time importing torch and transformers
+    for method, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 0, stderr[-2000:]
+        assert stdout.startswith(f"usage: train_{method}.py")
+        for flag in (own_flags[method], "--model_name_or_path", "--train_file", "--test_filter_file", "--output_dir", "--num_train_epochs"):
+            assert flag in stdout, (method, flag)
+
+
+# ------------------------------------------------------------------------------------------------ evaluate
+def test_evaluate_reproduces_the_training_runs_test_metrics(trained, capsys, tmp_path):
+    task_dir, filter_file, out = trained
+    metrics_file = tmp_path / "sub" / "metrics.json"
+    code, stdout, stderr = run_cli(capsys, "evaluate", out, "--test_file", f"{task_dir}/tst.json.gz",
+                                   "--train_file", f"{task_dir}/trn.json.gz", "--test_filter_file", filter_file,
+                                   "--output_file", metrics_file)
+    assert code == 0, stderr
+    metrics = json.loads(stdout)
+    assert json.load(open(metrics_file)) == metrics
+    expected = {k: v for k, v in json.load(open(os.path.join(out, "eval_results.json"))).items()
+                if k.startswith("test_") and k not in TIMED}
+    assert "test_PSP@5" in expected and "test_R@100" in expected
+    assert {k: v for k, v in metrics.items() if k not in TIMED} == pytest.approx(expected, abs=1e-9)
+
+
+def test_evaluate_without_train_file_leaves_psp_out(trained, capsys):
+    task_dir, filter_file, out = trained
+    code, stdout, stderr = run_cli(capsys, "evaluate", out, "--test_file", f"{task_dir}/tst.json.gz",
+                                   "--test_filter_file", filter_file)
+    assert code == 0, stderr
+    metrics = json.loads(stdout)
+    assert not [k for k in metrics if "PS" in k]
+    assert "no --train_file" in stderr and "PSP@k" in stderr
+    trained_metrics = json.load(open(os.path.join(out, "eval_results.json")))
+    for key in ("test_P@1", "test_P@5", "test_nDCG@5", "test_R@10"):
+        assert metrics[key] == pytest.approx(trained_metrics[key], abs=1e-9), key
+
+
+def test_evaluate_applies_the_filter_file(trained, reloaded, tiny_task, capsys, tmp_path):
+    """Filtering every test point's top-1 label makes the second-ranked label count for P@1."""
+    data, task_dir = tiny_task
+    ids = reloaded.predict(data.test.texts, k=2).label_ids
+    hits = data.test.targets[np.arange(len(data.test))[:, None], ids].toarray() > 0  # (n, 2): is rank r a true label
+    filter_file = tmp_path / "filter_top1.txt"
+    filter_file.write_text("".join(f"{i} {row[0]}\n" for i, row in enumerate(ids.tolist())))
+    results = {}
+    for name, extra in (("plain", []), ("filtered", ["--test_filter_file", filter_file])):
+        code, stdout, stderr = run_cli(capsys, "evaluate", trained[2], "--test_file", f"{task_dir}/tst.json.gz", *extra)
+        assert code == 0, stderr
+        results[name] = json.loads(stdout)
+    assert results["plain"]["test_P@1"] == pytest.approx(100 * hits[:, 0].mean())
+    assert results["filtered"]["test_P@1"] == pytest.approx(100 * hits[:, 1].mean())
+    assert hits[:, 0].mean() != hits[:, 1].mean()  # (the two rankings score apart, so the check can tell them apart)
+
+
+# ------------------------------------------------------------------------------------------------ predict
+def assert_matches_predict(records, texts, model, k):
+    """The CLI's JSON lines are ``model.predict(texts, k)``: same ids (best first), uids, label texts and scores."""
+    pred = model.predict(texts, k=k)
+    assert [r["text"] for r in records] == list(texts)
+    for record, ids, scores in zip(records, pred.label_ids, pred.scores):
+        assert [label["id"] for label in record["labels"]] == ids.tolist()
+        assert [label["uid"] for label in record["labels"]] == [model.label_uids[i] for i in ids]
+        assert [label["text"] for label in record["labels"]] == [model.label_texts[i] for i in ids]
+        np.testing.assert_allclose([label["score"] for label in record["labels"]], scores, rtol=1e-5, atol=1e-6)
+
+
+def test_predict_texts_to_stdout(trained, reloaded, tiny_task, capsys):
+    data, _ = tiny_task
+    texts = [data.test.texts[0], data.test.texts[7], "some words nobody wrote"]
+    argv = ["predict", trained[2], "--k", "4"]
+    for t in texts:
+        argv += ["--text", t]
+    code, stdout, stderr = run_cli(capsys, *argv)
+    assert code == 0, stderr
+    records = [json.loads(line) for line in stdout.splitlines()]
+    assert len(records) == 3 and all(len(r["labels"]) == 4 for r in records)
+    assert_matches_predict(records, texts, reloaded, k=4)
+
+
+def test_predict_plain_text_file(trained, reloaded, tiny_task, capsys, tmp_path):
+    data, _ = tiny_task
+    queries = tmp_path / "queries.txt"
+    queries.write_text("\n".join(data.test.texts[:10]) + "\n\n")  # a trailing blank line carries no query
+    preds = tmp_path / "out" / "preds.jsonl"
+    code, stdout, stderr = run_cli(capsys, "predict", trained[2], "--input_file", queries, "--output_file", preds, "--k", "3")
+    assert code == 0, stderr
+    assert stdout == ""
+    assert_matches_predict([json.loads(line) for line in open(preds)], data.test.texts[:10], reloaded, k=3)
+    assert os.listdir(tmp_path / "out") == ["preds.jsonl"]  # the temp file was renamed, none left behind
+
+
+def test_predict_xc_json_file(trained, reloaded, tiny_task, capsys, tmp_path):
+    data, task_dir = tiny_task
+    preds = tmp_path / "preds.jsonl"
+    code, _, stderr = run_cli(capsys, "predict", trained[2], "--input_file", f"{task_dir}/tst.json.gz", "--output_file", preds)
+    assert code == 0, stderr
+    records = [json.loads(line) for line in open(preds)]
+    assert len(records) == len(data.test)
+    assert_matches_predict(records, data.test.texts, reloaded, k=5)
+
+
+# ------------------------------------------------------------------------------------------------ push
+def test_push_hands_the_arguments_to_hub_push_to_hub(trained, capsys, monkeypatch):
+    from hf_xmc import hub
+
+    calls = []
+
+    def fake_push_to_hub(model_or_directory, repo_id, **kwargs):
+        calls.append(((model_or_directory, repo_id), kwargs))
+        return f"https://huggingface.co/{repo_id}/commit/abc123"
+
+    real = hub.push_to_hub
+    monkeypatch.setattr(hub, "push_to_hub", fake_push_to_hub)
+    out = trained[2]
+    code, stdout, stderr = run_cli(capsys, "push", out, "org/tiny-dexml", "--revision", "dev", "--private", "--create_pr",
+                                   "--commit_message", "first model", "--token", "hf_secret")
+    assert code == 0, stderr
+    assert stdout.strip() == "https://huggingface.co/org/tiny-dexml/commit/abc123"
+    assert calls == [((out, "org/tiny-dexml"), dict(revision="dev", private=True, create_pr=True,
+                                                     commit_message="first model", token="hf_secret"))]
+    code, _, _ = run_cli(capsys, "push", out, "org/tiny-dexml", "--no-private")
+    assert code == 0
+    assert calls[1][1] == dict(revision=None, private=False, create_pr=False, commit_message=None, token=None)
+    code, _, _ = run_cli(capsys, "push", out, "org/tiny-dexml")
+    assert code == 0 and calls[2][1]["private"] is None  # not given: the Hub's default visibility
+    inspect.signature(real).bind(*calls[0][0], **calls[0][1])  # the call fits the real function
+
+
+def test_push_failures_are_one_line(trained, tiny_encoder_dir, capsys):
+    import huggingface_hub.constants
+
+    # the real push_to_hub refuses a directory that is not a complete model before anything goes up
+    line = one_line_error(*run_cli(capsys, "push", tiny_encoder_dir, "org/name"))
+    assert tiny_encoder_dir in line and "labels.jsonl" in line
+    if huggingface_hub.constants.HF_HUB_OFFLINE:  # (conftest's default) the upload itself cannot reach the Hub
+        code, stdout, stderr = run_cli(capsys, "push", trained[2], "org/name")
+        assert code == 1 and stdout == "" and "Traceback" not in stderr
+        assert stderr.strip().splitlines()[-1].startswith("hf-xmc push: upload to org/name failed: ")
+
+
+# ------------------------------------------------------------------------------------------------ user errors
+def one_line_error(code, stdout, stderr):
+    assert code == 2, (stdout, stderr)
+    # transformers may draw its weight-loading bar before the fault is found; the message itself is one line, last
+    lines = [line for line in stderr.strip().splitlines() if line.startswith("hf-xmc")]
+    assert len(lines) == 1 and stderr.strip().endswith(lines[0]) and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def test_unknown_method(capsys):
+    line = one_line_error(*run_cli(capsys, "train", "siamesexml", "--output_dir", "x"))
+    assert line.startswith("hf-xmc train:") and "'siamesexml'" in line and "dexml, prime, unidec" in line
+
+
+def test_missing_files(trained, capsys, tmp_path):
+    task_dir, _, out = trained
+    missing = tmp_path / "nope.json.gz"
+    line = one_line_error(*run_cli(capsys, "evaluate", out, "--test_file", missing))
+    assert str(missing) in line and "no such file" in line and "--test_file" in line
+    line = one_line_error(*run_cli(capsys, "evaluate", out, "--test_file", f"{task_dir}/tst.json.gz", "--train_file", missing))
+    assert str(missing) in line and "--train_file" in line
+    line = one_line_error(*run_cli(capsys, "predict", out, "--input_file", missing))
+    assert str(missing) in line and "no such file" in line
+    # a missing training file surfaces from the recipe's reader
+    line = one_line_error(*run_cli(capsys, "train", "dexml", "--train_file", missing, "--test_file", f"{task_dir}/tst.json.gz",
+                                   "--label_file", f"{task_dir}/lbl.json.gz", "--model_name_or_path", "unused",
+                                   "--output_dir", tmp_path / "o", "--report_to", "none"))
+    assert str(missing) in line and "no such file" in line
+
+
+def test_bad_model_dirs(trained, tiny_encoder_dir, capsys, tmp_path):
+    task_dir = trained[0]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = one_line_error(*run_cli(capsys, "predict", empty, "--text", "x"))
+    assert str(empty) in line and "cannot load a model" in line and "config.json" in line
+    line = one_line_error(*run_cli(capsys, "predict", tmp_path / "no" / "such" / "dir", "--text", "x"))
+    assert "no such model directory" in line
+    # a plain encoder directory loads, but it is not an XMC model with labels
+    line = one_line_error(*run_cli(capsys, "evaluate", tiny_encoder_dir, "--test_file", f"{task_dir}/tst.json.gz"))
+    assert tiny_encoder_dir in line and "not an hf_xmc model" in line
+    line = one_line_error(*run_cli(capsys, "push", empty / "x", "org/name"))
+    assert "no such model directory" in line
+
+
+def test_bad_data_names_the_file_and_line(trained, capsys, tmp_path):
+    _, _, out = trained
+    bad = tmp_path / "queries.json"
+    bad.write_text(json.dumps({"title": "fine"}) + "\n" + json.dumps({"content": "no title"}) + "\n")
+    line = one_line_error(*run_cli(capsys, "predict", out, "--input_file", bad))
+    assert f"{bad}, line 2: missing field 'title'" in line
+    # a test file whose label ids exceed the model's label space
+    tst = tmp_path / "tst.json.gz"
+    with gzip.open(tst, "wt") as f:
+        f.write(json.dumps({"uid": "a", "title": "w", "target_ind": [0, 4000]}) + "\n")
+    line = one_line_error(*run_cli(capsys, "evaluate", out, "--test_file", tst))
+    assert f"{tst}, line 1" in line and "label id 4000 out of range" in line
+    line = one_line_error(*run_cli(capsys, "predict", out, "--text", "x", "--k", "0"))
+    assert "--k" in line
