@@ -114,8 +114,9 @@ def plot_metrics(summary: Mapping[str, Any], title: Optional[str] = None) -> byt
         values = [100.0 * b["precision_contribution"] for b in buckets]
         bars = ax.bar(range(len(buckets)), values, color="tab:green")
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        ax.set_ylim(0, 1.15 * max(values + [1e-6]))  # room for the value labels
         ax.set_xticks(range(len(buckets)), names, fontsize=7)
-        ax.set_xlabel("label bucket by train frequency (head -> tail)")
+        ax.set_xlabel("labels bucketed by train frequency (head -> tail)")
         ax.set_ylabel(f"contribution to P@{k} (%)")
         ax.set_title(f"P@{k} by label frequency")
         ax.grid(alpha=0.3, axis="y")
@@ -133,7 +134,7 @@ def _bucket_name(bucket: Mapping[str, Any]) -> str:
         return f"{bucket['num_labels']} labels"
     low, high = int(bucket["min_freq"]), int(bucket["max_freq"])
     freq = f"{low}" if low == high else f"{low}-{high}"
-    return f"freq {freq}\n{bucket['num_labels']} labels"
+    return f"{freq}\n{bucket['num_labels']} labels"
 
 
 def eval_results(summary: Mapping[str, Any], dataset_name: str, dataset_id: Optional[str] = None) -> list[EvalResult]:
@@ -199,6 +200,10 @@ def _training_rows(training_args, train_metrics: Optional[Mapping[str, float]]) 
         for key in CARD_TRAINING_ARGS:
             value = getattr(training_args, key, None)
             if value is None or value is False:
+                continue
+            if key.startswith("hard_negative_") and not getattr(training_args, "hard_negatives", 0):
+                continue  # mining settings of a run without hard negatives
+            if key == "max_label_pool" and getattr(training_args, "label_pool", None) != "psl":
                 continue
             if key in ("label_pool", "positive_sampling") or value != 0:
                 rows.append((key, _format(value.value if hasattr(value, "value") else value)))

@@ -23,7 +23,6 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
-from types import SimpleNamespace
 from typing import IO, Any, Optional
 
 PROG = "hf-xmc"
@@ -134,9 +133,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.train_file:
         train = read_xc_raw(args.train_file, num_labels=num_labels, text_fields=fields)
     else:
-        # build_evaluator reads only train.targets from the training split; None = no propensities (PS metrics
-        # left out), the XMCEvaluator's documented behaviour
-        train = SimpleNamespace(targets=None)
+        train = None  # no propensities: build_evaluator leaves the PS metrics out
         print(f"{PROG} evaluate: note: no --train_file, so no label propensities: PSP@k and PSnDCG@k are left out",
               file=sys.stderr)
     data = XCData(train=train, test=test, label_texts=model.label_texts, label_uids=model.label_uids)

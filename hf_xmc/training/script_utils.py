@@ -95,7 +95,8 @@ def load_data(data_args: XMCDataArguments) -> XCData:
 
 
 def build_evaluator(data: XCData, data_args: XMCDataArguments) -> XMCEvaluator:
-    """The test-set evaluator of the contract (``test_*`` keys, filter file applied when given)."""
+    """The test-set evaluator of the contract (``test_*`` keys, filter file applied when given); ``data.train`` may
+    be None (no propensities, so no PSP@k / PSnDCG@k)."""
     filt = None
     if data_args.test_filter_file:
         filt = read_filter_file(data_args.test_filter_file, num_points=data.test.num_source_records, num_labels=len(data.label_texts))
@@ -104,7 +105,7 @@ def build_evaluator(data: XCData, data_args: XMCDataArguments) -> XMCEvaluator:
         data.test,
         data.label_texts,
         data.label_uids,
-        train_targets=data.train.targets,
+        train_targets=data.train.targets if data.train is not None else None,  # no train split: no PS metrics
         propensity_a=data_args.propensity_a,
         propensity_b=data_args.propensity_b,
         filter_matrix=filt,
