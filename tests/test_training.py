@@ -100,6 +100,10 @@ def test_trainer_refuses_remove_unused_columns(tiny_encoder_dir, tiny_task, tmp_
 
 def run_script(args, launcher=None, timeout=600, script="train_dexml.py"):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    if launcher is not None and torch.cuda.device_count() < 2:
+        # Two processes on one GPU would both take cuda:0, which NCCL refuses: the multi-process tests run the
+        # gloo/CPU path (as in CI) unless the machine has a GPU per process.
+        env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = (launcher or [sys.executable]) + [os.path.join(ROOT, "training_scripts", script)] + args
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout, stdin=subprocess.DEVNULL)
 
