@@ -15,7 +15,8 @@ Every configuration runs in a fresh subprocess so that its memory is its own. On
 held before the first full step (weights, inputs, gradients allocated by one tiny warm-up step). Throughput is
 B / (fastest step), the steady figure on a CPU shared with other jobs; the mean is in the JSON.
 
-Writes benchmarks/results/gradcache.json and prints markdown tables.
+Writes benchmarks/results/gradcache.json (``--output``) and prints markdown tables; the CUDA figures of an H100 run
+are in benchmarks/results/gradcache_cuda.json.
 """
 
 import argparse
@@ -165,6 +166,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per throughput configuration")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run (1: steadier on a shared CPU)")
     ap.add_argument("--skip_uncached_memory", action="store_true", help="skip the uncached run at the largest batch")
+    ap.add_argument("--output", default=RESULTS, help="JSON file to write (default benchmarks/results/gradcache.json)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -197,12 +199,13 @@ def main() -> None:
         "encoder": "random BertModel: hidden 256, 4 layers, 4 heads, intermediate 1024, vocab 30522, seq len 32",
         "loss": "DecoupledSoftmax over the B x B in-batch pool, tau 0.05",
         "chunk_size": args.chunk_size, "threads": args.threads, "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name() if memory[0]["device"] == "cuda" else None,
         "platform": platform.platform(), "processor": platform.processor(),
         "memory": memory, "throughput": speed,
         "memory_ratio_total": ratio_total, "memory_ratio_delta": ratio_delta,
         "memory_ratio_batches": [small, large], "wall_seconds": time.time() - t0,
     }
-    write_json_atomic(RESULTS, report)
+    write_json_atomic(args.output, report)
 
     print()
     print(f"Peak memory, chunk size {args.chunk_size} ({memory[0]['memory_metric']}, device {memory[0]['device']}):\n")
@@ -216,7 +219,7 @@ def main() -> None:
     for b in args.speed_batches:
         c, u = by[(b, True)], by[(b, False)]
         print(f"| {b} | {c['queries_per_s']:.1f} | {u['queries_per_s']:.1f} | {c['queries_per_s'] / u['queries_per_s']:.2f} |")
-    print(f"\nwrote {os.path.relpath(RESULTS, REPO)} ({time.time() - t0:.0f} s)")
+    print(f"\nwrote {os.path.relpath(args.output, REPO)} ({time.time() - t0:.0f} s)")
 
 
 if __name__ == "__main__":
