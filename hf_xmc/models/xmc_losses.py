@@ -8,6 +8,8 @@ in-batch false negatives out of the denominators.
 Normalisation follows the DEXML reference code: the loss of a query is the mean over its positives in the
 pool, and the batch loss is the mean over queries that have at least one positive in the pool.
 
+MUFIN's losses (label-anchored triplet, cosine embedding) take similarity matrices instead, see their docstrings.
+
 This file is part of the remote-code bundle of every hf_xmc model (torch only).
 """
 
@@ -602,3 +604,65 @@ class UniDECLoss(nn.Module):
         terms["clf"] = clf_total
         terms["loss"] = self.de_weight * de["loss"] + (1.0 - self.de_weight) * clf_total
         return terms
+
+
+# ---------------------------------------------------------------------------------------------------- MUFIN
+def _reduce_pairs(per_pair: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Sum, or mean over the valid pairs, of ``per_pair`` (zeros where not ``valid``)."""
+    total = torch.where(valid, per_pair, torch.zeros_like(per_pair)).sum()
+    if reduction == "sum":
+        return total
+    if reduction == "mean":
+        return total / valid.sum().clamp(min=1)
+    raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+
+
+def _full_mask(scores: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ones_like(scores, dtype=torch.bool) if mask is None else mask.bool()
+
+
+def mufin_triplet_loss(
+    pos_sims: torch.Tensor,
+    neg_sims: torch.Tensor,
+    margin: float = 0.2,
+    pos_mask: Optional[torch.Tensor] = None,
+    neg_mask: Optional[torch.Tensor] = None,
+    negative_temperature: Optional[float] = None,
+    reduction: str = "sum",
+) -> torch.Tensor:
+    """MUFIN Module I (siamese pre-training): label-anchored triplet loss.
+
+    ``L_I = sum_l sum_{i in P_l} sum_{j in N_l} [<z_l, x_j> - <z_l, x_i> + margin]_+`` (paper, margin 0.2; the official
+    code uses 0.3). Row ``l`` of ``pos_sims`` ``(B, P)`` holds the anchor's similarities to its hard positives, of
+    ``neg_sims`` ``(B, N)`` to its in-batch hard negatives; ``pos_mask`` / ``neg_mask`` mark valid entries (rows may
+    have fewer). With ``negative_temperature`` each hinge is weighted by ``softmax(s_neg / tau)`` over the row's valid
+    negatives (the official code's variant, tau 0.1), detached like a sampling weight. ``reduction``: ``"sum"``
+    (paper) or ``"mean"`` over the valid (positive, negative) pairs.
+    """
+    pos_valid, neg_valid = _full_mask(pos_sims, pos_mask), _full_mask(neg_sims, neg_mask)
+    hinge = (neg_sims.unsqueeze(1) - pos_sims.unsqueeze(2) + margin).clamp(min=0)  # (B, P, N)
+    valid = pos_valid.unsqueeze(2) & neg_valid.unsqueeze(1)
+    if negative_temperature is not None:
+        logits = (neg_sims.detach() / negative_temperature).masked_fill(~neg_valid, float("-inf"))
+        weights = torch.softmax(logits, dim=1).nan_to_num(0.0)  # a row without negatives has no pairs anyway
+        hinge = hinge * weights.unsqueeze(1)
+    return _reduce_pairs(hinge, valid, reduction)
+
+
+def mufin_ranker_loss(
+    pos_scores: torch.Tensor,
+    neg_scores: torch.Tensor,
+    margin: float = 0.5,
+    pos_mask: Optional[torch.Tensor] = None,
+    neg_mask: Optional[torch.Tensor] = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """MUFIN Module IV (fine-tuning): cosine-embedding loss over a query's sampled positives and shortlist negatives.
+
+    ``L_IV = sum_i { sum_{l in S_i} (1 - <x_i^{2,l}, w_l>) + sum_{k in T_i} [<x_i^{2,k}, w_k> - margin]_+ }`` (paper,
+    margin 0.5). ``pos_scores`` ``(B, S)`` / ``neg_scores`` ``(B, T)`` are the scores ``c_il``; masks mark valid
+    entries. ``reduction``: ``"sum"`` (paper) or ``"mean"`` over the valid (query, label) pairs (official code).
+    """
+    pos_valid, neg_valid = _full_mask(pos_scores, pos_mask), _full_mask(neg_scores, neg_mask)
+    per_pair = torch.cat([1.0 - pos_scores, (neg_scores - margin).clamp(min=0)], dim=1)
+    return _reduce_pairs(per_pair, torch.cat([pos_valid, neg_valid], dim=1), reduction)
