@@ -261,7 +261,8 @@ def generate_model_card(
     card_data = ModelCardData(
         model_name=model_name,
         library_name="transformers",
-        pipeline_tag="text-classification",
+        # no Hub pipeline fits an image + text ranker (hf_ecosystem.md section 3): no tag, no widget
+        pipeline_tag=None if "image" in getattr(model, "input_modalities", ("text",)) else "text-classification",
         license=license,
         base_model=base_model,
         datasets=[dataset_id] if dataset_id else None,
