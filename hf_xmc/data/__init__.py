@@ -6,6 +6,7 @@ Modules:
   :class:`XMCDataset`, :class:`XCData`, :class:`XMCDataError`.
 * :mod:`~hf_xmc.data.bow` -- sparse BoW text files (``train.txt``, ``trn_X_Y.txt``).
 * :mod:`~hf_xmc.data.filters` -- ``filter_labels_*.txt`` files and filtered top-k predictions.
+* :mod:`~hf_xmc.data.images` -- :func:`load_images` (image paths or PIL images -> RGB PIL images).
 * :mod:`~hf_xmc.data.hf_bridge` -- conversion to/from ``datasets.Dataset`` (``datasets`` imported lazily).
 * :mod:`~hf_xmc.data.synthetic` -- synthetic tasks with planted structure for scale tests.
 * :mod:`~hf_xmc.data.debtags` -- the bundled real Debtags dataset.
@@ -15,6 +16,7 @@ from .bow import read_bow, read_sparse_matrix, write_bow, write_sparse_matrix
 from .debtags import DEBTAGS_DIR, load_debtags
 from .filters import filter_predictions, read_filter_file
 from .hf_bridge import from_hf_dataset, labels_to_hf_dataset, to_hf_dataset
+from .images import load_image, load_images
 from .synthetic import SyntheticLabelTexts, make_synthetic_xmc
 from .xc_raw import (
     XCData,
@@ -45,6 +47,8 @@ __all__ = [
     "to_hf_dataset",
     "from_hf_dataset",
     "labels_to_hf_dataset",
+    "load_image",
+    "load_images",
     "make_synthetic_xmc",
     "SyntheticLabelTexts",
     "load_debtags",

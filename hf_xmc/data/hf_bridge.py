@@ -2,7 +2,8 @@
 
 ``datasets`` (and ``pyarrow``) are imported lazily inside the functions, so importing
 :mod:`hf_xmc.data` stays cheap. The label lists are moved through Arrow list arrays built directly
-from the CSR ``indptr``/``indices`` buffers, without per-row Python lists.
+from the CSR ``indptr``/``indices`` buffers, without per-row Python lists. Multimodal datasets carry an
+``images`` column (a list of image paths per row) when :attr:`XMCDataset.images` is set.
 """
 
 from __future__ import annotations
@@ -29,8 +30,52 @@ def _in_memory_dataset(table: Any) -> datasets.Dataset:
     return datasets.Dataset(InMemoryTable(table))
 
 
+def _images_array(images: Sequence[Sequence[str]]) -> Any:
+    """Arrow ``list<string>`` array of per-row image paths (PIL images cannot go in a path column)."""
+    import pyarrow as pa
+
+    for i, item in enumerate(images):
+        if isinstance(item, (str, bytes)) or not isinstance(item, Sequence):
+            raise TypeError(f"images[{i}] must be a list of image paths, got {type(item).__name__}")
+        for entry in item:
+            if not isinstance(entry, str):
+                raise TypeError(f"images[{i}] holds a {type(entry).__name__}: only image paths go into the "
+                                f"'images' column (save PIL images to files first)")
+    return pa.array([list(item) for item in images], type=pa.list_(pa.string()))
+
+
+def _images_from_column(col: Any, column: str) -> list[list[str]]:
+    """Per-row image paths from a ``list<string>`` column or a ``Sequence(Image())`` column (its paths)."""
+    import pyarrow as pa
+
+    if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+        raise ValueError(f"column {column!r} must hold lists of image paths, got type {col.type}")
+    value_type = col.type.value_type
+    if pa.types.is_struct(value_type) and value_type.get_field_index("path") >= 0:
+        # datasets' Image feature stores {bytes, path}; only the path fits the paths-per-item contract
+        rows = [[None if v is None else v["path"] for v in row] if row is not None else None
+                for row in col.to_pylist()]
+    elif pa.types.is_string(value_type) or pa.types.is_large_string(value_type):
+        rows = col.to_pylist()
+    else:
+        raise ValueError(f"column {column!r} must hold lists of image paths, got type {col.type}")
+    out = []
+    for i, row in enumerate(rows):
+        if row is None:
+            out.append([])  # a null list = no image
+            continue
+        for entry in row:
+            if not isinstance(entry, str) or not entry:
+                raise ValueError(f"row {i}: column {column!r} holds an image without a path")
+        out.append(row)
+    return out
+
+
 def to_hf_dataset(ds: XMCDataset) -> datasets.Dataset:
-    """Convert an :class:`XMCDataset` to a ``datasets.Dataset`` with columns ``uid``, ``text``, ``labels``."""
+    """Convert an :class:`XMCDataset` to a ``datasets.Dataset`` with columns ``uid``, ``text``, ``labels``.
+
+    A multimodal dataset (``ds.images`` set) gets a fourth column ``images`` (list of path strings).
+    """
     import pyarrow as pa
 
     t = sp.csr_matrix(ds.targets)
@@ -38,15 +83,21 @@ def to_hf_dataset(ds: XMCDataset) -> datasets.Dataset:
     if t.shape[1] > np.iinfo(np.int32).max or t.nnz > np.iinfo(np.int32).max:
         raise ValueError("label ids and the number of (point, label) pairs must fit in int32")
     labels = pa.ListArray.from_arrays(pa.array(t.indptr.astype(np.int32)), pa.array(t.indices.astype(np.int32)))
-    table = pa.table({"uid": pa.array(list(ds.uids), type=pa.string()),
-                      "text": pa.array(list(ds.texts), type=pa.string()),
-                      "labels": labels})
-    return _in_memory_dataset(table)
+    columns = {"uid": pa.array(list(ds.uids), type=pa.string()),
+               "text": pa.array(list(ds.texts), type=pa.string()),
+               "labels": labels}
+    if ds.images is not None:
+        columns["images"] = _images_array(ds.images)
+    return _in_memory_dataset(pa.table(columns))
 
 
 def from_hf_dataset(hf_ds: datasets.Dataset, num_labels: int, text_column: str = "text",
-                    label_column: str = "labels") -> XMCDataset:
-    """Convert a ``datasets.Dataset`` (text column + list-of-label-ids column) back to an :class:`XMCDataset`."""
+                    label_column: str = "labels", image_column: str = "images") -> XMCDataset:
+    """Convert a ``datasets.Dataset`` (text column + list-of-label-ids column) back to an :class:`XMCDataset`.
+
+    When ``image_column`` exists (lists of paths, or a ``Sequence(Image())`` column whose images have
+    paths) it becomes ``XMCDataset.images``; otherwise the dataset is text-only (``images=None``).
+    """
     import pyarrow as pa
 
     for col in (text_column, label_column):
@@ -93,17 +144,25 @@ def from_hf_dataset(hf_ds: datasets.Dataset, num_labels: int, text_column: str =
     targets = sp.csr_matrix((np.ones(len(indices), dtype=np.float32), indices, indptr), shape=(n, num_labels))
     targets.sum_duplicates()
     targets.data[:] = 1.0
-    return XMCDataset(texts=texts, targets=targets, uids=uids)
+    images = None
+    if image_column in table.column_names:
+        images = _images_from_column(table.column(image_column).combine_chunks(), image_column) if n else []
+    return XMCDataset(texts=texts, targets=targets, uids=uids, images=images)
 
 
-def labels_to_hf_dataset(uids: Sequence[str], texts: Sequence[str]) -> datasets.Dataset:
-    """Build a ``datasets.Dataset`` of labels with columns ``label_id`` (int32), ``uid`` and ``text``."""
+def labels_to_hf_dataset(uids: Sequence[str], texts: Sequence[str],
+                         images: Sequence[Sequence[str]] | None = None) -> datasets.Dataset:
+    """Build a ``datasets.Dataset`` of labels with columns ``label_id`` (int32), ``uid``, ``text`` [and ``images``]."""
     import pyarrow as pa
 
     if len(uids) != len(texts):
         raise ValueError(f"{len(uids)} uids but {len(texts)} texts")
     n = len(uids)
-    table = pa.table({"label_id": pa.array(np.arange(n, dtype=np.int32)),
-                      "uid": pa.array(list(uids), type=pa.string()),
-                      "text": pa.array(list(texts), type=pa.string())})
-    return _in_memory_dataset(table)
+    columns = {"label_id": pa.array(np.arange(n, dtype=np.int32)),
+               "uid": pa.array(list(uids), type=pa.string()),
+               "text": pa.array(list(texts), type=pa.string())}
+    if images is not None:
+        if len(images) != n:
+            raise ValueError(f"{n} uids but {len(images)} image lists")
+        columns["images"] = _images_array(images)
+    return _in_memory_dataset(pa.table(columns))

@@ -6,6 +6,11 @@ The raw text versions of the XC repository datasets (e.g. LF-AmazonTitles-131K) 
 0-based indices into the lines of ``lbl.json.gz``). Files are gzip-compressed when the name ends
 in ``.gz`` and plain text otherwise.
 
+Multimodal datasets (MUFIN) add an optional ``images`` field to points and labels: a list of image
+paths (possibly empty). Relative paths resolve against the directory of the JSON file, absolute paths
+are kept; in memory every path is absolute. A file in which no line has ``images`` reads as a text-only
+dataset (``images=None``), exactly as before.
+
 This module also hosts the small I/O helpers (:class:`XMCDataError`, gzip-aware opening and
 atomic writing) shared by the other readers/writers of :mod:`hf_xmc.data`.
 """
@@ -150,7 +155,11 @@ def _atomic_text_writer(path: PathLike) -> Iterator[IO[str]]:
 
 @dataclass
 class XMCDataset:
-    """Texts with their sparse binary label matrix (one row per point)."""
+    """Texts (and optionally images) with their sparse binary label matrix (one row per point).
+
+    ``images`` is ``None`` for a text-only dataset, otherwise one list of image paths per point
+    (possibly empty: a point may carry text only).
+    """
 
     texts: list[str]
     targets: sp.csr_matrix  # (n x num_labels) float32 binary
@@ -159,6 +168,7 @@ class XMCDataset:
     # 0-based record number of each point in its source file (None: row i is record i). Filter files index
     # records, so they must be mapped through this when unlabeled points were skipped.
     source_rows: np.ndarray | None = None
+    images: list[list[str]] | None = None  # per point: image paths (absolute once read from a file)
 
     def __post_init__(self) -> None:
         """Normalise ``targets`` to CSR float32 and check that the lengths agree."""
@@ -176,6 +186,13 @@ class XMCDataset:
             self.source_rows = np.asarray(self.source_rows, dtype=np.int64)
             if self.source_rows.shape != (n,):
                 raise ValueError(f"source_rows has shape {self.source_rows.shape}, expected ({n},)")
+        if self.images is not None:
+            if len(self.images) != n:
+                raise ValueError(f"inconsistent lengths: {len(self.images)} image lists, {n} target rows")
+            for i, item in enumerate(self.images):
+                # a bare string would silently iterate as characters
+                if isinstance(item, (str, bytes)) or not isinstance(item, Sequence):
+                    raise TypeError(f"images[{i}] must be a list of image paths, got {type(item).__name__}")
 
     @property
     def num_source_records(self) -> int:
@@ -206,8 +223,9 @@ class XMCDataset:
         if idx.size and (idx.min() < -len(self) or idx.max() >= len(self)):
             raise IndexError(f"index out of range for dataset of length {len(self)}")
         pos = idx.tolist()
+        images = None if self.images is None else [list(self.images[i]) for i in pos]
         return XMCDataset(texts=[self.texts[i] for i in pos], targets=self.targets[idx],
-                          uids=[self.uids[i] for i in pos], source_rows=self.record_indices()[idx])
+                          uids=[self.uids[i] for i in pos], source_rows=self.record_indices()[idx], images=images)
 
     def label_lists(self) -> list[list[int]]:
         """Return the label ids of every point as python lists."""
@@ -225,6 +243,7 @@ class XCData:
     test: XMCDataset
     label_texts: Sequence[str]
     label_uids: Sequence[str]
+    label_images: list[list[str]] | None = None  # per label: image paths; None when no label has images
 
     @property
     def num_labels(self) -> int:
@@ -276,6 +295,38 @@ def _get_text(obj: dict[str, Any], text_fields: Sequence[str], path: PathLike, l
     return " ".join(parts)
 
 
+def _get_images(obj: dict[str, Any], base_dir: str, check_images: bool, path: PathLike,
+                lineno: int) -> list[str] | None:
+    """Return the record's ``images`` as absolute paths (None when the field is absent).
+
+    Relative paths resolve against ``base_dir`` (the JSON file's directory), so a dataset folder can
+    be moved as a whole. With ``check_images`` every file must exist (a cheap ``os.path.exists``, so a
+    typo surfaces at load time, not hours into training).
+    """
+    value = obj.get("images")
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise XMCDataError(path, lineno, f"field 'images' must be a list of image paths, got {type(value).__name__}")
+    out = []
+    for j, entry in enumerate(value):
+        if not isinstance(entry, str) or not entry:
+            got = type(entry).__name__ if not isinstance(entry, str) else "an empty string"
+            raise XMCDataError(path, lineno, f"field 'images' entry {j} must be a non-empty path string, got {got}")
+        resolved = os.path.normpath(os.path.join(base_dir, entry))  # join keeps absolute entries as they are
+        if check_images and not os.path.exists(resolved):
+            raise XMCDataError(path, lineno, f"image file not found: {entry!r} (resolved to {resolved})")
+        out.append(resolved)
+    return out
+
+
+def _finish_images(images: list[list[str] | None]) -> list[list[str]] | None:
+    """None when no record had an ``images`` field (text-only file), else one list per record."""
+    if all(item is None for item in images):
+        return None
+    return [item if item is not None else [] for item in images]
+
+
 def _check_text_fields(text_fields: Sequence[str]) -> tuple[str, ...]:
     """Validate the ``text_fields`` argument."""
     if isinstance(text_fields, str):
@@ -287,13 +338,19 @@ def _check_text_fields(text_fields: Sequence[str]) -> tuple[str, ...]:
 
 
 def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequence[str] = ("title",),
-                skip_unlabeled: bool = True) -> XMCDataset:
-    """Read an XC-repository raw JSON-lines file (``trn.json.gz``/``tst.json.gz``) into an :class:`XMCDataset`."""
+                skip_unlabeled: bool = True, check_images: bool = True) -> XMCDataset:
+    """Read an XC-repository raw JSON-lines file (``trn.json.gz``/``tst.json.gz``) into an :class:`XMCDataset`.
+
+    An optional ``images`` field (list of paths, relative to the file's directory) fills
+    ``XMCDataset.images``; with ``check_images`` a missing image file is an error naming the line.
+    """
     fields = _check_text_fields(text_fields)
+    base_dir = os.path.dirname(os.path.abspath(path))
     if num_labels is not None and num_labels < 0:
         raise ValueError(f"num_labels must be >= 0, got {num_labels}")
     texts: list[str] = []
     uids: list[str] = []
+    images: list[list[str] | None] = []
     indices: list[int] = []
     indptr: list[int] = [0]
     records: list[int] = []
@@ -308,6 +365,7 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
             obj = _parse_object(line, path, lineno)
             uid = _get_uid(obj, path, lineno)
             text = _get_text(obj, fields, path, lineno)
+            item_images = _get_images(obj, base_dir, check_images, path, lineno)
             if "target_ind" not in obj:
                 raise XMCDataError(path, lineno, "missing field 'target_ind'")
             ind = obj["target_ind"]
@@ -327,6 +385,7 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
                 continue
             texts.append(text)
             uids.append(uid)
+            images.append(item_images)
             records.append(record)
             indices.extend(ind)
             indptr.append(len(indices))
@@ -340,14 +399,23 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
         shape=(len(texts), num_labels))
     targets.has_sorted_indices = True
     return XMCDataset(texts=texts, targets=targets, uids=uids, num_skipped=skipped,
-                      source_rows=np.asarray(records, dtype=np.int64) if skipped else None)
+                      source_rows=np.asarray(records, dtype=np.int64) if skipped else None,
+                      images=_finish_images(images))
 
 
-def read_xc_labels(path: PathLike, text_fields: Sequence[str] = ("title",)) -> tuple[list[str], list[str]]:
-    """Read an XC-repository label file (``lbl.json.gz``) into ``(uids, texts)``; ``target_ind`` is ignored."""
+def read_xc_labels(path: PathLike, text_fields: Sequence[str] = ("title",), return_images: bool = False,
+                   check_images: bool = True) -> tuple:
+    """Read an XC-repository label file (``lbl.json.gz``) into ``(uids, texts)``; ``target_ind`` is ignored.
+
+    With ``return_images`` the result is ``(uids, texts, images)``, ``images`` being one list of
+    absolute image paths per label, or ``None`` when no line has an ``images`` field. The fields
+    are validated either way (a malformed ``images`` is an error even when it is not returned).
+    """
     fields = _check_text_fields(text_fields)
+    base_dir = os.path.dirname(os.path.abspath(path))
     uids: list[str] = []
     texts: list[str] = []
+    images: list[list[str] | None] = []
     with _open_text(path) as f:
         for lineno, line in _iter_lines(f, path):
             if not line.strip():
@@ -355,6 +423,9 @@ def read_xc_labels(path: PathLike, text_fields: Sequence[str] = ("title",)) -> t
             obj = _parse_object(line, path, lineno)
             uids.append(_get_uid(obj, path, lineno))
             texts.append(_get_text(obj, fields, path, lineno))
+            images.append(_get_images(obj, base_dir, check_images, path, lineno))
+    if return_images:
+        return uids, texts, _finish_images(images)
     return uids, texts
 
 
@@ -363,42 +434,97 @@ def read_xc_labels(path: PathLike, text_fields: Sequence[str] = ("title",)) -> t
 # --------------------------------------------------------------------------------------------
 
 
-def write_xc_raw(path: PathLike, dataset: XMCDataset) -> None:
-    """Atomically write ``dataset`` as XC raw JSON-lines (text in ``title``; gzip when ``path`` ends in .gz)."""
+def _image_paths_for_file(items: Sequence[Sequence[str]], path: PathLike, relative_images: bool) -> list[list[str]]:
+    """Image paths as stored in the JSON file written at ``path``.
+
+    In-memory paths mean what ``open()`` makes of them (relative ones against the working directory).
+    With ``relative_images`` a path inside the JSON file's directory is stored relative to it, so the
+    dataset folder stays movable; any other path is stored absolute so it still resolves on reading.
+    """
+    base_dir = os.path.dirname(os.path.abspath(path))
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, (str, bytes)) or not isinstance(item, Sequence):
+            raise TypeError(f"images[{i}] must be a list of image paths, got {type(item).__name__}")
+        row = []
+        for entry in item:
+            if not isinstance(entry, (str, os.PathLike)) or not os.fspath(entry):
+                raise TypeError(f"images[{i}] holds {entry!r}: only non-empty image paths can be written "
+                                f"(save PIL images to files first)")
+            full = os.path.abspath(os.fspath(entry))
+            if relative_images:
+                try:
+                    rel = os.path.relpath(full, base_dir)
+                except ValueError:  # another drive on Windows: no relative path exists
+                    rel = os.pardir
+                if rel != os.pardir and not rel.startswith(os.pardir + os.sep):
+                    full = rel.replace(os.sep, "/")  # '/' so the file reads the same on every OS
+            row.append(full)
+        out.append(row)
+    return out
+
+
+def write_xc_raw(path: PathLike, dataset: XMCDataset, relative_images: bool = True) -> None:
+    """Atomically write ``dataset`` as XC raw JSON-lines (text in ``title``; gzip when ``path`` ends in .gz).
+
+    When ``dataset.images`` is set every line gets an ``images`` list; paths inside the output file's
+    directory are written relative to it (``relative_images``), others absolute.
+    """
     t = sp.csr_matrix(dataset.targets)
     t.sort_indices()
     n = t.shape[0]
     if len(dataset.texts) != n or len(dataset.uids) != n:
         raise ValueError(
             f"inconsistent dataset: {len(dataset.texts)} texts, {len(dataset.uids)} uids, {n} target rows")
+    images = None
+    if dataset.images is not None:
+        if len(dataset.images) != n:
+            raise ValueError(f"inconsistent dataset: {len(dataset.images)} image lists, {n} target rows")
+        images = _image_paths_for_file(dataset.images, path, relative_images)
     ind = t.indices.tolist()
     ptr = t.indptr.tolist()
     with _atomic_text_writer(path) as f:
         for i in range(n):
             rec = {"uid": dataset.uids[i], "title": dataset.texts[i], "target_ind": ind[ptr[i]:ptr[i + 1]]}
+            if images is not None:
+                rec["images"] = images[i]
             f.write(json.dumps(rec, ensure_ascii=False))
             f.write("\n")
 
 
-def write_xc_labels(path: PathLike, uids: Sequence[str], texts: Sequence[str]) -> None:
-    """Atomically write a label file (``uid``, ``title``, empty ``target_ind`` per line)."""
+def write_xc_labels(path: PathLike, uids: Sequence[str], texts: Sequence[str],
+                    images: Sequence[Sequence[str]] | None = None, relative_images: bool = True) -> None:
+    """Atomically write a label file (``uid``, ``title``, empty ``target_ind`` and optional ``images`` per line).
+
+    Image paths are stored as in :func:`write_xc_raw`.
+    """
     if len(uids) != len(texts):
         raise ValueError(f"{len(uids)} uids but {len(texts)} texts")
+    stored = None
+    if images is not None:
+        if len(images) != len(uids):
+            raise ValueError(f"{len(uids)} uids but {len(images)} image lists")
+        stored = _image_paths_for_file(images, path, relative_images)
     with _atomic_text_writer(path) as f:
-        for uid, text in zip(uids, texts, strict=True):
-            f.write(json.dumps({"uid": uid, "title": text, "target_ind": []}, ensure_ascii=False))
+        for i, (uid, text) in enumerate(zip(uids, texts, strict=True)):
+            rec = {"uid": uid, "title": text, "target_ind": []}
+            if stored is not None:
+                rec["images"] = stored[i]
+            f.write(json.dumps(rec, ensure_ascii=False))
             f.write("\n")
 
 
 def load_xc_dataset(train_file: PathLike, test_file: PathLike, label_file: PathLike,
                     text_fields: Sequence[str] = ("title",),
-                    label_text_fields: Sequence[str] | None = None) -> XCData:
+                    label_text_fields: Sequence[str] | None = None, check_images: bool = True) -> XCData:
     """Load an XC raw dataset (train, test and label files); label ids are checked against the label file.
 
-    ``label_text_fields`` defaults to ``text_fields``.
+    ``label_text_fields`` defaults to ``text_fields``. Image paths (optional ``images`` fields) land in
+    ``train.images``, ``test.images`` and ``label_images``; ``check_images`` checks that the files exist.
     """
-    label_uids, label_texts = read_xc_labels(label_file, text_fields=label_text_fields or text_fields)
+    label_uids, label_texts, label_images = read_xc_labels(
+        label_file, text_fields=label_text_fields or text_fields, return_images=True, check_images=check_images)
     num_labels = len(label_uids)
-    train = read_xc_raw(train_file, num_labels=num_labels, text_fields=text_fields)
-    test = read_xc_raw(test_file, num_labels=num_labels, text_fields=text_fields)
-    return XCData(train=train, test=test, label_texts=label_texts, label_uids=label_uids)
+    train = read_xc_raw(train_file, num_labels=num_labels, text_fields=text_fields, check_images=check_images)
+    test = read_xc_raw(test_file, num_labels=num_labels, text_fields=text_fields, check_images=check_images)
+    return XCData(train=train, test=test, label_texts=label_texts, label_uids=label_uids, label_images=label_images)
