@@ -9,11 +9,20 @@ from transformers import AutoConfig, AutoModel
 
 from .classifier_head import ExtremeClassifier
 from .configuration_dexml import DEXMLConfig
+from .configuration_mufin import MUFINConfig
 from .configuration_prime import PRIMEConfig
 from .configuration_unidec import UniDECConfig
 from .configuration_xmc import XMCConfig
 from .label_index import LabelIndex, faiss_available, faiss_gpu_available
 from .modeling_dexml import DEXMLModel, DEXMLPreTrainedModel
+from .modeling_mufin import (
+    MUFINAttention,
+    MUFINClassifier,
+    MUFINModel,
+    MUFINModelOutput,
+    MUFINPreTrainedModel,
+    label_centroids_from_embeddings,
+)
 from .modeling_prime import LabelPrototypeNetwork, PRIMEModel, PRIMEPreTrainedModel
 from .modeling_unidec import UniDECModel, UniDECPreTrainedModel
 from .modeling_xmc import XMCModelOutput, XMCPrediction, XMCPreTrainedModel
@@ -35,7 +44,12 @@ from .xmc_losses import (
     symmetric_pool_loss,
 )
 
-MODEL_CLASSES = {"dexml": (DEXMLConfig, DEXMLModel), "prime": (PRIMEConfig, PRIMEModel), "unidec": (UniDECConfig, UniDECModel)}
+MODEL_CLASSES = {
+    "dexml": (DEXMLConfig, DEXMLModel),
+    "mufin": (MUFINConfig, MUFINModel),
+    "prime": (PRIMEConfig, PRIMEModel),
+    "unidec": (UniDECConfig, UniDECModel),
+}
 
 for _config_cls, _model_cls in MODEL_CLASSES.values():
     AutoConfig.register(_config_cls.model_type, _config_cls, exist_ok=True)
@@ -54,6 +68,12 @@ __all__ = [
     "LabelIndex",
     "LabelPrototypeNetwork",
     "MODEL_CLASSES",
+    "MUFINAttention",
+    "MUFINClassifier",
+    "MUFINConfig",
+    "MUFINModel",
+    "MUFINModelOutput",
+    "MUFINPreTrainedModel",
     "PRIMEConfig",
     "PRIMELoss",
     "PRIMEModel",
@@ -75,6 +95,7 @@ __all__ = [
     "faiss_gpu_available",
     "get_loss",
     "infonce_loss",
+    "label_centroids_from_embeddings",
     "prototype_regularizer",
     "softmax_loss",
     "symmetric_pool_loss",
