@@ -33,6 +33,8 @@ class XMCEvaluator:
         name: key prefix (``"test"`` gives ``test_P@1``) and the split named in model cards.
         batch_size: encoding batch size.
         dataset_name: the dataset's name, for model cards (e.g. ``"LF-AmazonTitles-131K"``).
+        label_images: per label a list of images, for models that take images (MUFIN); the queries' images come
+            from ``data.images``. Such models are evaluated through their own ``predict`` (shortlist + re-ranking).
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class XMCEvaluator:
         name: str = "test",
         batch_size: int = 256,
         dataset_name: Optional[str] = None,
+        label_images: Optional[Sequence[Sequence]] = None,
     ):
         if data.targets.shape[1] != len(label_texts):
             raise ValueError(f"evaluation targets have {data.targets.shape[1]} label columns but there are {len(label_texts)} labels")
@@ -64,6 +67,9 @@ class XMCEvaluator:
         self.name = name
         self.batch_size = batch_size
         self.dataset_name = dataset_name
+        if label_images is not None and len(label_images) != len(self.label_texts):
+            raise ValueError(f"{len(label_images)} label image lists for {len(self.label_texts)} labels")
+        self.label_images = label_images
         # top-max(ks) label ids of the last evaluation (the model card's curves are computed from them)
         self.last_predictions: Optional[np.ndarray] = None
 
@@ -74,12 +80,21 @@ class XMCEvaluator:
 
     def predict(self, model, show_progress_bar: Optional[bool] = None) -> tuple[np.ndarray, np.ndarray, float]:
         """Index the labels with ``model`` and return ``(ids, scores, query_seconds)`` for the evaluation queries."""
-        model.build_label_index(self.label_texts, self.label_uids, batch_size=self.batch_size, show_progress_bar=show_progress_bar)
         k = self.top_k
         extra = int(np.diff(self.filter_matrix.indptr).max()) if self.filter_matrix is not None and self.filter_matrix.nnz else 0
-        start = time.perf_counter()
-        queries = model.query_search_vectors(self.data.texts, batch_size=self.batch_size, show_progress_bar=show_progress_bar)
-        scores, ids = model.search(queries, k + extra)
+        if "image" in getattr(model, "input_modalities", ("text",)):
+            # multimodal models rank through predict: one index query, then re-scoring of the shortlist
+            model.build_label_index(
+                self.label_texts, self.label_uids, batch_size=self.batch_size, show_progress_bar=show_progress_bar, label_images=self.label_images
+            )
+            start = time.perf_counter()
+            pred = model.predict(self.data.texts, k=k + extra, images=self.data.images, batch_size=self.batch_size, show_progress_bar=show_progress_bar)
+            scores, ids = pred.scores, pred.label_ids
+        else:
+            model.build_label_index(self.label_texts, self.label_uids, batch_size=self.batch_size, show_progress_bar=show_progress_bar)
+            start = time.perf_counter()
+            queries = model.query_search_vectors(self.data.texts, batch_size=self.batch_size, show_progress_bar=show_progress_bar)
+            scores, ids = model.search(queries, k + extra)
         seconds = time.perf_counter() - start
         if self.filter_matrix is not None:
             ids, scores = filter_predictions(ids, scores, self.filter_matrix, k)

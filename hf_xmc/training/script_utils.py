@@ -139,6 +139,7 @@ def train_and_evaluate(
         train_dataset=data.train,
         label_texts=data.label_texts,
         label_uids=data.label_uids,
+        label_images=data.label_images,
         evaluator=evaluator,
         **trainer_kwargs,
     )

@@ -92,6 +92,7 @@ class XMCTrainer(Trainer):
         label_texts / label_uids: the label space.
         evaluator: an :class:`XMCEvaluator` used by ``evaluate`` (optional).
         data_collator: defaults to :class:`XMCDataCollator` over the training set.
+        label_images: per label a list of images, for models that take images (MUFIN).
     """
 
     def __init__(
@@ -103,6 +104,7 @@ class XMCTrainer(Trainer):
         label_uids: Optional[Sequence[str]] = None,
         evaluator: Optional[XMCEvaluator] = None,
         data_collator=None,
+        label_images: Optional[Sequence[Sequence]] = None,
         **kwargs,
     ):
         if args is not None and args.remove_unused_columns:
@@ -117,8 +119,8 @@ class XMCTrainer(Trainer):
                 "gradient cache cannot synchronise across processes: use --gradient_cache_chunk_size 0 with several "
                 "processes, or one process"
             )
-        if label_texts is not None:
-            model.set_labels(label_texts, label_uids)
+        if label_texts is not None:  # label images only for models that take them (MUFIN)
+            model.set_labels(label_texts, label_uids, *([label_images] if label_images is not None else []))
         xmc_args = args if isinstance(args, XMCTrainingArguments) else None
         if data_collator is None and train_dataset is not None:
             weights = None

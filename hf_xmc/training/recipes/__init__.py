@@ -17,6 +17,7 @@ RECIPES: dict[str, str] = {
     "dexml": "hf_xmc.training.recipes.dexml",
     "prime": "hf_xmc.training.recipes.prime",
     "unidec": "hf_xmc.training.recipes.unidec",
+    "mufin": "hf_xmc.training.recipes.mufin",
 }
 
 

@@ -1,0 +1,141 @@
+"""MUFIN's training pieces on the shared engine: the bag collator of its two training stages and Module II (the
+augmented-retrieval shortlist that supplies Module IV's hard negatives).
+
+Module I (``stage="siamese"``): a batch of items (texts and/or images) and the pool of their sampled positives; the
+model's triplet loss is anchored on each pool label, with in-batch hard negatives. Module II: label centroids from
+the Module-I encoder, the bag + centroid index over all labels, and a shortlist ``R_i`` per training item with its
+positives removed. Module IV (``stage="ranker"``): per item ``num_positives`` positives (``S_i``) and
+``num_negatives`` shortlist negatives (``T_i``); ``pair_mask`` tells the model which (item, label) pairs to score
+with cross-attention and the classifier, so the cost per item stays ``|S_i| + |T_i|`` whatever the pool size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from ..data import filter_predictions
+from .collator import XMCDataCollator
+
+logger = logging.getLogger(__name__)
+
+MUFIN_COLLATOR_STAGES = ("siamese", "ranker")
+
+
+@dataclass
+class MUFINDataCollator(XMCDataCollator):
+    """Batches of MUFIN items and label pools as descriptor bags (see ``MUFINModel.prepare_bags``).
+
+    Args:
+        bag_processor: ``model.prepare_bags`` (tokenises texts, pre-processes images, records each descriptor's item).
+        images: per training item a list of image paths (or PIL images); None for text-only data.
+        label_images: per label a list of images; None for text-only labels.
+        stage: ``"siamese"`` (pool = the batch's sampled positives) or ``"ranker"`` (plus ``num_negatives`` shortlist
+            negatives per item, and a ``pair_mask`` of each item's own positives and negatives).
+        (other arguments: :class:`~hf_xmc.training.collator.XMCDataCollator`; ``tokenizer`` is unused)
+    """
+
+    bag_processor: Optional[Callable[..., dict]] = None
+    images: Optional[Sequence[Sequence[Any]]] = None
+    label_images: Optional[Sequence[Sequence[Any]]] = None
+    stage: str = "siamese"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.bag_processor is None:
+            raise ValueError("MUFINDataCollator needs bag_processor=model.prepare_bags")
+        if self.stage not in MUFIN_COLLATOR_STAGES:
+            raise ValueError(f"stage must be one of {MUFIN_COLLATOR_STAGES}, got {self.stage!r}")
+        if self.images is not None and len(self.images) != len(self.texts):
+            raise ValueError(f"{len(self.images)} image lists for {len(self.texts)} training items")
+        if self.label_images is not None and len(self.label_images) != len(self.label_texts):
+            raise ValueError(f"{len(self.label_images)} label image lists for {len(self.label_texts)} labels")
+
+    def set_stage(self, stage: str) -> None:
+        """Switch between the siamese (Module I) and ranker (Module IV) batches."""
+        if stage not in MUFIN_COLLATOR_STAGES:
+            raise ValueError(f"stage must be one of {MUFIN_COLLATOR_STAGES}, got {stage!r}")
+        self.stage = stage
+
+    def sample_item_negatives(self, rows: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+        """``T_i``: up to ``num_negatives`` labels per item drawn uniformly from its shortlist (known positives were
+        removed when it was mined); empty lists without a shortlist or outside the ranker stage."""
+        empty = np.zeros(0, dtype=np.int64)
+        if self.stage != "ranker" or self.shortlist is None or self.num_negatives <= 0:
+            return [empty for _ in rows]
+        out = []
+        for r in rows:
+            candidates = self.shortlist[r]
+            candidates = candidates[candidates >= 0]
+            out.append(rng.choice(candidates, min(self.num_negatives, len(candidates)), replace=False) if len(candidates) else empty)
+        return out
+
+    def _bags(self, texts: list, images: Optional[list], max_length: int, prefix: str = "") -> dict[str, torch.Tensor]:
+        bags = self.bag_processor(texts, images, max_length=max_length)
+        return {prefix + key: value for key, value in bags.items()}
+
+    def __call__(self, features: list[dict[str, int]]) -> dict[str, torch.Tensor]:
+        rows = np.array([f["index"] for f in features], dtype=np.int64)
+        rng = self.batch_rng(rows)
+        positives = self.sample_positives(rows, rng)
+        negatives = self.sample_item_negatives(rows, rng)
+        parts = [p for p in positives + negatives if len(p)]
+        pool = np.unique(np.concatenate(parts)).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+        targets = torch.from_numpy(self.targets[rows][:, pool].toarray() > 0)
+        batch = self._bags(
+            [self.texts[r] for r in rows], [list(self.images[r]) for r in rows] if self.images is not None else None, self.max_seq_length
+        )
+        batch.update(
+            self._bags(
+                [self.label_texts[i] for i in pool],
+                [list(self.label_images[i]) for i in pool] if self.label_images is not None else None,
+                self.label_max_seq_length,
+                prefix="label_",
+            )
+        )
+        batch.update(targets=targets, label_ids=torch.from_numpy(pool), indices=torch.from_numpy(rows))
+        if self.stage == "ranker":
+            pair_mask = torch.zeros(len(rows), len(pool), dtype=torch.bool)
+            for b, (pos, neg) in enumerate(zip(positives, negatives)):
+                pair_mask[b, torch.from_numpy(np.searchsorted(pool, np.concatenate([pos, neg]).astype(np.int64)))] = True
+            batch["pair_mask"] = pair_mask
+        return batch
+
+
+def mine_mufin_shortlist(
+    model,
+    texts: Sequence[Optional[str]],
+    images: Optional[Sequence[Sequence[Any]]],
+    targets: sp.spmatrix,
+    top_k: int = 100,
+    batch_size: int = 64,
+    show_progress_bar: Optional[bool] = None,
+) -> np.ndarray:
+    """MUFIN Module II with the current (Module-I) weights: label centroids ``mu_l`` from the training items, the
+    label bags and the bag + centroid index re-built, then ``R_i`` for every training item, its positives removed.
+
+    Returns ``(n, top_k)`` int64 label ids, best first, ``-1``-padded.
+    """
+    targets = sp.csr_matrix(targets)
+    if targets.shape[0] != len(texts):
+        raise ValueError(f"{len(texts)} training items but {targets.shape[0]} target rows")
+    vectors = model.encode_items(texts, images, batch_size=batch_size, show_progress_bar=show_progress_bar)
+    from ..models.modeling_mufin import label_centroids_from_embeddings
+
+    centroids, counts = label_centroids_from_embeddings(vectors, targets)
+    model.set_label_centroids(centroids, counts)
+    model.build_label_index(batch_size=batch_size, show_progress_bar=show_progress_bar)
+    max_pos = int(np.diff(targets.indptr).max()) if targets.nnz else 0
+    ids, scores = model.shortlist(vectors, size=top_k + max_pos)
+    ids, _ = filter_predictions(ids, scores, targets, top_k)
+    logger.info("MUFIN Module II: a shortlist of up to %d labels for %d training items", top_k, len(texts))
+    return ids
+
+
+__all__ = ["MUFINDataCollator", "mine_mufin_shortlist"]

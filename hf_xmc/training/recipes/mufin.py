@@ -1,0 +1,143 @@
+"""Train MUFIN (multi-modal extreme classification: ViT + text encoder bags, self- and cross-attention, per-label
+classifiers) on Extreme Classification Repository files whose points and labels may carry images.
+
+    python training_scripts/train_mufin.py \
+        --train_file trn.json.gz --test_file tst.json.gz --label_file lbl.json.gz \
+        --model_name_or_path sentence-transformers/msmarco-distilbert-base-v4 \
+        --vision_model_name_or_path google/vit-base-patch32-224-in21k --output_dir out/mufin
+    hf-xmc train mufin ...                                                    # the same recipe as a console command
+
+The JSON lines may hold ``"images": [paths]`` (relative to the file's folder). The recipe runs the paper's modules
+on the shared trainer, in order: Module I, siamese pre-training (``--siamese_epochs``, lr ``--learning_rate``;
+triplet loss anchored on the batch's labels, in-batch hard negatives); Module II, label centroids + the bag and
+centroid index + a shortlist ``R_i`` of ``--hard_negative_top_k`` labels per training item (positives removed);
+Module III, the cross-attention and classifiers start at their initialisation (identity, xavier, alpha 0.5); Module
+IV, fine-tuning for ``--num_train_epochs`` with ``--num_positives`` positives and ``--ranker_negatives`` shortlist
+negatives per item (cosine-embedding loss), encoders at ``--ranker_learning_rate``, the cross-attention at 10x and
+the classifier vectors at 100x that rate (the official code's 5e-5 / 5e-4 / 5e-3). Prediction fuses the shortlist
+score and the classifier score, ``0.7 c + 0.3 a``. Writes OUT/ (loadable with AutoModel.from_pretrained(OUT,
+trust_remote_code=True), image processor and label index included) and OUT/eval_results.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import scipy.sparse as sp
+
+from ...data import XCData
+from ...models import MUFINModel
+from ..evaluation import XMCEvaluator
+from ..mufin import MUFINDataCollator, mine_mufin_shortlist
+from ..script_utils import build_evaluator, load_data, parse_script_args, train_and_evaluate
+from ..trainer import XMCTrainer, XMCTrainingArguments
+
+logger = logging.getLogger("train_mufin")
+
+
+@dataclass
+class MUFINModelArguments:
+    """Model arguments of MUFIN (see MUFINConfig for the meaning of each field)."""
+
+    model_name_or_path: str = field(metadata={"help": "Text encoder to start from (the paper: msmarco-distilbert-base-v4)."})
+    vision_model_name_or_path: str = field(metadata={"help": "Vision encoder to start from (the paper: ViT-B/32), with its image processor."})
+    embed_dim: int = field(default=192, metadata={"help": "Descriptor dimension D after the parameter-free max-pool."})
+    attention_heads: int = field(default=12, metadata={"help": "Heads of the self- and cross-attention blocks (D must divide)."})
+    attention_dropout: float = field(default=0.3, metadata={"help": "Attention-probability dropout."})
+    fusion_beta: float = field(default=0.7, metadata={"help": "Prediction score = beta * classifier + (1 - beta) * shortlist."})
+    shortlist_size: int = field(default=100, metadata={"help": "Labels re-scored per item at prediction (|R_t|)."})
+    siamese_margin: float = field(default=0.2, metadata={"help": "Module I triplet margin (paper 0.2, code 0.3)."})
+    ranker_margin: float = field(default=0.5, metadata={"help": "Module IV cosine-embedding margin."})
+    vision_trainable_layers: int = field(default=1, metadata={"help": "ViT layers trained (paper: the final one; code: 4)."})
+    max_images: int = field(default=-1, metadata={"help": "Images kept per item (-1 = all)."})
+
+
+@dataclass
+class MUFINTrainingArguments(XMCTrainingArguments):
+    """Training defaults for MUFIN (the paper's module order at a short budget)."""
+
+    learning_rate: float = field(default=2e-4, metadata={"help": "Module I learning rate (encoders and self-attention; code 2e-4)."})
+    num_train_epochs: float = field(default=3.0, metadata={"help": "Module IV (fine-tuning) epochs."})
+    siamese_epochs: float = field(default=2.0, metadata={"help": "Module I (siamese pre-training) epochs."})
+    ranker_learning_rate: float = field(default=5e-5, metadata={"help": "Module IV encoder rate; cross-attention x10, classifiers x100."})
+    per_device_train_batch_size: int = field(default=64, metadata={"help": "Items per batch and process."})
+    num_positives: int = field(default=2, metadata={"help": "Positives per item and step (|P_l| / |S_i| = 2 in the paper)."})
+    ranker_negatives: int = field(default=12, metadata={"help": "Module IV shortlist negatives per item (|T_i|)."})
+    hard_negative_top_k: int = field(default=100, metadata={"help": "Module II shortlist size per training item (|R_i|)."})
+
+
+def _stage_args(args: MUFINTrainingArguments, stage: str) -> MUFINTrainingArguments:
+    """Per-module copy of the arguments: Module I trains with ``learning_rate`` for ``siamese_epochs``, Module IV
+    with ``ranker_learning_rate`` for ``num_train_epochs``; the engine's own mining stays off (Module II mines)."""
+    changes = {"hard_negatives": 0, "cluster_batching": False}
+    if stage == "siamese":
+        changes.update(num_train_epochs=args.siamese_epochs, output_dir=os.path.join(args.output_dir, "module1"), push_to_hub=False)
+    else:
+        changes.update(learning_rate=args.ranker_learning_rate)
+    return dataclasses.replace(args, **changes)
+
+
+def build_collator(model: MUFINModel, data: XCData, args: MUFINTrainingArguments, stage: str) -> MUFINDataCollator:
+    """The bag collator of one stage over the training items and all labels."""
+    return MUFINDataCollator(
+        tokenizer=model.tokenizer,
+        texts=data.train.texts,
+        targets=sp.csr_matrix(data.train.targets),
+        label_texts=data.label_texts,
+        max_seq_length=model.config.max_seq_length,
+        label_max_seq_length=model.config.label_max_seq_length,
+        num_positives=args.num_positives,
+        num_negatives=args.ranker_negatives,
+        seed=args.seed,
+        bag_processor=model.prepare_bags,
+        images=data.train.images,
+        label_images=data.label_images,
+        stage=stage,
+    )
+
+
+def pretrain_and_mine(model: MUFINModel, data: XCData, args: MUFINTrainingArguments) -> MUFINDataCollator:
+    """Modules I and II: siamese pre-training, then the shortlist; returns the Module IV collator holding it."""
+    model.set_labels(data.label_texts, data.label_uids, data.label_images)
+    if args.siamese_epochs > 0:
+        model.set_training_stage("siamese")
+        siamese = _stage_args(args, "siamese")
+        trainer = XMCTrainer(model=model, args=siamese, train_dataset=data.train, data_collator=build_collator(model, data, siamese, "siamese"))
+        trainer.train()
+    collator = build_collator(model, data, args, "ranker")
+    collator.set_shortlist(
+        mine_mufin_shortlist(model, data.train.texts, data.train.images, data.train.targets, top_k=args.hard_negative_top_k, show_progress_bar=not args.disable_tqdm)
+    )
+    model.set_training_stage("ranker")
+    return collator
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    """Parse the arguments, run Modules I-IV, evaluate, save; returns the metrics of ``eval_results.json``."""
+    model_args, data_args, training_args = parse_script_args(MUFINModelArguments, MUFINTrainingArguments, argv)
+    data = load_data(data_args)
+    config = {f.name: getattr(model_args, f.name) for f in dataclasses.fields(model_args)}
+    text_encoder, vision_encoder = config.pop("model_name_or_path"), config.pop("vision_model_name_or_path")
+    model = MUFINModel.from_encoders_pretrained(
+        text_encoder,
+        vision_encoder,
+        label_space_size=len(data.label_texts),
+        max_seq_length=data_args.max_seq_length,
+        label_max_seq_length=data_args.label_max_seq_length or data_args.max_seq_length,
+        propensity_a=data_args.propensity_a,
+        propensity_b=data_args.propensity_b,
+        **config,
+    )
+    model.freeze_vision_layers()
+    collator = pretrain_and_mine(model, data, training_args)
+    evaluator: XMCEvaluator = build_evaluator(data, data_args)
+    evaluator.label_images = data.label_images
+    return train_and_evaluate(model, data, evaluator, _stage_args(training_args, "ranker"), data_collator=collator)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""MUFIN on the shared engine: the bag collator of both stages, Module II mining, the image-aware evaluator and the
+training script contract, on a tiny planted multimodal task (colour patches + words) with tiny random encoders."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from PIL import Image
+from transformers import BertTokenizer, DistilBertConfig, DistilBertModel, ViTConfig, ViTImageProcessor, ViTModel
+
+from hf_xmc.data import XMCDataset, load_xc_dataset, write_xc_labels, write_xc_raw
+from hf_xmc.models import MUFINModel
+from hf_xmc.training import XMCEvaluator
+from hf_xmc.training.mufin import MUFINDataCollator, mine_mufin_shortlist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLOURS = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180), (70, 240, 240), (240, 50, 230)]
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
+NUM_LABELS = 12
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """12 labels, each a word + a colour; items show their labels' colour patches and some of their words, so both
+    modalities carry signal. Written as XC raw files with image paths, plus tiny random encoders."""
+    root = tmp_path_factory.mktemp("mufin_task")
+    rng = np.random.default_rng(0)
+    label_colour = [COLOURS[i % len(COLOURS)] for i in range(NUM_LABELS)]
+    os.makedirs(root / "images")
+
+    def patch(colours, name):
+        img = np.zeros((32, 32, 3), dtype=np.uint8)
+        for j, c in enumerate(colours):
+            img[:, j * 32 // len(colours) : (j + 1) * 32 // len(colours)] = c
+        img = np.clip(img.astype(int) + rng.integers(-20, 20, img.shape), 0, 255).astype(np.uint8)
+        Image.fromarray(img).save(root / "images" / name)
+        return f"images/{name}"
+
+    def split(n, offset):
+        texts, rows, images = [], [], []
+        for i in range(n):
+            labels = sorted(rng.choice(NUM_LABELS, size=int(rng.integers(1, 3)), replace=False).tolist())
+            words = [WORDS[label] for label in labels if rng.random() < 0.6] + list(rng.choice(WORDS, 1))
+            texts.append(" ".join(words))
+            rows.append(labels)
+            images.append([os.path.join(str(root), patch([label_colour[label] for label in labels], f"p{offset + i}.png"))])
+        targets = sp.csr_matrix((np.ones(sum(map(len, rows)), dtype=np.float32), np.concatenate(rows), np.cumsum([0] + [len(r) for r in rows])), shape=(n, NUM_LABELS))
+        return XMCDataset(texts=texts, targets=targets, uids=[f"p{offset + i}" for i in range(n)], images=images)
+
+    write_xc_raw(str(root / "trn.json.gz"), split(160, 0))
+    write_xc_raw(str(root / "tst.json.gz"), split(48, 1000))
+    write_xc_labels(str(root / "lbl.json.gz"), [f"l{i}" for i in range(NUM_LABELS)], WORDS[:NUM_LABELS])
+    text_dir, vision_dir = str(root / "text"), str(root / "vision")
+    os.makedirs(text_dir)
+    with open(os.path.join(text_dir, "vocab.txt"), "w") as f:
+        f.write("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS) + "\n")
+    BertTokenizer(vocab=os.path.join(text_dir, "vocab.txt")).save_pretrained(text_dir)
+    torch.manual_seed(0)
+    DistilBertModel(DistilBertConfig(vocab_size=len(WORDS) + 5, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64)).save_pretrained(text_dir)
+    ViTModel(ViTConfig(image_size=32, patch_size=16, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)).save_pretrained(vision_dir)
+    ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(vision_dir)
+    data = load_xc_dataset(str(root / "trn.json.gz"), str(root / "tst.json.gz"), str(root / "lbl.json.gz"))
+    return data, root, text_dir, vision_dir
+
+
+def tiny_model(task) -> MUFINModel:
+    data, _, text_dir, vision_dir = task
+    torch.manual_seed(0)
+    model = MUFINModel.from_encoders_pretrained(
+        text_dir, vision_dir, label_space_size=NUM_LABELS, embed_dim=8, attention_heads=2, shortlist_size=6, max_seq_length=8, label_max_seq_length=8
+    )
+    model.set_labels(data.label_texts, data.label_uids)
+    return model
+
+
+def collator(model, data, stage, **kwargs):
+    return MUFINDataCollator(
+        tokenizer=model.tokenizer, texts=data.train.texts, targets=data.train.targets, label_texts=data.label_texts,
+        max_seq_length=8, label_max_seq_length=8, bag_processor=model.prepare_bags, images=data.train.images, stage=stage, **kwargs,
+    )
+
+
+def test_siamese_batch_bags_and_targets(task):
+    data, *_ = task
+    model = tiny_model(task)
+    batch = collator(model, data, "siamese", num_positives=2)([{"index": i} for i in range(8)])
+    pool = batch["label_ids"].numpy()
+    truth = data.train.targets[:8].toarray() > 0
+    assert batch["targets"].numpy().tolist() == truth[:, pool].tolist()  # every positive marked, not only sampled ones
+    assert set(pool) == set(np.flatnonzero(truth.any(0)))  # <= 2 labels per item: all of them sampled
+    assert batch["pixel_values"].shape[0] == 8 and batch["image_item_index"].tolist() == list(range(8))  # one image each
+    assert int(batch["num_items"]) == 8 and int(batch["label_num_items"]) == len(pool)
+    assert "label_pixel_values" not in batch and "pair_mask" not in batch  # text-only labels, siamese stage
+    out = model(**{k: v for k, v in batch.items() if k != "indices"})
+    assert out.loss is not None and out.loss.requires_grad
+
+
+def test_ranker_batch_pairs_positives_and_shortlist_negatives(task):
+    data, *_ = task
+    model = tiny_model(task)
+    n = len(data.train.texts)
+    shortlist = np.stack([np.setdiff1d(np.arange(NUM_LABELS), data.train.targets[r].indices)[:6] for r in range(n)])
+    col = collator(model, data, "ranker", num_positives=1, num_negatives=3)
+    col.set_shortlist(shortlist)
+    rows = list(range(10))
+    batch = col([{"index": i} for i in rows])
+    pool, pair_mask, targets = batch["label_ids"].numpy(), batch["pair_mask"].numpy(), batch["targets"].numpy()
+    for b, r in enumerate(rows):
+        chosen = set(pool[pair_mask[b]])
+        positives = set(data.train.targets[r].indices)
+        assert len(chosen & positives) == 1 and len(chosen - positives) == 3  # |S_i| = 1, |T_i| = 3
+        assert chosen - positives <= set(shortlist[r])  # negatives come from the item's shortlist
+        assert not targets[b][pair_mask[b]][[p not in positives for p in pool[pair_mask[b]]]].any()
+    out = model(**{k: v for k, v in batch.items() if k != "indices"}, stage="ranker")
+    assert out.loss is not None and torch.isfinite(out.loss)
+    assert (out.logits[~batch["pair_mask"]] == 0).all()  # only the chosen pairs are scored
+
+
+def test_module_two_shortlist_and_image_aware_evaluation(task):
+    data, *_ = task
+    model = tiny_model(task)
+    shortlist = mine_mufin_shortlist(model, data.train.texts, data.train.images, data.train.targets, top_k=5)
+    assert shortlist.shape == (len(data.train.texts), 5)
+    for r in range(len(data.train.texts)):
+        row = shortlist[r][shortlist[r] >= 0]
+        assert not set(row) & set(data.train.targets[r].indices) and len(set(row)) == len(row)
+    assert model.label_centroids is not None  # Module II set mu_l
+    evaluator = XMCEvaluator(data.test, data.label_texts, data.label_uids, train_targets=data.train.targets, ks=(1, 3), recall_ks=(5,))
+    metrics = evaluator(model)
+    pred = model.predict(data.test.texts, images=data.test.images, k=3)
+    np.testing.assert_array_equal(evaluator.last_predictions, pred.label_ids[:, :3])  # the evaluator used predict with images
+    assert 0 <= metrics["test_P@1"] <= 100
+
+
+def test_train_mufin_script_contract(task, tmp_path):
+    _, root, text_dir, vision_dir = task
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, os.path.join(ROOT, "training_scripts", "train_mufin.py"),
+        "--train_file", str(root / "trn.json.gz"), "--test_file", str(root / "tst.json.gz"), "--label_file", str(root / "lbl.json.gz"),
+        "--model_name_or_path", text_dir, "--vision_model_name_or_path", vision_dir, "--output_dir", str(out),
+        "--embed_dim", "8", "--attention_heads", "2", "--shortlist_size", "6", "--max_seq_length", "8",
+        "--siamese_epochs", "3", "--num_train_epochs", "3", "--per_device_train_batch_size", "16",
+        "--learning_rate", "2e-3", "--ranker_learning_rate", "2e-3", "--ranker_negatives", "3", "--hard_negative_top_k", "6",
+        "--vision_trainable_layers", "-1", "--disable_tqdm", "true", "--use_cpu", "true",
+    ]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "eval_results.json").read_text())
+    for key in ("test_P@1", "test_P@3", "test_P@5", "test_nDCG@5", "test_PSP@5", "test_R@10", "train_runtime", "test_samples_per_second"):
+        assert key in results, key
+    assert results["test_P@1"] > 100.0 / NUM_LABELS * 1.5  # learnt something: well above chance
+    for name in ("preprocessor_config.json", "config.json", "model.safetensors", "labels.jsonl", "README.md"):
+        assert (out / name).exists(), name
