@@ -643,8 +643,13 @@ class MUFINModel(MUFINPreTrainedModel):
     ) -> LabelIndex:
         """Encode every label bag with the current weights (``Z_l^1`` and ``z_l^1``, cached) and build the shortlist
         index over them and the centroids. Without arguments, re-encodes the labels already attached (their texts
-        and, in this session, their images: label images are not saved with the model, only their encoded bags)."""
+        and, in this session, their images: label images are not saved with the model, only their encoded bags).
+        Passing the attached label texts again without ``label_images`` keeps the attached images (an evaluator
+        that only knows the label texts re-indexes the full multi-modal labels)."""
         if label_texts is not None or label_images is not None:
+            if label_images is None and label_texts is not None and self.label_images is not None:
+                same = [t if isinstance(t, str) and t.strip() else "" for t in label_texts] == self.label_texts
+                label_images = self.label_images if same else None
             self.set_labels(label_texts, label_uids, label_images)
         texts = self._require_labels()
         vectors, bags = self.encode_items(texts, self.label_images, batch_size, show_progress_bar, return_bags=True)

@@ -293,6 +293,9 @@ def test_zero_shot_model_scores_unseen_labels(encoders):
     assert model.classifier is None
     texts, images = make_labels(13, seed=5)  # any label set: no per-label parameters
     model.build_label_index(texts, label_images=images)
+    offsets = model.label_bag_offsets.clone()
+    model.build_label_index(texts)  # the same label texts again (as an evaluator does): the images are kept
+    assert torch.equal(model.label_bag_offsets, offsets)
     pred = model.predict(["red apple", "blue car"], k=3, search_mode="classifier")
     assert pred.label_ids.shape == (2, 3) and (pred.label_ids >= 0).all()
     # c = <x^{2,l}, z_l^1>
