@@ -158,3 +158,16 @@ def test_train_mufin_script_contract(task, tmp_path):
     assert results["test_P@1"] > 100.0 / NUM_LABELS * 1.5  # learnt something: well above chance
     for name in ("preprocessor_config.json", "config.json", "model.safetensors", "labels.jsonl", "README.md"):
         assert (out / name).exists(), name
+
+
+def test_single_modality_ablations_strip_the_points_only(task):
+    from hf_xmc.training.recipes.mufin import keep_modalities
+
+    data, *_ = task
+    text_only = keep_modalities(data, "text")
+    assert text_only.train.images is None and text_only.test.texts == data.test.texts
+    image_only = keep_modalities(data, "image")
+    assert set(image_only.train.texts) == {""} and image_only.test.images == data.test.images
+    assert image_only.label_texts == data.label_texts  # labels keep their descriptors
+    with pytest.raises(ValueError, match="item_modalities"):
+        keep_modalities(data, "audio")

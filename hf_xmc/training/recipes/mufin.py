@@ -29,7 +29,7 @@ from typing import Optional
 
 import scipy.sparse as sp
 
-from ...data import XCData
+from ...data import XCData, XMCDataset
 from ...models import MUFINModel
 from ..evaluation import XMCEvaluator
 from ..mufin import MUFINDataCollator, mine_mufin_shortlist
@@ -54,6 +54,9 @@ class MUFINModelArguments:
     ranker_margin: float = field(default=0.5, metadata={"help": "Module IV cosine-embedding margin."})
     vision_trainable_layers: int = field(default=1, metadata={"help": "ViT layers trained (paper: the final one; code: 4)."})
     max_images: int = field(default=-1, metadata={"help": "Images kept per item (-1 = all)."})
+    item_modalities: str = field(
+        default="text,image", metadata={"help": "Descriptors of the points used (train and test): 'text,image', 'text' or 'image' (ablations)."}
+    )
 
 
 @dataclass
@@ -100,6 +103,22 @@ def build_collator(model: MUFINModel, data: XCData, args: MUFINTrainingArguments
     )
 
 
+def keep_modalities(data: XCData, modalities: str) -> XCData:
+    """``data`` with the points' texts or images dropped (the single-modality ablations); labels keep theirs."""
+    keep = {m.strip() for m in modalities.split(",") if m.strip()}
+    if not keep or keep - {"text", "image"}:
+        raise ValueError(f"item_modalities must name 'text' and/or 'image', got {modalities!r}")
+    if "image" in keep and data.train.images is None:
+        raise ValueError("item_modalities includes 'image' but the training points carry no images")
+
+    def strip(split: XMCDataset) -> XMCDataset:
+        texts = split.texts if "text" in keep else [""] * len(split.texts)  # a blank text is a missing one
+        images = split.images if "image" in keep else None
+        return dataclasses.replace(split, texts=texts, images=images)
+
+    return dataclasses.replace(data, train=strip(data.train), test=strip(data.test))
+
+
 def pretrain_and_mine(model: MUFINModel, data: XCData, args: MUFINTrainingArguments) -> MUFINDataCollator:
     """Modules I and II: siamese pre-training, then the shortlist; returns the Module IV collator holding it."""
     model.set_labels(data.label_texts, data.label_uids, data.label_images)
@@ -122,6 +141,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     data = load_data(data_args)
     config = {f.name: getattr(model_args, f.name) for f in dataclasses.fields(model_args)}
     text_encoder, vision_encoder = config.pop("model_name_or_path"), config.pop("vision_model_name_or_path")
+    data = keep_modalities(data, config.pop("item_modalities"))
     model = MUFINModel.from_encoders_pretrained(
         text_encoder,
         vision_encoder,
