@@ -171,3 +171,21 @@ def test_single_modality_ablations_strip_the_points_only(task):
     assert image_only.label_texts == data.label_texts  # labels keep their descriptors
     with pytest.raises(ValueError, match="item_modalities"):
         keep_modalities(data, "audio")
+
+
+def test_ranker_learning_rates_and_no_decay_on_label_tables(task, tmp_path):
+    from hf_xmc.training import XMCTrainer, XMCTrainingArguments
+
+    data, *_ = task
+    model = tiny_model(task)
+    args = XMCTrainingArguments(str(tmp_path), learning_rate=1e-4, weight_decay=0.01, use_cpu=True)
+    trainer = XMCTrainer(model=model, args=args, train_dataset=data.train, data_collator=collator(model, data, "siamese"))
+    optimizer = trainer.create_optimizer()
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    eta, alpha = model.classifier.free_vectors.weight, model.classifier.alpha_logits
+    assert group_of[id(eta)]["lr"] == pytest.approx(1e-2) and group_of[id(eta)]["weight_decay"] == 0.0
+    assert group_of[id(alpha)]["weight_decay"] == 0.0
+    cross = next(p for n, p in model.named_parameters() if n.startswith("cross_attention.") and p.requires_grad)
+    assert group_of[id(cross)]["lr"] == pytest.approx(1e-3)
+    text = next(p for n, p in model.named_parameters() if n.startswith("encoder.") and p.requires_grad)
+    assert group_of[id(text)]["lr"] == pytest.approx(1e-4)

@@ -841,6 +841,20 @@ class MUFINModel(MUFINPreTrainedModel):
         return scores
 
     # ------------------------------------------------------------------ training
+    # Module IV learning rates relative to the encoders' (official code: 5e-5 / 5e-4 / 5e-3)
+    cross_attention_learning_rate_multiplier = 10.0
+    classifier_learning_rate_multiplier = 100.0
+    # free vectors and alpha logits are per-label tables: no weight decay toward zero
+    no_weight_decay_parameters = ("classifier.free_vectors.weight", "classifier.alpha_logits")
+
+    def parameter_learning_rates(self, base_lr: float) -> dict[str, float]:
+        """Learning rate per parameter-name prefix (read by the trainer's optimizer): ``A_C`` at 10x and the classifier
+        tables at 100x the encoders' rate, as the official Module IV (in Module I they get no gradient)."""
+        rates = {"cross_attention.": base_lr * self.cross_attention_learning_rate_multiplier}
+        if self.classifier is not None:
+            rates["classifier."] = base_lr * self.classifier_learning_rate_multiplier
+        return rates
+
     def set_training_stage(self, stage: str) -> None:
         """The loss ``forward`` computes when called without ``stage``: ``"siamese"`` (Module I) or ``"ranker"`` (IV)."""
         if stage not in MUFIN_STAGES:
