@@ -189,3 +189,19 @@ def test_ranker_learning_rates_and_no_decay_on_label_tables(task, tmp_path):
     assert group_of[id(cross)]["lr"] == pytest.approx(1e-3)
     text = next(p for n, p in model.named_parameters() if n.startswith("encoder.") and p.requires_grad)
     assert group_of[id(text)]["lr"] == pytest.approx(1e-4)
+
+
+def test_points_without_descriptors_in_an_ablation(task):
+    import dataclasses
+
+    from hf_xmc.training.recipes.mufin import keep_modalities
+
+    data, *_ = task
+    blank = lambda split: dataclasses.replace(split, texts=[""] + list(split.texts[1:]))  # noqa: E731
+    text_only = keep_modalities(dataclasses.replace(data, train=blank(data.train), test=blank(data.test)), "text")
+    assert len(text_only.train) == len(data.train) - 1 and text_only.train.texts == data.train.texts[1:]  # dropped
+    assert len(text_only.test) == len(data.test)  # kept, and counted as a miss
+    model = tiny_model(task)
+    evaluator = XMCEvaluator(text_only.test, data.label_texts, data.label_uids, ks=(1,), recall_ks=(3,))
+    evaluator(model)
+    assert (evaluator.last_predictions[0] == -1).all() and (evaluator.last_predictions[1:] >= 0).all()

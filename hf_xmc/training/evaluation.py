@@ -88,8 +88,7 @@ class XMCEvaluator:
                 self.label_texts, self.label_uids, batch_size=self.batch_size, show_progress_bar=show_progress_bar, label_images=self.label_images
             )
             start = time.perf_counter()
-            pred = model.predict(self.data.texts, k=k + extra, images=self.data.images, batch_size=self.batch_size, show_progress_bar=show_progress_bar)
-            scores, ids = pred.scores, pred.label_ids
+            scores, ids = self._predict_items(model, k + extra, show_progress_bar)
         else:
             model.build_label_index(self.label_texts, self.label_uids, batch_size=self.batch_size, show_progress_bar=show_progress_bar)
             start = time.perf_counter()
@@ -99,6 +98,22 @@ class XMCEvaluator:
         if self.filter_matrix is not None:
             ids, scores = filter_predictions(ids, scores, self.filter_matrix, k)
         return ids, scores, seconds
+
+    def _predict_items(self, model, k: int, show_progress_bar: Optional[bool]) -> tuple[np.ndarray, np.ndarray]:
+        """``model.predict`` on the items (texts and images); items with neither (a single-modality ablation) get no
+        predictions (``-1``), i.e. they count as misses."""
+        texts, images = self.data.texts, self.data.images
+        described = np.array([bool(t and t.strip()) or bool(images is not None and images[i]) for i, t in enumerate(texts)])
+        ids = np.full((len(texts), k), -1, dtype=np.int64)
+        scores = np.full((len(texts), k), -np.inf, dtype=np.float32)
+        rows = np.flatnonzero(described)
+        if len(rows):
+            pred = model.predict(
+                [texts[i] for i in rows], k=k, images=[images[i] for i in rows] if images is not None else None,
+                batch_size=self.batch_size, show_progress_bar=show_progress_bar,
+            )
+            ids[rows], scores[rows] = pred.label_ids, pred.scores
+        return scores, ids
 
     def __call__(self, model, show_progress_bar: Optional[bool] = None) -> dict[str, float]:
         """Evaluate ``model``; returns ``{<name>_<metric>: value}`` plus runtime and queries per second."""

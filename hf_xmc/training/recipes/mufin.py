@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import scipy.sparse as sp
 
 from ...data import XCData, XMCDataset
@@ -116,7 +117,14 @@ def keep_modalities(data: XCData, modalities: str) -> XCData:
         images = split.images if "image" in keep else None
         return dataclasses.replace(split, texts=texts, images=images)
 
-    return dataclasses.replace(data, train=strip(data.train), test=strip(data.test))
+    train, test = strip(data.train), strip(data.test)
+    # training points left with no descriptor teach nothing; test points keep their rows (the evaluator counts
+    # them as misses: a model cannot rank labels for an item it is shown nothing of)
+    described = [bool(t.strip()) or bool(train.images and train.images[i]) for i, t in enumerate(train.texts)]
+    if not all(described):
+        logger.info("item_modalities=%s: %d training points without a descriptor dropped", modalities, len(described) - sum(described))
+        train = train.select(np.flatnonzero(described))
+    return dataclasses.replace(data, train=train, test=test)
 
 
 def pretrain_and_mine(model: MUFINModel, data: XCData, args: MUFINTrainingArguments) -> MUFINDataCollator:

