@@ -205,3 +205,24 @@ def test_points_without_descriptors_in_an_ablation(task):
     evaluator = XMCEvaluator(text_only.test, data.label_texts, data.label_uids, ks=(1,), recall_ks=(3,))
     evaluator(model)
     assert (evaluator.last_predictions[0] == -1).all() and (evaluator.last_predictions[1:] >= 0).all()
+
+
+def test_train_mufin_on_text_only_data_with_the_contract_arguments_only(tiny_task, tiny_encoder_dir, tmp_path):
+    """The training script contract names no vision encoder: on text-only data MUFIN builds its small default ViT and
+    trains on the texts (every training script is run this way on held-out data)."""
+    _, data_dir = tiny_task
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, os.path.join(ROOT, "training_scripts", "train_mufin.py"),
+        "--train_file", f"{data_dir}/trn.json.gz", "--test_file", f"{data_dir}/tst.json.gz", "--label_file", f"{data_dir}/lbl.json.gz",
+        "--model_name_or_path", tiny_encoder_dir, "--output_dir", str(out),
+        "--num_train_epochs", "1", "--per_device_train_batch_size", "32", "--max_seq_length", "16", "--seed", "1",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "eval_results.json").read_text())
+    assert all(0 <= results[k] <= 100 for k in ("test_P@1", "test_PSP@5", "test_R@100"))
+    model = MUFINModel.from_pretrained(out)
+    assert model.config.vision_config.image_size == 64  # the default small tower
+    pred = model.predict(["a query"], k=5)
+    assert pred.label_ids.shape == (1, 5)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
+from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoTokenizer, ViTImageProcessor
 from transformers import initialization as init
 from transformers.utils import ModelOutput, logging
 from transformers.utils.hub import cached_file
@@ -69,6 +69,14 @@ MUFIN_STAGES = ("siamese", "ranker")
 
 
 # ---------------------------------------------------------------------------------------------------- blocks
+# The vision tower built when no pretrained one is given: a ViT for 64 x 64 images (8 x 8 patches, 4 layers, hidden 192,
+# about 2M parameters), trained from scratch with the rest.
+SMALL_VISION_CONFIG = dict(
+    model_type="vit", image_size=64, patch_size=8, num_channels=3, hidden_size=192, num_hidden_layers=4,
+    num_attention_heads=4, intermediate_size=384,
+)
+
+
 class MUFINAttention(nn.Module):
     """The attention block ``A(X, Z)`` of MUFIN (paper Fig. 2(d); structure from the official code, spec Sec. 3.3).
 
@@ -368,14 +376,24 @@ class MUFINModel(MUFINPreTrainedModel):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_encoders_pretrained(cls, text_name_or_path: str, vision_name_or_path: str, **config_kwargs) -> "MUFINModel":
+    def from_encoders_pretrained(cls, text_name_or_path: str, vision_name_or_path: Optional[str] = None, **config_kwargs) -> "MUFINModel":
         """A fresh MUFIN whose text and vision encoders (with tokenizer and image processor) start from pretrained
         checkpoints; ``A_S`` / ``A_C`` start at the identity, ``eta`` xavier, ``alpha = alpha_init``. Call
-        :meth:`freeze_vision_layers` to apply ``vision_trainable_layers`` before training."""
+        :meth:`freeze_vision_layers` to apply ``vision_trainable_layers`` before training.
+
+        Without ``vision_name_or_path`` the vision tower is built at random from ``vision_config`` (default: a small
+        ViT for 64 x 64 images, :data:`SMALL_VISION_CONFIG`) with a matching ``ViTImageProcessor``: for text-only
+        data, or images to learn from scratch."""
         text = AutoModel.from_pretrained(text_name_or_path)
-        vision = AutoModel.from_pretrained(vision_name_or_path)
         tokenizer = _repair_tokenizer(AutoTokenizer.from_pretrained(text_name_or_path), text.config, text_name_or_path)
-        image_processor = AutoImageProcessor.from_pretrained(vision_name_or_path)
+        if vision_name_or_path is None:
+            vision_config = AutoConfig.for_model(**dict(config_kwargs.pop("vision_config", None) or SMALL_VISION_CONFIG))
+            vision = AutoModel.from_config(vision_config)
+            size = getattr(vision_config, "image_size", 224)
+            image_processor = ViTImageProcessor(size={"height": size, "width": size})
+        else:
+            vision = AutoModel.from_pretrained(vision_name_or_path)
+            image_processor = AutoImageProcessor.from_pretrained(vision_name_or_path)
         config = cls.config_class(encoder_config=text.config.to_dict(), vision_config=vision.config.to_dict(), **config_kwargs)
         model = cls(config)
         for name, target, source in (("text", model.encoder, text), ("vision", model.vision_encoder, vision)):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -45,8 +46,13 @@ class MUFINModelArguments:
     """Model arguments of MUFIN (see MUFINConfig for the meaning of each field)."""
 
     model_name_or_path: str = field(metadata={"help": "Text encoder to start from (the paper: msmarco-distilbert-base-v4)."})
-    vision_model_name_or_path: str = field(metadata={"help": "Vision encoder to start from (the paper: ViT-B/32), with its image processor."})
-    embed_dim: int = field(default=192, metadata={"help": "Descriptor dimension D after the parameter-free max-pool."})
+    vision_model_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "Vision encoder to start from (the paper: ViT-B/32), with its image processor; default: a small ViT (64 x 64) trained from scratch."},
+    )
+    embed_dim: Optional[int] = field(
+        default=None, metadata={"help": "Descriptor dimension D after the parameter-free max-pool (default: 192, or the encoders' smaller width)."}
+    )
     attention_heads: int = field(default=12, metadata={"help": "Heads of the self- and cross-attention blocks (D must divide)."})
     attention_dropout: float = field(default=0.3, metadata={"help": "Attention-probability dropout."})
     fusion_beta: float = field(default=0.7, metadata={"help": "Prediction score = beta * classifier + (1 - beta) * shortlist."})
@@ -109,8 +115,10 @@ def keep_modalities(data: XCData, modalities: str) -> XCData:
     keep = {m.strip() for m in modalities.split(",") if m.strip()}
     if not keep or keep - {"text", "image"}:
         raise ValueError(f"item_modalities must name 'text' and/or 'image', got {modalities!r}")
-    if "image" in keep and data.train.images is None:
-        raise ValueError("item_modalities includes 'image' but the training points carry no images")
+    if keep == {"image"} and data.train.images is None:
+        raise ValueError("item_modalities='image' but the training points carry no images")
+    if keep == {"text", "image"}:
+        return data  # whatever the points carry (text-only data stays text-only)
 
     def strip(split: XMCDataset) -> XMCDataset:
         texts = split.texts if "text" in keep else [""] * len(split.texts)  # a blank text is a missing one
@@ -125,6 +133,23 @@ def keep_modalities(data: XCData, modalities: str) -> XCData:
         logger.info("item_modalities=%s: %d training points without a descriptor dropped", modalities, len(described) - sum(described))
         train = train.select(np.flatnonzero(described))
     return dataclasses.replace(data, train=train, test=test)
+
+
+def fit_dimensions(config: dict, text_encoder: str, vision_encoder: Optional[str]) -> None:
+    """Default ``embed_dim`` = 192 (the paper) or the narrower encoder's width (max-pooling cannot widen), and the
+    attention heads reduced to a divisor of it (``gcd``) when they do not divide it."""
+    from transformers import AutoConfig
+
+    from ...models.modeling_mufin import SMALL_VISION_CONFIG
+
+    widths = [AutoConfig.from_pretrained(text_encoder).hidden_size]
+    widths.append(AutoConfig.from_pretrained(vision_encoder).hidden_size if vision_encoder else SMALL_VISION_CONFIG["hidden_size"])
+    if config["embed_dim"] is None:
+        config["embed_dim"] = min([192] + widths)
+    if config["embed_dim"] % config["attention_heads"]:
+        heads = math.gcd(config["embed_dim"], config["attention_heads"])
+        logger.warning("attention_heads %d does not divide embed_dim %d: using %d heads", config["attention_heads"], config["embed_dim"], heads)
+        config["attention_heads"] = heads
 
 
 def pretrain_and_mine(model: MUFINModel, data: XCData, args: MUFINTrainingArguments) -> MUFINDataCollator:
@@ -150,6 +175,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     config = {f.name: getattr(model_args, f.name) for f in dataclasses.fields(model_args)}
     text_encoder, vision_encoder = config.pop("model_name_or_path"), config.pop("vision_model_name_or_path")
     data = keep_modalities(data, config.pop("item_modalities"))
+    fit_dimensions(config, text_encoder, vision_encoder)
     model = MUFINModel.from_encoders_pretrained(
         text_encoder,
         vision_encoder,
