@@ -53,14 +53,11 @@ def load_image(image: ImageInput) -> Image.Image:
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
-    """Convert to RGB; transparent pixels become white (emoji, logos), not the black that convert() gives."""
-    Image = _pil()
-    if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
-        rgba = im.convert("RGBA")
-        background = Image.new("RGB", rgba.size, (255, 255, 255))
-        background.paste(rgba, mask=rgba.getchannel("A"))
-        return background
-    return im.convert("RGB")
+    """Convert to RGB; transparent pixels become white (emoji, logos), not the black that convert() gives. The one
+    copy lives with the model (remote code cannot import hf_xmc.data): ``modeling_mufin.to_rgb``."""
+    from ..models.modeling_mufin import to_rgb
+
+    return to_rgb(im)
 
 
 def load_images(images: Iterable[ImageInput]) -> list[Image.Image]:

@@ -263,7 +263,8 @@ def select_siamese_pairs(
 
 
 def to_rgb(image: Any) -> Any:
-    """An image path or PIL image as an RGB PIL image; transparent pixels become white (as ``hf_xmc.data.load_image``)."""
+    """An image path or PIL image as an RGB PIL image; transparent pixels become white (``hf_xmc.data.load_image`` uses
+    this too)."""
     if isinstance(image, (str, os.PathLike)):
         if Image is None:
             raise ImportError("reading image paths needs Pillow: pip install pillow")
