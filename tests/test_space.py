@@ -391,3 +391,27 @@ def test_image_input_through_gradio_client(app, tmp_path):
             _check_rows(table["data"], *expected)
     finally:
         demo.close()
+
+
+def test_a_real_mufin_model_gets_the_image_input(app, tmp_path):
+    """A (tiny, random) MUFIN model declares images: the demo passes text, image or both through to its predict."""
+    from transformers import BertTokenizer, DistilBertConfig, DistilBertModel
+
+    from hf_xmc.models import MUFINModel
+
+    words = "red green blue apple pear car".split()
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words) + "\n")
+    BertTokenizer(vocab=str(tmp_path / "text" / "vocab.txt")).save_pretrained(tmp_path / "text")
+    torch.manual_seed(0)
+    DistilBertModel(DistilBertConfig(vocab_size=11, dim=32, n_layers=1, n_heads=2, hidden_dim=64, max_position_embeddings=64)).save_pretrained(tmp_path / "text")
+    model = MUFINModel.from_encoders_pretrained(str(tmp_path / "text"), label_space_size=4, embed_dim=8, attention_heads=2, shortlist_size=4)
+    model.build_label_index(["red apple", "green pear", "blue car", "red car"])
+    assert app.accepts_images(model)
+    predict = app.make_predict_fn(model)
+    image = Image.fromarray(np.full((40, 40, 3), 200, np.uint8))
+    for text, img in (("red apple", None), ("", image), ("red", image)):
+        expected = model.predict([text], images=[image] if img is not None else None, k=3)
+        _, rows = predict(text, img, 3)
+        assert [r[1] for r in rows] == expected.label_ids[0].tolist()
+        np.testing.assert_allclose([r[3] for r in rows], expected.scores[0], rtol=1e-5)
