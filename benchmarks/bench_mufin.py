@@ -57,6 +57,7 @@ def main() -> None:
     common = [
         "--siamese_epochs", args.siamese_epochs, "--num_train_epochs", args.epochs, "--per_device_train_batch_size", "32",
         "--max_seq_length", "16", "--seed", "42", "--vision_trainable_layers", "-1", "--propensity_a", "0.55", "--propensity_b", "1.5",
+        "--learning_rate", "2e-4", "--ranker_learning_rate", "5e-5",
     ] + args.extra
     rows = []
     with tempfile.TemporaryDirectory() as work:

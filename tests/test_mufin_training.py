@@ -226,3 +226,25 @@ def test_train_mufin_on_text_only_data_with_the_contract_arguments_only(tiny_tas
     assert model.config.vision_config.image_size == 64  # the default small tower
     pred = model.predict(["a query"], k=5)
     assert pred.label_ids.shape == (1, 5)
+
+
+def test_loads_and_predicts_texts_without_an_image_backend(task, tmp_path, monkeypatch):
+    """Remote code must load with torch + transformers only: without Pillow the image processor cannot load, texts
+    still predict, images give a clear error."""
+    import hf_xmc.models.modeling_mufin as modeling_mufin
+
+    data, *_ = task
+    model = tiny_model(task)
+    model.build_label_index(data.label_texts, data.label_uids)
+    model.save_pretrained(tmp_path / "m")
+    expected = model.predict(data.test.texts[:4], k=3)
+
+    def no_pillow(*args, **kwargs):
+        raise ImportError("ViTImageProcessor requires the PIL library")
+
+    monkeypatch.setattr(modeling_mufin.AutoImageProcessor, "from_pretrained", no_pillow)
+    reloaded = MUFINModel.from_pretrained(tmp_path / "m")
+    assert reloaded.image_processor is None
+    np.testing.assert_array_equal(reloaded.predict(data.test.texts[:4], k=3).label_ids, expected.label_ids)
+    with pytest.raises(ImportError, match="PIL"):
+        reloaded.predict(["x"], images=[data.test.images[0]], k=3)

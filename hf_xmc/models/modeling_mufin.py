@@ -440,6 +440,8 @@ class MUFINModel(MUFINPreTrainedModel):
 
     # ------------------------------------------------------------------ inputs
     def _require_image_processor(self):
+        if self.image_processor is None and getattr(self, "image_processor_error", None):
+            raise ImportError(f"images need the model's image processor, which could not be loaded: {self.image_processor_error} (pip install pillow)")
         if self.image_processor is None:
             raise ValueError(
                 "this model has no image processor: load it with from_pretrained(<dir with preprocessor_config.json>) "
@@ -991,7 +993,11 @@ class MUFINModel(MUFINPreTrainedModel):
 
         if fetch(IMAGE_PROCESSOR_FILE) is not None:
             # the vision config is handed over so that config.json (with its auto_map) is not read again
-            self.image_processor = AutoImageProcessor.from_pretrained(path, config=self.config.vision_config, **hub)
+            try:
+                self.image_processor = AutoImageProcessor.from_pretrained(path, config=self.config.vision_config, **hub)
+            except ImportError as err:  # image processors need Pillow: text-only use must still load and predict
+                self.image_processor_error = str(err).strip() or type(err).__name__
+                logger.warning("MUFIN loaded without its image processor (texts only): %s", self.image_processor_error)
         centroids_path = fetch(LABEL_CENTROIDS_FILE)
         if centroids_path is not None:
             saved = load_file(centroids_path)
