@@ -18,7 +18,7 @@ from typing import Optional
 
 from huggingface_hub import HfApi
 
-from .models.modeling_xmc import LABEL_EMBEDDINGS_FILE, LABELS_FILE, MODEL_CARD_FILE
+from .models.modeling_xmc import LABEL_EMBEDDINGS_FILE, LABELS_FILE, MODEL_CARD_FILE, upload_model_folder
 
 # What a directory needs to load and predict anywhere (the index files are a rebuildable cache, so optional).
 REQUIRED_FILES = ("config.json", LABELS_FILE, LABEL_EMBEDDINGS_FILE, "tokenizer_config.json")
@@ -98,16 +98,7 @@ def push_to_hub(
     check_model_directory(directory)
     if not os.path.isfile(os.path.join(directory, MODEL_CARD_FILE)):
         _card_from_eval_results(directory, repo_id)
-    repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
-    if revision is not None and not create_pr:
-        api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
-    commit = api.upload_folder(
-        repo_id=repo_id,
-        folder_path=directory,
-        commit_message=commit_message or f"Upload {os.path.basename(os.path.abspath(directory))}",
-        token=token,
-        revision=revision,
-        create_pr=create_pr,
-        ignore_patterns=IGNORE_PATTERNS,
+    return upload_model_folder(
+        directory, repo_id, api=api, commit_message=commit_message or f"Upload {os.path.basename(os.path.abspath(directory))}",
+        private=private, token=token, revision=revision, create_pr=create_pr, ignore_patterns=IGNORE_PATTERNS,
     )
-    return str(getattr(commit, "commit_url", commit))

@@ -212,6 +212,10 @@ class XMCDataset:
         """Number of labels (columns of ``targets``)."""
         return self.targets.shape[1]
 
+    def has_descriptor(self) -> np.ndarray:
+        """Boolean mask of the points with a non-blank text or at least one image (a blank text is a missing one)."""
+        return np.array([bool(t and t.strip()) or bool(self.images is not None and self.images[i]) for i, t in enumerate(self.texts)], dtype=bool)
+
     def select(self, indices: Sequence[int] | np.ndarray) -> XMCDataset:
         """Return the sub-dataset of the given row indices (or boolean mask), in that order (``num_skipped`` = 0)."""
         idx = np.asarray(indices)

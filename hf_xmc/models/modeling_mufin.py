@@ -47,7 +47,6 @@ from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoTokenizer, ViTImageProcessor
 from transformers import initialization as init
 from transformers.utils import ModelOutput, logging
-from transformers.utils.hub import cached_file
 
 from .classifier_head import ExtremeClassifier
 from .configuration_mufin import MUFIN_SEARCH_MODES, MUFINConfig
@@ -989,7 +988,7 @@ class MUFINModel(MUFINPreTrainedModel):
         super()._load_artifacts(path, hub)
 
         def fetch(name: str) -> Optional[str]:
-            return cached_file(path, name, _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False, **hub)
+            return self._fetch_artifact(path, name, hub)
 
         if fetch(IMAGE_PROCESSOR_FILE) is not None:
             # the vision config is handed over so that config.json (with its auto_map) is not read again

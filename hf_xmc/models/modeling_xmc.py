@@ -103,6 +103,38 @@ class ModelCardFiles:
             atomic_write(os.path.join(str(directory), name), lambda p, data=data: _write_bytes(p, data))
 
 
+def upload_model_folder(
+    folder: str,
+    repo_id: str,
+    *,
+    api: Optional[HfApi] = None,
+    commit_message: Optional[str] = None,
+    commit_description: Optional[str] = None,
+    private: Optional[bool] = None,
+    token: Optional[bool | str] = None,
+    revision: Optional[str] = None,
+    create_pr: bool = False,
+    ignore_patterns: Optional[list[str]] = None,
+) -> str:
+    """Create ``repo_id`` (and the branch ``revision``) if missing and upload ``folder`` in one commit; returns the
+    commit URL. ``api`` lets tests and tools inject an ``HfApi``-like client (default ``HfApi(library_name="hf_xmc")``)."""
+    api = api if api is not None else HfApi(library_name="hf_xmc")
+    repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+    if revision is not None and not create_pr:
+        api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
+    commit = api.upload_folder(
+        repo_id=repo_id,
+        folder_path=folder,
+        commit_message=commit_message,
+        commit_description=commit_description,
+        token=token,
+        revision=revision,
+        create_pr=create_pr,
+        **({"ignore_patterns": ignore_patterns} if ignore_patterns is not None else {}),
+    )
+    return str(getattr(commit, "commit_url", commit))
+
+
 def _write_bytes(path: str, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -474,24 +506,14 @@ class XMCPreTrainedModel(PreTrainedModel):
         the card is not replaced by the Hub's existing one. ``revision`` names a branch (created if missing);
         ``api`` lets tests and tools inject an ``HfApi``-like client.
         """
-        api = api if api is not None else HfApi(library_name="hf_xmc")
-        repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
-        if revision is not None and not create_pr:
-            api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp, max_shard_size=max_shard_size)
             if self.model_card is None:
                 default_model_card(self, repo_id, tags).save(tmp)
-            commit = api.upload_folder(
-                repo_id=repo_id,
-                folder_path=tmp,
-                commit_message=commit_message or f"Upload {type(self).__name__}",
-                commit_description=commit_description,
-                token=token,
-                revision=revision,
-                create_pr=create_pr,
+            return upload_model_folder(
+                tmp, repo_id, api=api, commit_message=commit_message or f"Upload {type(self).__name__}",
+                commit_description=commit_description, private=private, token=token, revision=revision, create_pr=create_pr,
             )
-        return str(getattr(commit, "commit_url", commit))
 
     def _write_labels(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -506,11 +528,14 @@ class XMCPreTrainedModel(PreTrainedModel):
         model._load_artifacts(str(pretrained_model_name_or_path), hub)
         return model
 
+    @staticmethod
+    def _fetch_artifact(path: str, name: str, hub: dict) -> Optional[str]:
+        """Local path of file ``name`` of a model directory or Hub repo (through the HF cache); None if it has none."""
+        return cached_file(path, name, _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False, **hub)
+
     def _load_artifacts(self, path: str, hub: dict) -> None:
         def fetch(name: str) -> Optional[str]:
-            return cached_file(
-                path, name, _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False, **hub
-            )
+            return self._fetch_artifact(path, name, hub)
 
         if fetch("tokenizer_config.json") is not None:
             # Hand over the encoder's config so AutoTokenizer does not re-read config.json (with its auto_map,

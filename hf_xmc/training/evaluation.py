@@ -103,7 +103,7 @@ class XMCEvaluator:
         """``model.predict`` on the items (texts and images); items with neither (a single-modality ablation) get no
         predictions (``-1``), i.e. they count as misses."""
         texts, images = self.data.texts, self.data.images
-        described = np.array([bool(t and t.strip()) or bool(images is not None and images[i]) for i, t in enumerate(texts)])
+        described = self.data.has_descriptor()
         ids = np.full((len(texts), k), -1, dtype=np.int64)
         scores = np.full((len(texts), k), -np.inf, dtype=np.float32)
         rows = np.flatnonzero(described)

@@ -28,14 +28,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import scipy.sparse as sp
 
 from ...data import XCData, XMCDataset
 from ...models import MUFINModel
 from ..evaluation import XMCEvaluator
 from ..mufin import MUFINDataCollator, mine_mufin_shortlist
-from ..script_utils import build_evaluator, load_data, parse_script_args, train_and_evaluate
+from ..script_utils import build_evaluator, load_data, model_config_kwargs, parse_script_args, train_and_evaluate
 from ..trainer import XMCTrainer, XMCTrainingArguments
 
 logger = logging.getLogger("train_mufin")
@@ -130,10 +129,10 @@ def keep_modalities(data: XCData, modalities: str) -> XCData:
     train, test = strip(data.train), strip(data.test)
     # training points left with no descriptor teach nothing; test points keep their rows (the evaluator counts
     # them as misses: a model cannot rank labels for an item it is shown nothing of)
-    described = [bool(t.strip()) or bool(train.images and train.images[i]) for i, t in enumerate(train.texts)]
-    if not all(described):
-        logger.info("item_modalities=%s: %d training points without a descriptor dropped", modalities, len(described) - sum(described))
-        train = train.select(np.flatnonzero(described))
+    described = train.has_descriptor()
+    if not described.all():
+        logger.info("item_modalities=%s: %d training points without a descriptor dropped", modalities, int((~described).sum()))
+        train = train.select(described)
     return dataclasses.replace(data, train=train, test=test)
 
 
@@ -174,20 +173,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     """Parse the arguments, run Modules I-IV, evaluate, save; returns the metrics of ``eval_results.json``."""
     model_args, data_args, training_args = parse_script_args(MUFINModelArguments, MUFINTrainingArguments, argv)
     data = load_data(data_args)
-    config = {f.name: getattr(model_args, f.name) for f in dataclasses.fields(model_args)}
-    text_encoder, vision_encoder = config.pop("model_name_or_path"), config.pop("vision_model_name_or_path")
+    config = model_config_kwargs(model_args, data_args)  # + token budgets and propensity constants
+    vision_encoder = config.pop("vision_model_name_or_path")
     data = keep_modalities(data, config.pop("item_modalities"))
-    fit_dimensions(config, text_encoder, vision_encoder)
-    model = MUFINModel.from_encoders_pretrained(
-        text_encoder,
-        vision_encoder,
-        label_space_size=len(data.label_texts),
-        max_seq_length=data_args.max_seq_length,
-        label_max_seq_length=data_args.label_max_seq_length or data_args.max_seq_length,
-        propensity_a=data_args.propensity_a,
-        propensity_b=data_args.propensity_b,
-        **config,
-    )
+    fit_dimensions(config, model_args.model_name_or_path, vision_encoder)
+    model = MUFINModel.from_encoders_pretrained(model_args.model_name_or_path, vision_encoder, label_space_size=len(data.label_texts), **config)
     model.freeze_vision_layers()
     collator = pretrain_and_mine(model, data, training_args)
     evaluator: XMCEvaluator = build_evaluator(data, data_args)
