@@ -51,7 +51,7 @@ def run_training_script(method: str, data_dir: str, encoder: str, output_dir: st
            "--label_file", f"{data_dir}/lbl.json.gz", "--model_name_or_path", encoder, "--output_dir", output_dir,
            "--save_strategy", "no", "--disable_tqdm", "true"] + extra
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO), cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))), cwd=REPO)
     if proc.returncode:
         print(proc.stderr[-3000:], file=sys.stderr)
         raise SystemExit(f"run failed: {' '.join(cmd)}")

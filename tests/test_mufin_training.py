@@ -191,6 +191,43 @@ def test_ranker_learning_rates_and_no_decay_on_label_tables(task, tmp_path):
     assert group_of[id(text)]["lr"] == pytest.approx(1e-4)
 
 
+def test_vision_learning_rate_multiplier(task, tmp_path):
+    from hf_xmc.training import XMCTrainer, XMCTrainingArguments
+
+    data, *_ = task
+    model = tiny_model(task)
+    model.freeze_vision_layers(-1)
+    args = XMCTrainingArguments(str(tmp_path), learning_rate=1e-4, use_cpu=True)
+
+    def vision_and_text_rates():
+        trainer = XMCTrainer(model=model, args=args, train_dataset=data.train, data_collator=collator(model, data, "siamese"))
+        group_of = {id(p): g["lr"] for g in trainer.create_optimizer().param_groups for p in g["params"]}
+        rates = {round(group_of[id(p)], 12) for n, p in model.named_parameters() if n.startswith("vision_encoder.")}
+        return rates, round(group_of[id(next(model.encoder.parameters()))], 12)
+
+    assert vision_and_text_rates() == ({1e-4}, 1e-4)  # default: the text encoder's rate
+    model.vision_learning_rate_multiplier = 10.0
+    assert vision_and_text_rates() == ({1e-3}, 1e-4)
+
+
+def test_default_vision_tower_is_a_small_resnet(task):
+    """Without a vision checkpoint the tower is a small ResNet built at random: its pooled (N, C, 1, 1) output becomes
+    one D-vector per image, and freezing keeps its last stage (the ResNet's "layers") trainable."""
+    data, _, text_dir, _ = task
+    torch.manual_seed(0)
+    model = MUFINModel.from_encoders_pretrained(text_dir, label_space_size=NUM_LABELS, embed_dim=8, attention_heads=2, max_seq_length=8)
+    assert model.config.vision_config.model_type == "resnet"
+    bags = model.prepare_bags(texts=["alpha", None], images=[[data.train.images[0][0]], [data.train.images[1][0], data.train.images[2][0]]])
+    assert bags["pixel_values"].shape == (3, 3, 64, 64)  # resized to the default tower's 64 x 64
+    assert model.image_descriptors(bags["pixel_values"]).shape == (3, 8)
+    _, mask, vectors = model.embed_bags(**bags)
+    assert mask.tolist() == [[True, True], [True, True]] and vectors.shape == (2, 8)
+    trainable = model.freeze_vision_layers(1)
+    last_stage = len(model.config.vision_config.depths) - 1
+    assert trainable and all(name.startswith(f"encoder.stages.{last_stage}.") for name in trainable)
+    assert len(model.freeze_vision_layers(-1)) == len(list(model.vision_encoder.parameters()))
+
+
 def test_points_without_descriptors_in_an_ablation(task):
     import dataclasses
 
@@ -208,7 +245,7 @@ def test_points_without_descriptors_in_an_ablation(task):
 
 
 def test_train_mufin_on_text_only_data_with_the_contract_arguments_only(tiny_task, tiny_encoder_dir, tmp_path):
-    """The training script contract names no vision encoder: on text-only data MUFIN builds its small default ViT and
+    """The training script contract names no vision encoder: on text-only data MUFIN builds its small default tower and
     trains on the texts (every training script is run this way on held-out data)."""
     _, data_dir = tiny_task
     out = tmp_path / "out"
@@ -223,7 +260,9 @@ def test_train_mufin_on_text_only_data_with_the_contract_arguments_only(tiny_tas
     results = json.loads((out / "eval_results.json").read_text())
     assert all(0 <= results[k] <= 100 for k in ("test_P@1", "test_PSP@5", "test_R@100"))
     model = MUFINModel.from_pretrained(out)
-    assert model.config.vision_config.image_size == 64  # the default small tower
+    assert model.config.vision_config.model_type == "resnet"  # the default small tower, built at random ...
+    assert model.config.vision_trainable_layers == -1  # ... and trained whole, not frozen at its random weights
+    assert model.image_processor.size == {"height": 64, "width": 64}
     pred = model.predict(["a query"], k=5)
     assert pred.label_ids.shape == (1, 5)
 

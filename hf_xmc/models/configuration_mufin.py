@@ -16,6 +16,16 @@ MUFIN_VISION_POOLINGS = ("pooler", "cls", "mean")
 MUFIN_LOSS_REDUCTIONS = ("sum", "mean")
 
 
+def encoder_width(config: PreTrainedConfig | dict | None) -> Optional[int]:
+    """Width of an encoder's pooled output: ``hidden_size`` (transformers) or the last stage's channels
+    (``hidden_sizes[-1]``: ResNet, ConvNeXt); None when the config names neither."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    if get("hidden_size") is not None:
+        return get("hidden_size")
+    sizes = get("hidden_sizes")
+    return sizes[-1] if sizes else None
+
+
 class MUFINConfig(XMCConfig):
     r"""
     Configuration of [`MUFINModel`], "Multi-modal Extreme Classification" (Mittal et al., CVPR 2022).
@@ -35,8 +45,8 @@ class MUFINConfig(XMCConfig):
             Text encoder ``E_T`` (any ``AutoModel`` text backbone). Defaults to a DistilBERT config (the paper's
             msmarco-distilbert-base-v4 architecture). Pooling: ``pooling`` (masked mean, as the code).
         vision_config (`PreTrainedConfig` or `dict`, *optional*):
-            Vision encoder ``E_V`` (any ``AutoModel`` vision backbone). Defaults to a ViT config (ViT-B/32 in the
-            code).
+            Vision encoder ``E_V`` (any ``AutoModel`` vision backbone with a pooled output: ViT, ResNet, ConvNeXt,
+            ...). Defaults to a ViT config (ViT-B/32 in the code).
         vision_pooling (`str`, *optional*, defaults to `"pooler"`):
             One vector per image: `"pooler"` (``pooler_output``, ViT's tanh(dense(CLS)); the code's choice), `"cls"`
             (first token of the last hidden state) or `"mean"` (mean over patches).
@@ -155,7 +165,7 @@ class MUFINConfig(XMCConfig):
         if self.embed_dim < 1 or self.attention_heads < 1 or self.embed_dim % self.attention_heads:
             raise ValueError(f"embed_dim ({self.embed_dim}) must be a positive multiple of attention_heads ({self.attention_heads})")
         for name, sub in (("encoder_config", self.encoder_config), ("vision_config", self.vision_config)):
-            hidden = getattr(sub, "hidden_size", None)
+            hidden = encoder_width(sub)
             if hidden is not None and hidden < self.embed_dim:
                 raise ValueError(f"embed_dim ({self.embed_dim}) exceeds the hidden size of {name} ({hidden}): max-pooling cannot widen")
         if not 0.0 <= self.attention_dropout < 1.0:

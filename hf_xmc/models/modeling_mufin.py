@@ -68,12 +68,15 @@ MUFIN_STAGES = ("siamese", "ranker")
 
 
 # ---------------------------------------------------------------------------------------------------- blocks
-# The vision tower built when no pretrained one is given: a ViT for 64 x 64 images (8 x 8 patches, 4 layers, hidden 192,
-# about 2M parameters), trained from scratch with the rest.
+# The vision tower built when no pretrained one is given (text-only data, or images learnt from scratch): a small ResNet
+# for 64 x 64 images (4 stages of one basic block, 32..192 channels, about 1.2M parameters). A convolutional tower, not
+# the paper's ViT: trained from scratch on Emoji-XMC (about 1k images) a ViT of the same size learnt almost nothing
+# (image-only P@1 4.7 vs 31.8, multimodal 43.9 vs 49.8; README, benchmarks/bench_mufin.py). The paper's ViT is what
+# a pretrained checkpoint gives (``vision_name_or_path``).
 SMALL_VISION_CONFIG = dict(
-    model_type="vit", image_size=64, patch_size=8, num_channels=3, hidden_size=192, num_hidden_layers=4,
-    num_attention_heads=4, intermediate_size=384,
+    model_type="resnet", num_channels=3, embedding_size=32, hidden_sizes=[32, 64, 128, 192], depths=[1, 1, 1, 1], layer_type="basic",
 )
+SMALL_VISION_IMAGE_SIZE = 64
 
 
 class MUFINAttention(nn.Module):
@@ -382,14 +385,14 @@ class MUFINModel(MUFINPreTrainedModel):
         :meth:`freeze_vision_layers` to apply ``vision_trainable_layers`` before training.
 
         Without ``vision_name_or_path`` the vision tower is built at random from ``vision_config`` (default: a small
-        ViT for 64 x 64 images, :data:`SMALL_VISION_CONFIG`) with a matching ``ViTImageProcessor``: for text-only
-        data, or images to learn from scratch."""
+        ResNet for 64 x 64 images, :data:`SMALL_VISION_CONFIG`) with a resize-and-normalise ``ViTImageProcessor``
+        (``image_size`` of the config, else 64): for text-only data, or images to learn from scratch."""
         text = AutoModel.from_pretrained(text_name_or_path)
         tokenizer = _repair_tokenizer(AutoTokenizer.from_pretrained(text_name_or_path), text.config, text_name_or_path)
         if vision_name_or_path is None:
             vision_config = AutoConfig.for_model(**dict(config_kwargs.pop("vision_config", None) or SMALL_VISION_CONFIG))
             vision = AutoModel.from_config(vision_config)
-            size = getattr(vision_config, "image_size", 224)
+            size = getattr(vision_config, "image_size", SMALL_VISION_IMAGE_SIZE)
             image_processor = ViTImageProcessor(size={"height": size, "width": size})
         else:
             vision = AutoModel.from_pretrained(vision_name_or_path)
@@ -410,15 +413,17 @@ class MUFINModel(MUFINPreTrainedModel):
         raise ValueError("MUFIN has a text and a vision encoder: use MUFINModel.from_encoders_pretrained(text_name_or_path, vision_name_or_path)")
 
     def _vision_layer_stack(self) -> nn.ModuleList:
-        """The vision encoder's list of transformer layers (ViT: ``layers``; others: ``encoder.layer(s)``)."""
-        depth = getattr(self.config.vision_config, "num_hidden_layers", None)
+        """The vision encoder's list of layers: transformer layers (ViT: ``encoder.layer``) or the stages of a
+        convolutional backbone (ResNet, ConvNeXt: ``encoder.stages``)."""
+        vision_config = self.config.vision_config
+        depth = getattr(vision_config, "num_hidden_layers", None) or len(getattr(vision_config, "depths", None) or ())
         for _, module in self.vision_encoder.named_modules():
             if isinstance(module, nn.ModuleList) and len(module) == depth:
                 return module
         raise ValueError(f"cannot find the {depth} layers of the vision encoder {type(self.vision_encoder).__name__}")
 
     def freeze_vision_layers(self, num_trainable_layers: Optional[int] = None) -> list[str]:
-        """Freeze the vision encoder except its last ``num_trainable_layers`` layers (default
+        """Freeze the vision encoder except its last ``num_trainable_layers`` layers or stages (default
         ``config.vision_trainable_layers``: paper 1, code 4) and the modules after them (final norm, pooler);
         embeddings and earlier layers get no gradient. 0 freezes it all, -1 unfreezes it all. The text encoder is
         left as it is (trained end to end). Returns the names of the vision parameters left trainable."""
@@ -509,6 +514,7 @@ class MUFINModel(MUFINPreTrainedModel):
             pooled = getattr(outputs, "pooler_output", None)
             if pooled is None:
                 raise ValueError(f"{type(self.vision_encoder).__name__} has no pooler_output: use vision_pooling='cls' or 'mean'")
+            pooled = pooled.flatten(1)  # convolutional backbones (ResNet, ConvNeXt) pool to (N, C, 1, 1)
         elif self.config.vision_pooling == "cls":
             pooled = outputs.last_hidden_state[:, 0]
         else:
@@ -864,13 +870,18 @@ class MUFINModel(MUFINPreTrainedModel):
     # Module IV learning rates relative to the encoders' (official code: 5e-5 / 5e-4 / 5e-3)
     cross_attention_learning_rate_multiplier = 10.0
     classifier_learning_rate_multiplier = 100.0
+    # both modules: the vision encoder's rate relative to the text encoder's (a tower trained from scratch needs more)
+    vision_learning_rate_multiplier = 1.0
     # free vectors and alpha logits are per-label tables: no weight decay toward zero
     no_weight_decay_parameters = ("classifier.free_vectors.weight", "classifier.alpha_logits")
 
     def parameter_learning_rates(self, base_lr: float) -> dict[str, float]:
         """Learning rate per parameter-name prefix (read by the trainer's optimizer): ``A_C`` at 10x and the classifier
-        tables at 100x the encoders' rate, as the official Module IV (in Module I they get no gradient)."""
+        tables at 100x the encoders' rate, as the official Module IV (in Module I they get no gradient); the vision
+        encoder at ``vision_learning_rate_multiplier`` x in both modules."""
         rates = {"cross_attention.": base_lr * self.cross_attention_learning_rate_multiplier}
+        if self.vision_learning_rate_multiplier != 1.0:
+            rates["vision_encoder."] = base_lr * self.vision_learning_rate_multiplier
         if self.classifier is not None:
             rates["classifier."] = base_lr * self.classifier_learning_rate_multiplier
         return rates

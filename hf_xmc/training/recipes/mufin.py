@@ -47,7 +47,7 @@ class MUFINModelArguments:
     model_name_or_path: str = field(metadata={"help": "Text encoder to start from (the paper: msmarco-distilbert-base-v4)."})
     vision_model_name_or_path: Optional[str] = field(
         default=None,
-        metadata={"help": "Vision encoder to start from (the paper: ViT-B/32), with its image processor; default: a small ViT (64 x 64) trained from scratch."},
+        metadata={"help": "Vision encoder to start from (the paper: ViT-B/32), with its image processor; default: a small ResNet (64 x 64) trained from scratch."},
     )
     embed_dim: Optional[int] = field(
         default=None, metadata={"help": "Descriptor dimension D after the parameter-free max-pool (default: 192, or the encoders' smaller width)."}
@@ -58,7 +58,10 @@ class MUFINModelArguments:
     shortlist_size: int = field(default=100, metadata={"help": "Labels re-scored per item at prediction (|R_t|)."})
     siamese_margin: float = field(default=0.2, metadata={"help": "Module I triplet margin (paper 0.2, code 0.3)."})
     ranker_margin: float = field(default=0.5, metadata={"help": "Module IV cosine-embedding margin."})
-    vision_trainable_layers: int = field(default=1, metadata={"help": "ViT layers trained (paper: the final one; code: 4)."})
+    vision_trainable_layers: Optional[int] = field(
+        default=None,
+        metadata={"help": "Final vision layers trained, -1 = all (paper: the final one; code: 4). Default: 1 for a pretrained tower, all for one built at random."},
+    )
     max_images: int = field(default=-1, metadata={"help": "Images kept per item (-1 = all)."})
     item_modalities: str = field(
         default="text,image", metadata={"help": "Descriptors of the points used (train and test): 'text,image', 'text' or 'image' (ablations)."}
@@ -75,6 +78,9 @@ class MUFINTrainingArguments(XMCTrainingArguments):
     num_train_epochs: float = field(default=3.0, metadata={"help": "Module IV (fine-tuning) epochs."})
     siamese_epochs: float = field(default=2.0, metadata={"help": "Module I (siamese pre-training) epochs."})
     ranker_learning_rate: float = field(default=3e-4, metadata={"help": "Module IV encoder rate (code 5e-5); cross-attention x10, classifiers x100."})
+    vision_learning_rate_multiplier: float = field(
+        default=1.0, metadata={"help": "Vision encoder learning rate relative to the text encoder's, in both modules (a tower trained from scratch needs more)."}
+    )
     per_device_train_batch_size: int = field(default=64, metadata={"help": "Items per batch and process."})
     num_positives: int = field(default=2, metadata={"help": "Positives per item and step (|P_l| / |S_i| = 2 in the paper)."})
     ranker_negatives: int = field(default=12, metadata={"help": "Module IV shortlist negatives per item (|T_i|)."})
@@ -141,12 +147,13 @@ def fit_dimensions(config: dict, text_encoder: str, vision_encoder: Optional[str
     attention heads reduced to a divisor of it (``gcd``) when they do not divide it."""
     from transformers import AutoConfig
 
+    from ...models.configuration_mufin import encoder_width
     from ...models.modeling_mufin import SMALL_VISION_CONFIG
 
-    widths = [AutoConfig.from_pretrained(text_encoder).hidden_size]
-    widths.append(AutoConfig.from_pretrained(vision_encoder).hidden_size if vision_encoder else SMALL_VISION_CONFIG["hidden_size"])
+    vision = AutoConfig.from_pretrained(vision_encoder) if vision_encoder else SMALL_VISION_CONFIG
+    widths = [encoder_width(AutoConfig.from_pretrained(text_encoder)), encoder_width(vision)]
     if config["embed_dim"] is None:
-        config["embed_dim"] = min([192] + widths)
+        config["embed_dim"] = min([192] + [w for w in widths if w])
     if config["embed_dim"] % config["attention_heads"]:
         heads = math.gcd(config["embed_dim"], config["attention_heads"])
         logger.warning("attention_heads %d does not divide embed_dim %d: using %d heads", config["attention_heads"], config["embed_dim"], heads)
@@ -175,10 +182,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     data = load_data(data_args)
     config = model_config_kwargs(model_args, data_args)  # + token budgets and propensity constants
     vision_encoder = config.pop("vision_model_name_or_path")
+    if config["vision_trainable_layers"] is None:  # freezing a tower built at random would keep it random
+        config["vision_trainable_layers"] = 1 if vision_encoder else -1
     data = keep_modalities(data, config.pop("item_modalities"))
     fit_dimensions(config, model_args.model_name_or_path, vision_encoder)
     model = MUFINModel.from_encoders_pretrained(model_args.model_name_or_path, vision_encoder, label_space_size=len(data.label_texts), **config)
     model.freeze_vision_layers()
+    model.vision_learning_rate_multiplier = training_args.vision_learning_rate_multiplier
     collator = pretrain_and_mine(model, data, training_args)
     evaluator: XMCEvaluator = build_evaluator(data, data_args)
     evaluator.label_images = data.label_images
