@@ -12,6 +12,7 @@ from hf_xmc.models.xmc_losses import decoupled_softmax_loss
 from hf_xmc.training import gradcache
 from hf_xmc.training.gradcache import cached_loss
 from tests.test_gradcache import LABELS, QUERIES, TARGETS, TAU, TinyEncoder, _split
+from tests.test_mufin_training import task  # noqa: F401 - the MUFIN colour + word task (a module fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -85,3 +86,36 @@ def test_bf16_training_with_gradient_cache_saves_and_reloads_on_cuda(tiny_encode
     again = reloaded.predict(texts, k=5)
     np.testing.assert_array_equal(pred.label_ids, again.label_ids)
     np.testing.assert_allclose(pred.scores, again.scores, atol=1e-5)
+
+
+def test_mufin_bf16_modules_on_cuda_with_images_save_and_reload(task, tmp_path):  # noqa: F811 - the imported fixture
+    """MUFIN's Modules I, II and IV in bf16 on the GPU (ViT + text bags), image + text prediction on CUDA, and the same
+    ranking after a remote-code reload."""
+    from transformers import AutoModel
+
+    from hf_xmc.training import XMCTrainer
+    from hf_xmc.training.recipes.mufin import MUFINTrainingArguments, _stage_args, pretrain_and_mine
+    from tests.test_mufin_training import tiny_model
+
+    data, *_ = task
+    model = tiny_model(task)
+    model.freeze_vision_layers(-1)
+    args = MUFINTrainingArguments(
+        output_dir=str(tmp_path / "out"), siamese_epochs=2, num_train_epochs=2, per_device_train_batch_size=16, bf16=True,
+        learning_rate=2e-3, ranker_learning_rate=2e-3, ranker_negatives=3, hard_negative_top_k=6, save_strategy="no",
+        report_to=[], disable_tqdm=True, seed=0,
+    )
+    collator = pretrain_and_mine(model, data, args)
+    trainer = XMCTrainer(model=model, args=_stage_args(args, "ranker"), train_dataset=data.train, data_collator=collator)
+    assert trainer.train().training_loss > 0
+    assert next(model.vision_encoder.parameters()).is_cuda
+    model.build_label_index(data.label_texts, data.label_uids, label_images=data.label_images)
+    texts, images = list(data.test.texts[:16]), list(data.test.images[:16])
+    pred = model.predict(texts, images=images, k=3)
+    hits = [len(set(row) & set(data.test.targets[i].indices)) > 0 for i, row in enumerate(pred.label_ids)]
+    assert sum(hits) > 16 * 3 / 12  # above chance
+    model.save_pretrained(str(tmp_path / "final"))
+    reloaded = AutoModel.from_pretrained(str(tmp_path / "final"), trust_remote_code=True).cuda()
+    again = reloaded.predict(texts, images=images, k=3)
+    np.testing.assert_array_equal(pred.label_ids, again.label_ids)
+    np.testing.assert_allclose(pred.scores, again.scores, atol=1e-4)
