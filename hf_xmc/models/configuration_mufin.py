@@ -16,10 +16,15 @@ MUFIN_VISION_POOLINGS = ("pooler", "cls", "mean")
 MUFIN_LOSS_REDUCTIONS = ("sum", "mean")
 
 
+OPEN_CLIP_PREFIX = "open_clip:"
+
+
 def encoder_width(config: PreTrainedConfig | dict | None) -> Optional[int]:
-    """Width of an encoder's pooled output: ``hidden_size`` (transformers) or the last stage's channels
-    (``hidden_sizes[-1]``: ResNet, ConvNeXt); None when the config names neither."""
+    """Width of an encoder's pooled output: ``hidden_size`` (transformers), the last stage's channels
+    (``hidden_sizes[-1]``: ResNet, ConvNeXt) or an open_clip ``model_cfg``'s ``embed_dim``; None when it names none."""
     get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    if get("vision_cfg") is not None:  # an open_clip model_cfg: the image tower projects to embed_dim
+        return get("embed_dim")
     if get("hidden_size") is not None:
         return get("hidden_size")
     sizes = get("hidden_sizes")
@@ -47,6 +52,11 @@ class MUFINConfig(XMCConfig):
         vision_config (`PreTrainedConfig` or `dict`, *optional*):
             Vision encoder ``E_V`` (any ``AutoModel`` vision backbone with a pooled output: ViT, ResNet, ConvNeXt,
             ...). Defaults to a ViT config (ViT-B/32 in the code).
+        open_clip_config (`dict`, *optional*):
+            An open_clip image tower instead of ``vision_config`` (the ``vision`` extra): open_clip's own
+            ``open_clip_config.json`` content, ``{"model_cfg": {"embed_dim", "vision_cfg", ...}, "preprocess_cfg":
+            {...}}``; only the image tower is built, its projected embedding is the pooled output. Set by
+            [`MUFINModel.from_encoders_pretrained`] for a ``"open_clip:<name>"`` vision encoder.
         vision_pooling (`str`, *optional*, defaults to `"pooler"`):
             One vector per image: `"pooler"` (``pooler_output``, ViT's tanh(dense(CLS)); the code's choice), `"cls"`
             (first token of the last hidden state) or `"mean"` (mean over patches).
@@ -130,6 +140,7 @@ class MUFINConfig(XMCConfig):
     }
 
     vision_config: PreTrainedConfig | dict | None = None
+    open_clip_config: Optional[dict] = None
     vision_pooling: str = "pooler"
     embed_dim: int = 192
     attention_heads: int = 12
@@ -164,7 +175,8 @@ class MUFINConfig(XMCConfig):
             raise ValueError(f"vision_pooling must be one of {MUFIN_VISION_POOLINGS}, got {self.vision_pooling!r}")
         if self.embed_dim < 1 or self.attention_heads < 1 or self.embed_dim % self.attention_heads:
             raise ValueError(f"embed_dim ({self.embed_dim}) must be a positive multiple of attention_heads ({self.attention_heads})")
-        for name, sub in (("encoder_config", self.encoder_config), ("vision_config", self.vision_config)):
+        vision = ("open_clip_config", self.open_clip_config["model_cfg"]) if self.open_clip_config else ("vision_config", self.vision_config)
+        for name, sub in (("encoder_config", self.encoder_config), vision):
             hidden = encoder_width(sub)
             if hidden is not None and hidden < self.embed_dim:
                 raise ValueError(f"embed_dim ({self.embed_dim}) exceeds the hidden size of {name} ({hidden}): max-pooling cannot widen")
@@ -195,6 +207,11 @@ class MUFINConfig(XMCConfig):
                 raise ValueError(f"{name} must be one of {MUFIN_LOSS_REDUCTIONS}, got {getattr(self, name)!r}")
         if self.siamese_negative_temperature is not None and self.siamese_negative_temperature <= 0:
             raise ValueError(f"siamese_negative_temperature must be positive or None, got {self.siamese_negative_temperature}")
+        if self.open_clip_config is not None:
+            if "vision_cfg" not in (self.open_clip_config.get("model_cfg") or {}):
+                raise ValueError("open_clip_config must hold open_clip's model_cfg with its vision_cfg (open_clip_config.json)")
+            if self.vision_pooling != "pooler":
+                raise ValueError("an open_clip vision tower gives one pooled embedding per image: vision_pooling must be 'pooler'")
         if self.vision_trainable_layers < -1:
             raise ValueError(f"vision_trainable_layers must be >= -1 (-1 = all), got {self.vision_trainable_layers}")
         if self.max_images < -1:

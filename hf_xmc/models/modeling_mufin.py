@@ -34,6 +34,7 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 (optional) and its siblings.
 """
 
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,12 +45,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoTokenizer, ViTImageProcessor
+from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoTokenizer, CLIPImageProcessor, ViTImageProcessor
 from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.utils import ModelOutput, logging
 
 from .classifier_head import ExtremeClassifier
-from .configuration_mufin import MUFIN_SEARCH_MODES, MUFINConfig
+from .configuration_mufin import MUFIN_SEARCH_MODES, OPEN_CLIP_PREFIX, MUFINConfig
 from .label_index import INDEX_FILE, INDEX_META_FILE, LabelIndex, atomic_write
 from .modeling_xmc import XMCPrediction, XMCPreTrainedModel, _repair_tokenizer
 from .xmc_losses import mufin_ranker_loss, mufin_triplet_loss
@@ -58,6 +60,12 @@ try:  # Pillow is only needed to read image paths; PIL images passed in work as 
     from PIL import Image
 except ImportError:  # pragma: no cover - Pillow ships with transformers' vision extras
     Image = None
+
+try:  # only for open_clip vision towers (the ``vision`` extra)
+    import open_clip
+    from open_clip.model import _build_vision_tower
+except ImportError:
+    open_clip = None
 
 logger = logging.get_logger(__name__)
 
@@ -77,6 +85,75 @@ SMALL_VISION_CONFIG = dict(
     model_type="resnet", num_channels=3, embedding_size=32, hidden_sizes=[32, 64, 128, 192], depths=[1, 1, 1, 1], layer_type="basic",
 )
 SMALL_VISION_IMAGE_SIZE = 64
+
+
+def _require_open_clip() -> None:
+    if open_clip is None:
+        raise ImportError("this MUFIN model has an open_clip vision tower: pip install 'hf_xmc[vision]' (open_clip_torch)")
+
+
+class OpenCLIPVisionTower(nn.Module):
+    """An open_clip image tower behind the interface MUFIN asks of a vision encoder: ``forward(pixel_values=...)``
+    returns an output whose ``pooler_output`` is the tower's projected image embedding (``model_cfg["embed_dim"]``).
+    Only the image tower of the CLIP ``model_cfg`` is built (its text tower is never needed)."""
+
+    def __init__(self, model_cfg: dict):
+        super().__init__()
+        _require_open_clip()
+        self.visual = _build_vision_tower(model_cfg["embed_dim"], model_cfg["vision_cfg"], quick_gelu=model_cfg.get("quick_gelu", False))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def forward(self, pixel_values: torch.Tensor, **kwargs) -> BaseModelOutputWithPooling:
+        return BaseModelOutputWithPooling(pooler_output=self.visual(pixel_values))
+
+
+def open_clip_model_config(name: str) -> dict:
+    """open_clip's ``model_cfg`` (``embed_dim``, ``vision_cfg``, ``text_cfg``) of a model name (see
+    :func:`load_open_clip_tower`), read without building the model."""
+    _require_open_clip()
+    architecture = name.partition("@")[0]
+    if architecture.startswith(("local-dir:", "hf-hub:")):
+        schema, _, where = architecture.partition(":")
+        if schema == "local-dir":
+            path = os.path.join(where, "open_clip_config.json")
+        else:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(where, "open_clip_config.json")
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)["model_cfg"]
+    model_cfg = open_clip.get_model_config(architecture)
+    if model_cfg is None:
+        raise ValueError(f"open_clip knows no model {architecture!r} (open_clip.list_models() names them)")
+    return model_cfg
+
+
+def load_open_clip_tower(name: str) -> tuple[OpenCLIPVisionTower, dict, CLIPImageProcessor]:
+    """A pretrained open_clip image tower by open_clip model name: ``local-dir:/path`` (a folder with
+    ``open_clip_config.json`` and weights), ``hf-hub:org/repo``, or an architecture name with an optional pretrained tag
+    (``ViT-B-32@laion2b_s34b_b79k``). Returns the tower, the ``open_clip_config`` to store in :class:`MUFINConfig` and
+    the matching image processor (resize shortest side, centre crop, the model's mean / std)."""
+    architecture, _, tag = name.partition("@")
+    model_cfg = open_clip_model_config(name)
+    clip = open_clip.create_model(architecture, pretrained=tag or None)
+    preprocess = {k: (list(v) if isinstance(v, tuple) else v) for k, v in open_clip.get_model_preprocess_cfg(clip).items()}
+    tower = OpenCLIPVisionTower(model_cfg)
+    tower.visual.load_state_dict(clip.visual.state_dict())
+    size = preprocess.get("size", model_cfg["vision_cfg"].get("image_size", 224))
+    height, width = (size, size) if isinstance(size, int) else size
+    processor = CLIPImageProcessor(
+        size={"shortest_edge": min(height, width)}, crop_size={"height": height, "width": width},
+        image_mean=list(preprocess.get("mean", CLIPImageProcessor().image_mean)), image_std=list(preprocess.get("std", CLIPImageProcessor().image_std)),
+    )
+    return tower, {"model_cfg": model_cfg, "preprocess_cfg": preprocess}, processor
+
+
+# names of the vision parameters before the layer stack (patch / class / position embeddings, open_clip's conv1 and
+# ln_pre): frozen with the early layers
+PRE_STACK_MARKERS = ("embed", "conv1", "ln_pre")
 
 
 class MUFINAttention(nn.Module):
@@ -355,7 +432,9 @@ class MUFINModel(MUFINPreTrainedModel):
 
     def __init__(self, config: MUFINConfig):
         super().__init__(config)  # the text encoder E_T, tokenizer slot, label texts
-        self.vision_encoder = AutoModel.from_config(config.vision_config)
+        self.vision_encoder = (
+            OpenCLIPVisionTower(config.open_clip_config["model_cfg"]) if config.open_clip_config else AutoModel.from_config(config.vision_config)
+        )
         self.descriptor_pool = nn.AdaptiveMaxPool1d(config.embed_dim)  # parameter-free 768 -> 192 (window 4)
         attention = dict(dim=config.embed_dim, num_heads=config.attention_heads, dropout=config.attention_dropout, spectral_norm=config.spectral_norm)
         self.self_attention = MUFINAttention(**attention)  # A_S, shared by datapoints and labels
@@ -384,20 +463,27 @@ class MUFINModel(MUFINPreTrainedModel):
         checkpoints; ``A_S`` / ``A_C`` start at the identity, ``eta`` xavier, ``alpha = alpha_init``. Call
         :meth:`freeze_vision_layers` to apply ``vision_trainable_layers`` before training.
 
-        Without ``vision_name_or_path`` the vision tower is built at random from ``vision_config`` (default: a small
+        ``vision_name_or_path`` is an HF vision checkpoint (ViT, ResNet, ...) or ``"open_clip:<name>"``, an open_clip
+        image tower (the ``vision`` extra; see :func:`load_open_clip_tower` for the names). Without it the vision tower
+        is built at random from ``vision_config`` (default: a small
         ResNet for 64 x 64 images, :data:`SMALL_VISION_CONFIG`) with a resize-and-normalise ``ViTImageProcessor``
         (``image_size`` of the config, else 64): for text-only data, or images to learn from scratch."""
         text = AutoModel.from_pretrained(text_name_or_path)
         tokenizer = _repair_tokenizer(AutoTokenizer.from_pretrained(text_name_or_path), text.config, text_name_or_path)
+        vision_kwargs = {}
         if vision_name_or_path is None:
             vision_config = AutoConfig.for_model(**dict(config_kwargs.pop("vision_config", None) or SMALL_VISION_CONFIG))
             vision = AutoModel.from_config(vision_config)
             size = getattr(vision_config, "image_size", SMALL_VISION_IMAGE_SIZE)
             image_processor = ViTImageProcessor(size={"height": size, "width": size})
+            vision_kwargs["vision_config"] = vision.config.to_dict()
+        elif str(vision_name_or_path).startswith(OPEN_CLIP_PREFIX):
+            vision, vision_kwargs["open_clip_config"], image_processor = load_open_clip_tower(str(vision_name_or_path)[len(OPEN_CLIP_PREFIX) :])
         else:
             vision = AutoModel.from_pretrained(vision_name_or_path)
             image_processor = AutoImageProcessor.from_pretrained(vision_name_or_path)
-        config = cls.config_class(encoder_config=text.config.to_dict(), vision_config=vision.config.to_dict(), **config_kwargs)
+            vision_kwargs["vision_config"] = vision.config.to_dict()
+        config = cls.config_class(encoder_config=text.config.to_dict(), **vision_kwargs, **config_kwargs)
         model = cls(config)
         for name, target, source in (("text", model.encoder, text), ("vision", model.vision_encoder, vision)):
             missing, unexpected = target.load_state_dict(source.state_dict(), strict=False)
@@ -416,7 +502,10 @@ class MUFINModel(MUFINPreTrainedModel):
         """The vision encoder's list of layers: transformer layers (ViT: ``encoder.layer``) or the stages of a
         convolutional backbone (ResNet, ConvNeXt: ``encoder.stages``)."""
         vision_config = self.config.vision_config
-        depth = getattr(vision_config, "num_hidden_layers", None) or len(getattr(vision_config, "depths", None) or ())
+        if self.config.open_clip_config:  # open_clip: transformer.resblocks
+            depth = self.config.open_clip_config["model_cfg"]["vision_cfg"].get("layers")
+        else:
+            depth = getattr(vision_config, "num_hidden_layers", None) or len(getattr(vision_config, "depths", None) or ())
         for _, module in self.vision_encoder.named_modules():
             if isinstance(module, nn.ModuleList) and len(module) == depth:
                 return module
@@ -438,7 +527,7 @@ class MUFINModel(MUFINPreTrainedModel):
                     layer.requires_grad_(True)
                 in_stack = {id(p) for p in layers.parameters()}
                 for name, param in self.vision_encoder.named_parameters():
-                    if id(param) not in in_stack and "embed" not in name:  # post-stack: final norm, pooler
+                    if id(param) not in in_stack and not any(marker in name for marker in PRE_STACK_MARKERS):  # post-stack: final norm, pooler
                         param.requires_grad_(True)
         return [name for name, p in self.vision_encoder.named_parameters() if p.requires_grad]
 

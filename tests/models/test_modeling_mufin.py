@@ -619,3 +619,77 @@ def test_config_validation():
     config = MUFINConfig(label_space_size=2)
     assert config.encoder_config.model_type == "distilbert" and config.vision_config.model_type == "vit"
     assert (config.embed_dim, config.attention_heads, config.attention_dropout, config.fusion_beta, config.shortlist_size) == (192, 12, 0.3, 0.7, 100)
+
+
+@pytest.fixture(scope="module")
+def open_clip_dir(tmp_path_factory):
+    """A tiny random CLIP saved the way open_clip's ``local-dir:`` schema reads it (open_clip_config.json + weights)."""
+    open_clip = pytest.importorskip("open_clip", reason="open_clip vision towers need the vision extra")
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("open_clip")
+    model_cfg = {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "head_width": 16, "patch_size": 16},
+        "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1},
+    }
+    preprocess_cfg = {"size": 32, "mean": [0.4, 0.45, 0.5], "std": [0.25, 0.26, 0.27]}
+    with open(root / "open_clip_config.json", "w") as f:
+        json.dump({"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}, f)
+    torch.manual_seed(3)
+    clip = open_clip.CLIP(**model_cfg)
+    with torch.no_grad():
+        clip.visual.proj.normal_()  # away from anything an init would give, so a missed load shows
+    save_file(clip.state_dict(), str(root / "open_clip_model.safetensors"))
+    return str(root), clip.eval()
+
+
+def test_open_clip_vision_tower(encoders, open_clip_dir, tmp_path):
+    """``open_clip:local-dir:...`` gives MUFIN the CLIP's image tower (its weights, its projected embedding as the
+    pooled output, its preprocessing), layer freezing over its resblocks, and a remote-code reload that predicts the same."""
+    clip_dir, clip = open_clip_dir
+    model = make_model((encoders[0], "open_clip:local-dir:" + clip_dir), embed_dim=8)
+    assert model.config.open_clip_config["model_cfg"]["embed_dim"] == 16 and model.config.open_clip_config["preprocess_cfg"]["size"] in (32, [32, 32])
+    for name, tensor in clip.visual.state_dict().items():
+        torch.testing.assert_close(model.vision_encoder.visual.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    rng = np.random.default_rng(21)
+    image = random_image(rng, size=40)
+    pixels = model.prepare_bags(images=[[image]])["pixel_values"]
+    assert pixels.shape == (1, 3, 32, 32)  # resized and centre-cropped to the CLIP's 32 x 32
+    # the CLIP's own normalisation (per-channel mean / std of the stored preprocess_cfg)
+    raw = model.image_processor(images=[image], do_normalize=False, return_tensors="pt")["pixel_values"]
+    mean, std = torch.tensor([0.4, 0.45, 0.5]).view(1, 3, 1, 1), torch.tensor([0.25, 0.26, 0.27]).view(1, 3, 1, 1)
+    torch.testing.assert_close(pixels, (raw - mean) / std, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        expected = F.adaptive_max_pool1d(clip.visual(pixels).unsqueeze(1), 8).squeeze(1)  # projected 16 -> D = 8
+        torch.testing.assert_close(model.eval().image_descriptors(pixels), expected, atol=1e-5, rtol=1e-5)
+    trainable = model.freeze_vision_layers(1)
+    assert any(n.startswith("visual.transformer.resblocks.1.") for n in trainable)
+    assert not any(n.startswith(("visual.transformer.resblocks.0.", "visual.conv1", "visual.ln_pre", "visual.positional_embedding")) for n in trainable)
+    assert {"visual.ln_post.weight", "visual.proj"} <= set(trainable)
+    from hf_xmc.training.recipes.mufin import fit_dimensions
+
+    dims = {"embed_dim": None, "attention_heads": 12}
+    fit_dimensions(dims, encoders[0], "open_clip:local-dir:" + clip_dir)  # train_mufin.py's sizing of D
+    assert dims == {"embed_dim": 16, "attention_heads": 4}  # the CLIP's 16-d projection is the narrowest width
+
+    paths = []
+    for i in range(2):
+        path = str(tmp_path / f"image_{i}.png")
+        random_image(rng).save(path)
+        paths.append(path)
+    request = {"texts": ["red apple", None], "images": [[paths[0]], [paths[1]]]}
+    before = model.predict(request["texts"], k=5, images=request["images"])
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    reloaded = AutoModel.from_pretrained(model_dir)
+    np.testing.assert_array_equal(reloaded.predict(request["texts"], k=5, images=request["images"]).label_ids, before.label_ids)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
+    proc = subprocess.run(
+        [sys.executable, "-c", REMOTE_PREDICT, str(model_dir), json.dumps(request)],
+        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][0][7:])
+    assert result["ids"] == before.label_ids.tolist()
+    np.testing.assert_allclose(np.array(result["scores"]), before.scores, atol=1e-5)

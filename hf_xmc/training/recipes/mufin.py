@@ -47,7 +47,10 @@ class MUFINModelArguments:
     model_name_or_path: str = field(metadata={"help": "Text encoder to start from (the paper: msmarco-distilbert-base-v4)."})
     vision_model_name_or_path: Optional[str] = field(
         default=None,
-        metadata={"help": "Vision encoder to start from (the paper: ViT-B/32), with its image processor; default: a small ResNet (64 x 64) trained from scratch."},
+        metadata={
+            "help": "Vision encoder to start from (the paper: ViT-B/32), with its image processor, or 'open_clip:<name>' (an open_clip image tower: "
+            "'open_clip:local-dir:/path', 'open_clip:hf-hub:org/repo', 'open_clip:ViT-B-32@laion2b_s34b_b79k'); default: a small ResNet (64 x 64) trained from scratch."
+        },
     )
     embed_dim: Optional[int] = field(
         default=None, metadata={"help": "Descriptor dimension D after the parameter-free max-pool (default: 192, or the encoders' smaller width)."}
@@ -147,10 +150,15 @@ def fit_dimensions(config: dict, text_encoder: str, vision_encoder: Optional[str
     attention heads reduced to a divisor of it (``gcd``) when they do not divide it."""
     from transformers import AutoConfig
 
-    from ...models.configuration_mufin import encoder_width
-    from ...models.modeling_mufin import SMALL_VISION_CONFIG
+    from ...models.configuration_mufin import OPEN_CLIP_PREFIX, encoder_width
+    from ...models.modeling_mufin import SMALL_VISION_CONFIG, open_clip_model_config
 
-    vision = AutoConfig.from_pretrained(vision_encoder) if vision_encoder else SMALL_VISION_CONFIG
+    if not vision_encoder:
+        vision = SMALL_VISION_CONFIG
+    elif vision_encoder.startswith(OPEN_CLIP_PREFIX):
+        vision = open_clip_model_config(vision_encoder[len(OPEN_CLIP_PREFIX) :])
+    else:
+        vision = AutoConfig.from_pretrained(vision_encoder)
     widths = [encoder_width(AutoConfig.from_pretrained(text_encoder)), encoder_width(vision)]
     if config["embed_dim"] is None:
         config["embed_dim"] = min([192] + [w for w in widths if w])
