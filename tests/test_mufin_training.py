@@ -100,6 +100,32 @@ def test_siamese_batch_bags_and_targets(task):
     assert out.loss is not None and out.loss.requires_grad
 
 
+def test_siamese_batches_over_labels(task):
+    """The paper's Module I batches: labels drawn by the sampler, each bringing up to num_positives of its items; the
+    items' other labels in the batch are targets too (never in-batch negatives)."""
+    data, *_ = task
+    model = tiny_model(task)
+    label_collator = collator(model, data, "siamese", num_positives=2, batch_over="labels")
+    truth = data.train.targets.toarray() > 0
+    assert label_collator.anchor_labels.tolist() == np.flatnonzero(truth.any(0)).tolist()
+    anchors = label_collator.anchor_label_dataset()
+    assert len(anchors) == len(label_collator.anchor_labels)
+    assert (anchors.targets.toarray() > 0).tolist() == truth[:, label_collator.anchor_labels].T.tolist()  # row j: items of label j
+    batch = label_collator([{"index": j} for j in (5, 0, 3)])
+    pool, rows = batch["label_ids"].numpy(), batch["indices"].numpy()
+    assert pool.tolist() == sorted(label_collator.anchor_labels[[5, 0, 3]].tolist())
+    assert len(rows) <= 2 * 3 and len(set(rows)) == len(rows)
+    assert all(truth[rows, label].sum() >= min(2, truth[:, label].sum()) for label in pool)  # its sampled items (+ others')
+    assert batch["targets"].numpy().tolist() == truth[rows][:, pool].tolist()
+    assert batch["pixel_values"].shape[0] == len(rows) and int(batch["label_num_items"]) == 3
+    again = label_collator([{"index": j} for j in (5, 0, 3)])
+    assert again["indices"].tolist() == rows.tolist()  # a batch's draw depends on (seed, epoch, its labels) only
+    out = model(**{k: v for k, v in batch.items() if k != "indices"})
+    assert out.loss is not None and out.loss.requires_grad
+    with pytest.raises(ValueError, match="batch_over"):
+        collator(model, data, "siamese", batch_over="points")
+
+
 def test_ranker_batch_pairs_positives_and_shortlist_negatives(task):
     data, *_ = task
     model = tiny_model(task)

@@ -1,8 +1,10 @@
 """MUFIN's training pieces on the shared engine: the bag collator of its two training stages and Module II (the
 augmented-retrieval shortlist that supplies Module IV's hard negatives).
 
-Module I (``stage="siamese"``): a batch of items (texts and/or images) and the pool of their sampled positives; the
-model's triplet loss is anchored on each pool label, with in-batch hard negatives. Module II: label centroids from
+Module I (``stage="siamese"``): a batch of labels (the paper: ``batch_over="labels"``) with ``num_positives`` sampled
+positive items each, or a batch of items with the pool of their sampled positives (the official code's
+``--doc_first``, ``batch_over="items"``); either way the model's triplet loss is anchored on each pool label, with
+in-batch hard negatives (the positives of the other labels). Module II: label centroids from
 the Module-I encoder, the bag + centroid index over all labels, and a shortlist ``R_i`` per training item with its
 positives removed. Module IV (``stage="ranker"``): per item ``num_positives`` positives (``S_i``) and
 ``num_negatives`` shortlist negatives (``T_i``); ``pair_mask`` tells the model which (item, label) pairs to score
@@ -20,12 +22,13 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from ..data import filter_predictions
+from ..data import XMCDataset, filter_predictions
 from .collator import XMCDataCollator
 
 logger = logging.getLogger(__name__)
 
 MUFIN_COLLATOR_STAGES = ("siamese", "ranker")
+MUFIN_SIAMESE_BATCHES = ("labels", "items")
 
 
 @dataclass
@@ -38,6 +41,10 @@ class MUFINDataCollator(XMCDataCollator):
         label_images: per label a list of images; None for text-only labels.
         stage: ``"siamese"`` (pool = the batch's sampled positives) or ``"ranker"`` (plus ``num_negatives`` shortlist
             negatives per item, and a ``pair_mask`` of each item's own positives and negatives).
+        batch_over: what a siamese batch is drawn over: ``"items"`` (the features' ``index`` are training items) or
+            ``"labels"`` (they index :attr:`anchor_labels`, the labels with a training positive; each brings
+            ``num_positives`` of its positive items; train on :meth:`anchor_label_dataset`). Ranker batches are
+            always over items.
         (other arguments: :class:`~hf_xmc.training.collator.XMCDataCollator`; ``tokenizer`` is unused)
     """
 
@@ -45,6 +52,7 @@ class MUFINDataCollator(XMCDataCollator):
     images: Optional[Sequence[Sequence[Any]]] = None
     label_images: Optional[Sequence[Sequence[Any]]] = None
     stage: str = "siamese"
+    batch_over: str = "items"
 
     def __post_init__(self):
         super().__post_init__()
@@ -52,6 +60,10 @@ class MUFINDataCollator(XMCDataCollator):
             raise ValueError("MUFINDataCollator needs bag_processor=model.prepare_bags")
         if self.stage not in MUFIN_COLLATOR_STAGES:
             raise ValueError(f"stage must be one of {MUFIN_COLLATOR_STAGES}, got {self.stage!r}")
+        if self.batch_over not in MUFIN_SIAMESE_BATCHES:
+            raise ValueError(f"batch_over must be one of {MUFIN_SIAMESE_BATCHES}, got {self.batch_over!r}")
+        self._label_items = self.targets.tocsc()  # column l: the training items of label l
+        self.anchor_labels = np.flatnonzero(np.diff(self._label_items.indptr) > 0)
         if self.images is not None and len(self.images) != len(self.texts):
             raise ValueError(f"{len(self.images)} image lists for {len(self.texts)} training items")
         if self.label_images is not None and len(self.label_images) != len(self.label_texts):
@@ -76,17 +88,47 @@ class MUFINDataCollator(XMCDataCollator):
             out.append(rng.choice(candidates, min(self.num_negatives, len(candidates)), replace=False) if len(candidates) else empty)
         return out
 
+    def anchor_label_dataset(self) -> XMCDataset:
+        """The Module I training set when batches are drawn over labels: one row per label of :attr:`anchor_labels`
+        (row ``j`` is label ``anchor_labels[j]``, its targets the label's training items), so the shared trainer's
+        sampler, epochs and step counts run over labels."""
+        texts = [self.label_texts[label] or "" for label in self.anchor_labels]
+        return XMCDataset(texts=texts, targets=self._label_items[:, self.anchor_labels].T.tocsr(), uids=[str(label) for label in self.anchor_labels])
+
+    def sample_label_items(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+        """``P_l`` candidates: up to ``num_positives`` distinct training items per label, uniformly."""
+        out = []
+        for label in labels:
+            items = self._label_items.indices[self._label_items.indptr[label] : self._label_items.indptr[label + 1]]
+            out.append(items if len(items) <= self.num_positives else rng.choice(items, self.num_positives, replace=False))
+        return out
+
     def _bags(self, texts: list, images: Optional[list], max_length: int, prefix: str = "") -> dict[str, torch.Tensor]:
         bags = self.bag_processor(texts, images, max_length=max_length)
         return {prefix + key: value for key, value in bags.items()}
 
     def __call__(self, features: list[dict[str, int]]) -> dict[str, torch.Tensor]:
-        rows = np.array([f["index"] for f in features], dtype=np.int64)
+        index = np.array([f["index"] for f in features], dtype=np.int64)
+        if self.stage == "siamese" and self.batch_over == "labels":
+            pool = np.unique(self.anchor_labels[index])
+            rows = np.unique(np.concatenate(self.sample_label_items(pool, self.batch_rng(pool)))).astype(np.int64)
+            return self._batch(rows, pool)
+        rows = index
         rng = self.batch_rng(rows)
         positives = self.sample_positives(rows, rng)
         negatives = self.sample_item_negatives(rows, rng)
         parts = [p for p in positives + negatives if len(p)]
         pool = np.unique(np.concatenate(parts)).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+        batch = self._batch(rows, pool)
+        if self.stage == "ranker":
+            pair_mask = torch.zeros(len(rows), len(pool), dtype=torch.bool)
+            for b, (pos, neg) in enumerate(zip(positives, negatives)):
+                pair_mask[b, torch.from_numpy(np.searchsorted(pool, np.concatenate([pos, neg]).astype(np.int64)))] = True
+            batch["pair_mask"] = pair_mask
+        return batch
+
+    def _batch(self, rows: np.ndarray, pool: np.ndarray) -> dict[str, torch.Tensor]:
+        """Bags of the items ``rows`` and the labels ``pool`` (sorted), with every true (item, label) pair as target."""
         targets = torch.from_numpy(self.targets[rows][:, pool].toarray() > 0)
         batch = self._bags(
             [self.texts[r] for r in rows], [list(self.images[r]) for r in rows] if self.images is not None else None, self.max_seq_length
@@ -100,11 +142,6 @@ class MUFINDataCollator(XMCDataCollator):
             )
         )
         batch.update(targets=targets, label_ids=torch.from_numpy(pool), indices=torch.from_numpy(rows))
-        if self.stage == "ranker":
-            pair_mask = torch.zeros(len(rows), len(pool), dtype=torch.bool)
-            for b, (pos, neg) in enumerate(zip(positives, negatives)):
-                pair_mask[b, torch.from_numpy(np.searchsorted(pool, np.concatenate([pos, neg]).astype(np.int64)))] = True
-            batch["pair_mask"] = pair_mask
         return batch
 
 

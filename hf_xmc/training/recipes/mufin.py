@@ -9,7 +9,8 @@ classifiers) on Extreme Classification Repository files whose points and labels 
 
 The JSON lines may hold ``"images": [paths]`` (relative to the file's folder). The recipe runs the paper's modules
 on the shared trainer, in order: Module I, siamese pre-training (``--siamese_epochs``, lr ``--learning_rate``;
-triplet loss anchored on the batch's labels, in-batch hard negatives); Module II, label centroids + the bag and
+batches of labels with ``--num_positives`` items each, or of items with ``--siamese_batch_over items``; triplet loss
+anchored on the batch's labels, in-batch hard negatives); Module II, label centroids + the bag and
 centroid index + a shortlist ``R_i`` of ``--hard_negative_top_k`` labels per training item (positives removed);
 Module III, the cross-attention and classifiers start at their initialisation (identity, xavier, alpha 0.5); Module
 IV, fine-tuning for ``--num_train_epochs`` with ``--num_positives`` positives and ``--ranker_negatives`` shortlist
@@ -80,6 +81,10 @@ class MUFINTrainingArguments(XMCTrainingArguments):
     learning_rate: float = field(default=3e-4, metadata={"help": "Module I learning rate (encoders and self-attention; code 2e-4)."})
     num_train_epochs: float = field(default=3.0, metadata={"help": "Module IV (fine-tuning) epochs."})
     siamese_epochs: float = field(default=2.0, metadata={"help": "Module I (siamese pre-training) epochs."})
+    siamese_batch_over: str = field(
+        default="labels",
+        metadata={"help": "Module I batches drawn over 'labels' (the paper; an epoch is a pass over the labels, each with --num_positives items) or 'items' (the official code's --doc_first)."},
+    )
     ranker_learning_rate: float = field(default=3e-4, metadata={"help": "Module IV encoder rate (code 5e-5); cross-attention x10, classifiers x100."})
     vision_learning_rate_multiplier: float = field(
         default=1.0, metadata={"help": "Vision encoder learning rate relative to the text encoder's, in both modules (a tower trained from scratch needs more)."}
@@ -117,6 +122,7 @@ def build_collator(model: MUFINModel, data: XCData, args: MUFINTrainingArguments
         images=data.train.images,
         label_images=data.label_images,
         stage=stage,
+        batch_over=args.siamese_batch_over,
     )
 
 
@@ -174,8 +180,9 @@ def pretrain_and_mine(model: MUFINModel, data: XCData, args: MUFINTrainingArgume
     if args.siamese_epochs > 0:
         model.set_training_stage("siamese")
         siamese = _stage_args(args, "siamese")
-        trainer = XMCTrainer(model=model, args=siamese, train_dataset=data.train, data_collator=build_collator(model, data, siamese, "siamese"))
-        trainer.train()
+        collator = build_collator(model, data, siamese, "siamese")
+        train = collator.anchor_label_dataset() if args.siamese_batch_over == "labels" else data.train
+        XMCTrainer(model=model, args=siamese, train_dataset=train, data_collator=collator).train()
     collator = build_collator(model, data, args, "ranker")
     collator.set_shortlist(
         mine_mufin_shortlist(model, data.train.texts, data.train.images, data.train.targets, top_k=args.hard_negative_top_k, show_progress_bar=not args.disable_tqdm)
