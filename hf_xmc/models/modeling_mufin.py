@@ -79,7 +79,7 @@ MUFIN_STAGES = ("siamese", "ranker")
 # The vision tower built when no pretrained one is given (text-only data, or images learnt from scratch): a small ResNet
 # for 64 x 64 images (4 stages of one basic block, 32..192 channels, about 0.9M parameters). A convolutional tower, not
 # the paper's ViT: trained from scratch on Emoji-XMC (about 1k images) a ViT of the same size learnt almost nothing
-# (image-only P@1 10.6 vs 32.2, multimodal 40.8 vs 49.8; README, benchmarks/bench_mufin.py). The paper's ViT is what
+# (image-only P@1 7.5 vs 32.6, multimodal 44.3 vs 48.6; README, benchmarks/bench_mufin.py). The paper's ViT is what
 # a pretrained checkpoint gives (``vision_name_or_path``).
 SMALL_VISION_CONFIG = dict(
     model_type="resnet", num_channels=3, embedding_size=32, hidden_sizes=[32, 64, 128, 192], depths=[1, 1, 1, 1], layer_type="basic",
