@@ -31,7 +31,7 @@ Implementation spec: ``shared/specs/mufin.md``. Where the paper and the official
 default and the code's choice a config flag (see [`MUFINConfig`]).
 
 This file is part of the remote-code bundle: it imports only torch, transformers, numpy, safetensors, PIL
-(optional) and its siblings.
+(optional), open_clip (optional: only models with an open_clip image tower need it) and its siblings.
 """
 
 import json
@@ -465,9 +465,9 @@ class MUFINModel(MUFINPreTrainedModel):
 
         ``vision_name_or_path`` is an HF vision checkpoint (ViT, ResNet, ...) or ``"open_clip:<name>"``, an open_clip
         image tower (the ``vision`` extra; see :func:`load_open_clip_tower` for the names). Without it the vision tower
-        is built at random from ``vision_config`` (default: a small
-        ResNet for 64 x 64 images, :data:`SMALL_VISION_CONFIG`) with a resize-and-normalise ``ViTImageProcessor``
-        (``image_size`` of the config, else 64): for text-only data, or images to learn from scratch."""
+        is built at random from ``vision_config`` (default: a small ResNet for 64 x 64 images,
+        :data:`SMALL_VISION_CONFIG`) with a resize-and-normalise ``ViTImageProcessor`` (``image_size`` of the config,
+        else 64): for text-only data, or images to learn from scratch."""
         text = AutoModel.from_pretrained(text_name_or_path)
         tokenizer = _repair_tokenizer(AutoTokenizer.from_pretrained(text_name_or_path), text.config, text_name_or_path)
         vision_kwargs = {}
@@ -959,7 +959,7 @@ class MUFINModel(MUFINPreTrainedModel):
     # Module IV learning rates relative to the encoders' (official code: 5e-5 / 5e-4 / 5e-3)
     cross_attention_learning_rate_multiplier = 10.0
     classifier_learning_rate_multiplier = 100.0
-    # both modules: the vision encoder's rate relative to the text encoder's (a tower trained from scratch needs more)
+    # both modules: the vision encoder's rate relative to the text encoder's (10x was no better on Emoji-XMC, README)
     vision_learning_rate_multiplier = 1.0
     # free vectors and alpha logits are per-label tables: no weight decay toward zero
     no_weight_decay_parameters = ("classifier.free_vectors.weight", "classifier.alpha_logits")

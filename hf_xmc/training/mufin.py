@@ -1,9 +1,9 @@
 """MUFIN's training pieces on the shared engine: the bag collator of its two training stages and Module II (the
 augmented-retrieval shortlist that supplies Module IV's hard negatives).
 
-Module I (``stage="siamese"``): a batch of labels (the paper: ``batch_over="labels"``) with ``num_positives`` sampled
+Module I (``stage="siamese"``): a batch of labels (the paper, ``batch_over="labels"``) with ``num_positives`` sampled
 positive items each, or a batch of items with the pool of their sampled positives (the official code's
-``--doc_first``, ``batch_over="items"``); either way the model's triplet loss is anchored on each pool label, with
+``--doc_first``, ``batch_over="items"``, the default); either way the model's triplet loss is anchored on each pool label, with
 in-batch hard negatives (the positives of the other labels). Module II: label centroids from
 the Module-I encoder, the bag + centroid index over all labels, and a shortlist ``R_i`` per training item with its
 positives removed. Module IV (``stage="ranker"``): per item ``num_positives`` positives (``S_i``) and
