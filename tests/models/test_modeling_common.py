@@ -28,10 +28,24 @@ REMOTE_PREDICT = textwrap.dedent(
     from transformers import AutoModel
     model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True)
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-    pred = model.predict(json.loads(sys.argv[2]), k=5)
+    request = json.loads(sys.argv[2])
+    images = {"images": request["images"]} if request["images"] is not None else {}
+    pred = model.predict(request["texts"], k=5, **images)
     print("RESULT " + json.dumps({"ids": pred.label_ids.tolist(), "scores": pred.scores.tolist(), "texts": pred.label_texts}))
     """
 )
+
+
+def predict_through_remote_code(model_dir, tmp_path, texts, images=None) -> dict:
+    """Top-5 of ``texts`` (and ``images``, paths) from ``model_dir`` loaded with ``trust_remote_code`` in a fresh
+    process where hf_xmc cannot be imported, offline; returns ``{"ids", "scores", "texts"}``."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
+    proc = subprocess.run(
+        [sys.executable, "-c", REMOTE_PREDICT, str(model_dir), json.dumps({"texts": texts, "images": images})],
+        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][0][7:])
 
 
 class XMCModelTesterMixin:
@@ -86,13 +100,7 @@ class XMCModelTesterMixin:
         model.save_pretrained(model_dir)
         config = json.load(open(model_dir / "config.json"))
         assert set(config["auto_map"]) == {"AutoConfig", "AutoModel"}
-        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
-        proc = subprocess.run(
-            [sys.executable, "-c", REMOTE_PREDICT, str(model_dir), json.dumps(texts)],
-            capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300, stdin=subprocess.DEVNULL,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][0][7:])
+        result = predict_through_remote_code(model_dir, tmp_path, list(texts))
         assert result["ids"] == before.label_ids.tolist()
         np.testing.assert_allclose(np.array(result["scores"]), before.scores, atol=1e-5)
         assert result["texts"] == before.label_texts

@@ -6,9 +6,6 @@ save -> reload (in-process and through remote code in a process where hf_xmc can
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -33,6 +30,7 @@ from hf_xmc.models.modeling_mufin import (
     select_siamese_pairs,
 )
 from hf_xmc.models.xmc_losses import mufin_ranker_loss, mufin_triplet_loss
+from tests.models.test_modeling_common import predict_through_remote_code
 
 WORDS = "red green blue yellow black white apple pear car boat tree house shoe hat lamp chair cup dog cat bird".split()
 D = 8
@@ -566,25 +564,6 @@ def test_save_and_reload_same_predictions(trained_like, tmp_path):
     torch.testing.assert_close(again, model.label_vectors[text_only], atol=1e-5, rtol=1e-5)
 
 
-REMOTE_PREDICT = textwrap.dedent(
-    """
-    import json, sys
-    sys.modules["hf_xmc"] = None  # hf_xmc must not be importable: everything comes from the model directory
-    try:
-        import hf_xmc  # noqa: F401
-        raise SystemExit("hf_xmc is importable")
-    except ImportError:
-        pass
-    from transformers import AutoModel
-    model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True)
-    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-    request = json.loads(sys.argv[2])
-    pred = model.predict(request["texts"], k=5, images=request["images"])
-    print("RESULT " + json.dumps({"ids": pred.label_ids.tolist(), "scores": pred.scores.tolist(), "texts": pred.label_texts}))
-    """
-)
-
-
 def test_remote_code_reload_without_hf_xmc(trained_like, tmp_path):
     model, rng = trained_like, np.random.default_rng(13)
     paths = []
@@ -597,13 +576,7 @@ def test_remote_code_reload_without_hf_xmc(trained_like, tmp_path):
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     assert set(json.load(open(model_dir / "config.json"))["auto_map"]) == {"AutoConfig", "AutoModel"}
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
-    proc = subprocess.run(
-        [sys.executable, "-c", REMOTE_PREDICT, str(model_dir), json.dumps(request)],
-        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300, stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][0][7:])
+    result = predict_through_remote_code(model_dir, tmp_path, request["texts"], request["images"])
     assert result["ids"] == before.label_ids.tolist()
     np.testing.assert_allclose(np.array(result["scores"]), before.scores, atol=1e-5)
     assert result["texts"] == before.label_texts
@@ -684,12 +657,6 @@ def test_open_clip_vision_tower(encoders, open_clip_dir, tmp_path):
     model.save_pretrained(model_dir)
     reloaded = AutoModel.from_pretrained(model_dir)
     np.testing.assert_array_equal(reloaded.predict(request["texts"], k=5, images=request["images"]).label_ids, before.label_ids)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
-    proc = subprocess.run(
-        [sys.executable, "-c", REMOTE_PREDICT, str(model_dir), json.dumps(request)],
-        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300, stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][0][7:])
+    result = predict_through_remote_code(model_dir, tmp_path, request["texts"], request["images"])
     assert result["ids"] == before.label_ids.tolist()
     np.testing.assert_allclose(np.array(result["scores"]), before.scores, atol=1e-5)
