@@ -47,6 +47,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoTokenizer, CLIPImageProcessor, ViTImageProcessor
 from transformers import initialization as init
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.utils import ModelOutput, logging
 
@@ -146,7 +147,7 @@ def load_open_clip_tower(name: str) -> tuple[OpenCLIPVisionTower, dict, CLIPImag
     height, width = (size, size) if isinstance(size, int) else size
     processor = CLIPImageProcessor(
         size={"shortest_edge": min(height, width)}, crop_size={"height": height, "width": width},
-        image_mean=list(preprocess.get("mean", CLIPImageProcessor().image_mean)), image_std=list(preprocess.get("std", CLIPImageProcessor().image_std)),
+        image_mean=list(preprocess.get("mean", OPENAI_CLIP_MEAN)), image_std=list(preprocess.get("std", OPENAI_CLIP_STD)),
     )
     return tower, {"model_cfg": model_cfg, "preprocess_cfg": preprocess}, processor
 
@@ -501,10 +502,10 @@ class MUFINModel(MUFINPreTrainedModel):
     def _vision_layer_stack(self) -> nn.ModuleList:
         """The vision encoder's list of layers: transformer layers (ViT: ``encoder.layer``) or the stages of a
         convolutional backbone (ResNet, ConvNeXt: ``encoder.stages``)."""
-        vision_config = self.config.vision_config
         if self.config.open_clip_config:  # open_clip: transformer.resblocks
             depth = self.config.open_clip_config["model_cfg"]["vision_cfg"].get("layers")
         else:
+            vision_config = self.config.vision_config
             depth = getattr(vision_config, "num_hidden_layers", None) or len(getattr(vision_config, "depths", None) or ())
         for _, module in self.vision_encoder.named_modules():
             if isinstance(module, nn.ModuleList) and len(module) == depth:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Optional
 
 import numpy as np
@@ -62,8 +63,6 @@ class MUFINDataCollator(XMCDataCollator):
             raise ValueError(f"stage must be one of {MUFIN_COLLATOR_STAGES}, got {self.stage!r}")
         if self.batch_over not in MUFIN_SIAMESE_BATCHES:
             raise ValueError(f"batch_over must be one of {MUFIN_SIAMESE_BATCHES}, got {self.batch_over!r}")
-        self._label_items = self.targets.tocsc()  # column l: the training items of label l
-        self.anchor_labels = np.flatnonzero(np.diff(self._label_items.indptr) > 0)
         if self.images is not None and len(self.images) != len(self.texts):
             raise ValueError(f"{len(self.images)} image lists for {len(self.texts)} training items")
         if self.label_images is not None and len(self.label_images) != len(self.label_texts):
@@ -87,6 +86,16 @@ class MUFINDataCollator(XMCDataCollator):
             candidates = candidates[candidates >= 0]
             out.append(rng.choice(candidates, min(self.num_negatives, len(candidates)), replace=False) if len(candidates) else empty)
         return out
+
+    @cached_property
+    def _label_items(self) -> sp.csc_matrix:
+        """Column ``l``: the training items of label ``l`` (built for label batches only)."""
+        return self.targets.tocsc()
+
+    @cached_property
+    def anchor_labels(self) -> np.ndarray:
+        """The labels with at least one training item: the labels a label-batched Module I draws."""
+        return np.flatnonzero(np.diff(self._label_items.indptr) > 0)
 
     def anchor_label_dataset(self) -> XMCDataset:
         """The Module I training set when batches are drawn over labels: one row per label of :attr:`anchor_labels`
