@@ -44,7 +44,6 @@ TOWERS = {
 def make_vit(directory: str, image_size: int = 64, seed: int = 0) -> str:
     """A small random ViT (the paper's architecture at the default tower's size: 64 x 64 images, 8 x 8 patches, 4
     layers, hidden 192) and its image processor; no pretrained vision weights are reachable offline."""
-    import torch
     from transformers import ViTConfig, ViTImageProcessor, ViTModel
 
     torch.manual_seed(seed)

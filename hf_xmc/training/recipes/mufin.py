@@ -10,8 +10,7 @@ classifiers) on Extreme Classification Repository files whose points and labels 
 The JSON lines may hold ``"images": [paths]`` (relative to the file's folder). The recipe runs the paper's modules
 on the shared trainer, in order: Module I, siamese pre-training (``--siamese_epochs``, lr ``--learning_rate``;
 batches of items (the official code), or of labels with ``--num_positives`` items each with ``--siamese_batch_over
-labels`` (the paper); triplet loss
-anchored on the batch's labels, in-batch hard negatives); Module II, label centroids + the bag and
+labels`` (the paper); triplet loss anchored on the batch's labels, in-batch hard negatives); Module II, label centroids + the bag and
 centroid index + a shortlist ``R_i`` of ``--hard_negative_top_k`` labels per training item (positives removed);
 Module III, the cross-attention and classifiers start at their initialisation (identity, xavier, alpha 0.5); Module
 IV, fine-tuning for ``--num_train_epochs`` with ``--num_positives`` positives and ``--ranker_negatives`` shortlist
@@ -86,7 +85,7 @@ class MUFINTrainingArguments(XMCTrainingArguments):
         default="items",
         metadata={
             "help": "Module I batches drawn over 'items' (the official code's --doc_first) or 'labels' (the paper: an epoch is a pass over the labels, each with "
-            "--num_positives items; few steps where labels are few: P@1 82.3 vs 89.7 on Reuters, 30.0 vs 36.3 on the contract's tiny task, even on Emoji-XMC)."
+            "--num_positives items; few steps where labels are few: P@1 82.3 vs 89.7 on Reuters, 30.0 vs 36.3 on the contract's tiny task, about even on Emoji-XMC)."
         },
     )
     ranker_learning_rate: float = field(default=3e-4, metadata={"help": "Module IV encoder rate (code 5e-5); cross-attention x10, classifiers x100."})
