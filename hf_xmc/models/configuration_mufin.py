@@ -75,7 +75,8 @@ class MUFINConfig(XMCConfig):
             identity Q/K/V/O either way.
         label_space_size (`int`, *optional*, defaults to 0):
             L: number of labels with a free vector ``eta_l`` and a weight ``alpha_l``. 0 builds no per-label
-            parameters (requires ``zero_shot=True``).
+            parameters (requires ``zero_shot=True``). Labels attached beyond the first L (added after training), and
+            labels without training positives (a centroid count of 0), are scored zero-shot: ``w_l = z_l^1``.
         zero_shot (`bool`, *optional*, defaults to `False`):
             MUFIN(alpha=1): ``alpha_l = 1`` for every label, so ``w_l = z_l^1`` exactly and any label set (also
             labels never seen in training) can be scored. The free vectors, if any, are ignored.
@@ -130,6 +131,10 @@ class MUFINConfig(XMCConfig):
         max_images (`int`, *optional*, defaults to -1):
             Images kept per item, in the order given (code flag ``KEEP_TOP_K``); -1 keeps all, 0 drops every image
             (a text-only ablation of a trained model).
+        save_label_images (`bool`, *optional*, defaults to `True`):
+            Store the label images (their file bytes, one ``mufin_label_images.safetensors``) with the model, so a
+            reloaded model can re-encode its labels (``build_label_index()``) from texts *and* images. With `False`
+            only the encoded bags are saved and a re-encoding of labels that had images must be given them again.
         kwargs: the shared fields of [`XMCConfig`] (pooling, index kind, propensity constants, ...).
     """
 
@@ -168,6 +173,7 @@ class MUFINConfig(XMCConfig):
     ranker_loss_reduction: str = "sum"
     vision_trainable_layers: int = 1
     max_images: int = -1
+    save_label_images: bool = True
 
     def validate_xmc(self) -> None:
         super().validate_xmc()

@@ -24,7 +24,9 @@ Label store (artifacts beside ``model.safetensors``, read back through ``cached_
 * ``mufin_label_bags.safetensors``: the cached label bags ``Z^1`` (ragged: all rows + per-label offsets) and the
   label vectors ``z^1``;
 * ``mufin_label_centroids.safetensors``: ``mu_l`` and the number of training positives behind each;
-* ``label_index.faiss`` + ``label_index.json``: the shortlist index, a cache rebuilt from the two files above;
+* ``mufin_label_images.safetensors``: the label images as their file bytes (``config.save_label_images``), so a
+  reloaded model can re-encode its labels from texts and images;
+* ``label_index.faiss`` + ``label_index.json``: the shortlist index, a cache rebuilt from the bags and centroids;
 * ``preprocessor_config.json`` (the image processor), the tokenizer files and ``labels.jsonl`` (label texts).
 
 Implementation spec: ``shared/specs/mufin.md``. Where the paper and the official code differ the paper is the
@@ -34,6 +36,7 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 (optional), open_clip (optional: only models with an open_clip image tower need it) and its siblings.
 """
 
+import io
 import json
 import os
 from collections.abc import Sequence
@@ -72,6 +75,7 @@ logger = logging.get_logger(__name__)
 
 LABEL_BAGS_FILE = "mufin_label_bags.safetensors"
 LABEL_CENTROIDS_FILE = "mufin_label_centroids.safetensors"
+LABEL_IMAGES_FILE = "mufin_label_images.safetensors"
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
 MUFIN_STAGES = ("siamese", "ranker")
 
@@ -343,8 +347,14 @@ def select_siamese_pairs(
 
 
 def to_rgb(image: Any) -> Any:
-    """An image path or PIL image as an RGB PIL image; transparent pixels become white (``hf_xmc.data.load_image`` uses
-    this too)."""
+    """An image path, encoded image bytes (PNG, JPEG, ...) or PIL image as an RGB PIL image; transparent pixels become
+    white (``hf_xmc.data.load_image`` uses this too)."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        if Image is None:
+            raise ImportError("decoding image bytes needs Pillow: pip install pillow")
+        with Image.open(io.BytesIO(bytes(image))) as im:
+            im.load()
+            image = im.copy()
     if isinstance(image, (str, os.PathLike)):
         if Image is None:
             raise ImportError("reading image paths needs Pillow: pip install pillow")
@@ -355,7 +365,7 @@ def to_rgb(image: Any) -> Any:
             im.load()
             image = im.copy()
     if Image is None or not isinstance(image, Image.Image):
-        raise TypeError(f"an image must be a path or a PIL image, got {type(image).__name__}")
+        raise TypeError(f"an image must be a path, image bytes or a PIL image, got {type(image).__name__}")
     if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
         background = Image.new("RGB", rgba.size, (255, 255, 255))
@@ -365,7 +375,48 @@ def to_rgb(image: Any) -> Any:
 
 
 def _is_single_image(value: Any) -> bool:
-    return isinstance(value, (str, os.PathLike)) or (Image is not None and isinstance(value, Image.Image))
+    return isinstance(value, (str, os.PathLike, bytes, bytearray, memoryview)) or (Image is not None and isinstance(value, Image.Image))
+
+
+def image_file_bytes(image: Any) -> bytes:
+    """An image as encoded bytes for storage: a file's own bytes (no re-encoding), bytes as they are, a PIL image as
+    PNG."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    if isinstance(image, (str, os.PathLike)):
+        with open(image, "rb") as f:
+            return f.read()
+    if Image is not None and isinstance(image, Image.Image):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return buffer.getvalue()
+    raise TypeError(f"an image must be a path, image bytes or a PIL image, got {type(image).__name__}")
+
+
+def pack_label_images(label_images: Sequence[Sequence[Any]]) -> dict[str, torch.Tensor]:
+    """Label image bags as three tensors for one safetensors file: ``image_bytes`` (uint8, every image's encoded bytes
+    back to back), ``image_offsets`` (int64, images + 1) and ``label_image_offsets`` (int64, labels + 1: label ``l``
+    owns images ``label_image_offsets[l]:label_image_offsets[l + 1]``).
+
+    Memory: the images' encoded sizes + 8 bytes per image and per label (a few KB per label for small PNGs)."""
+    blobs = [image_file_bytes(image) for bag in label_images for image in bag]
+    sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+    counts = torch.tensor([len(bag) for bag in label_images], dtype=torch.int64)
+    data = np.frombuffer(b"".join(blobs), dtype=np.uint8) if blobs else np.zeros(0, dtype=np.uint8)
+    return {
+        "image_bytes": torch.from_numpy(data.copy()),
+        "image_offsets": torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)]),
+        "label_image_offsets": torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)]),
+    }
+
+
+def unpack_label_images(tensors: dict[str, torch.Tensor]) -> list[list[bytes]]:
+    """The inverse of :func:`pack_label_images`: per label a list of encoded images (``bytes``, decoded on use)."""
+    data = tensors["image_bytes"].numpy().tobytes()
+    image_offsets = tensors["image_offsets"].tolist()
+    label_offsets = tensors["label_image_offsets"].tolist()
+    images = [data[image_offsets[i] : image_offsets[i + 1]] for i in range(len(image_offsets) - 1)]
+    return [images[label_offsets[l] : label_offsets[l + 1]] for l in range(len(label_offsets) - 1)]
 
 
 @dataclass
@@ -447,6 +498,7 @@ class MUFINModel(MUFINPreTrainedModel):
         )
         self.image_processor = None
         self.label_images: Optional[list[list[Any]]] = None
+        self.label_images_missing = False  # a loaded model whose label images were not saved (see build_label_index)
         # label store: Z^1 (ragged rows + offsets), z^1, centroids mu_l and their positive counts
         self.label_bag_rows: Optional[torch.Tensor] = None
         self.label_bag_offsets: Optional[torch.Tensor] = None
@@ -660,11 +712,33 @@ class MUFINModel(MUFINPreTrainedModel):
         The sum runs over the query's rows (A_C's output has the query's shape)."""
         return masked_sum_normalize(self.cross_attention(query_bags, label_bags, label_mask), query_mask)
 
-    def classifier_weights(self, label_ids: torch.Tensor, label_vectors: torch.Tensor) -> torch.Tensor:
-        """``w_l`` for ``label_ids`` given their ``z_l^1``; in ``zero_shot`` mode (alpha = 1) exactly ``z_l^1``."""
+    def trained_classifier_mask(self, label_ids: torch.Tensor) -> torch.Tensor:
+        """True where label ``l`` is scored with its own classifier ``w_l``: it has a row in the classifier tables
+        (``l < label_space_size``) and training positives (a centroid count > 0, where centroids are known). Other
+        labels, those attached after training and those never positive in training (their ``eta_l`` saw no positive,
+        spec Sec. 12.16), are scored zero-shot with ``w_l = z_l^1`` (alpha = 1), in the same index."""
+        ids = label_ids.long()
         if self.config.zero_shot or self.classifier is None:
+            return torch.zeros_like(ids, dtype=torch.bool)
+        trained = ids < self.classifier.num_labels
+        counts = self.label_centroid_counts
+        if counts is not None:
+            if counts.numel() == 0:
+                return torch.zeros_like(trained)
+            counts = counts.to(ids.device)
+            trained &= (ids < counts.shape[0]) & (counts[ids.clamp(max=counts.shape[0] - 1)] > 0)
+        return trained
+
+    def classifier_weights(self, label_ids: torch.Tensor, label_vectors: torch.Tensor) -> torch.Tensor:
+        """``w_l`` for ``label_ids`` given their ``z_l^1``: the alpha-mixed classifier for labels with a trained one
+        (:meth:`trained_classifier_mask`), exactly ``z_l^1`` for the others and in ``zero_shot`` mode (alpha = 1)."""
+        trained = self.trained_classifier_mask(label_ids)
+        if not bool(trained.any()):
             return label_vectors
-        return self.classifier(label_ids, label_vectors)
+        if bool(trained.all()):
+            return self.classifier(label_ids, label_vectors)
+        table_ids = label_ids.clamp(max=self.classifier.num_labels - 1)  # rows outside the table are not used
+        return torch.where(trained.to(label_vectors.device).unsqueeze(-1), self.classifier(table_ids, label_vectors), label_vectors)
 
     def score_pairs(
         self,
@@ -726,19 +800,32 @@ class MUFINModel(MUFINPreTrainedModel):
     # ------------------------------------------------------------------ label store
     def set_labels(self, texts: Optional[Sequence[Optional[str]]], uids: Optional[Sequence[str]] = None, images: Optional[Sequence[Any]] = None) -> None:
         """Attach the label space: a text (``None`` or blank = none) and/or a bag of images per label, in label-id
-        order. Drops the cached bags and index; keeps the centroids only when the label count is unchanged."""
+        order. Drops the cached bags and index.
+
+        A model with classifiers for ``label_space_size`` labels takes those labels first, in their training order;
+        labels after them (added without retraining) are scored zero-shot (``w_l = z_l^1``) in the same index.
+        Centroids are kept when the label count is unchanged, extended with empty rows (count 0) for appended labels,
+        and dropped otherwise."""
         if texts is None and images is None:
             raise ValueError("labels need texts and/or images")
         n = len(texts) if texts is not None else len(images)
-        if not self.config.zero_shot and n != self.config.label_space_size:
+        known = self.config.label_space_size
+        if not self.config.zero_shot and n < known:
             raise ValueError(
-                f"this MUFIN model has classifiers for {self.config.label_space_size} labels (label_space_size) but got "
-                f"{n} labels; index other labels with zero_shot=True (MUFIN(alpha=1): w_l = z_l^1)"
+                f"this MUFIN model has classifiers for {known} labels (label_space_size) but got {n} labels: give its "
+                f"{known} labels in training order, then any new ones (scored zero-shot), or use zero_shot=True"
             )
+        if not self.config.zero_shot and n > known:
+            logger.info("%d labels after the %d with classifiers are scored zero-shot (w_l = z_l^1)", n - known, known)
         norm_texts, bags = self._normalize_items(texts, images)  # validates: every label needs a descriptor
         super().set_labels(["" if t is None else t for t in norm_texts], uids)
         self.label_images = bags if any(bags) else None
-        if self.label_centroids is not None and self.label_centroids.shape[0] != n:
+        self.label_images_missing = False
+        rows = self.label_centroids.shape[0] if self.label_centroids is not None else n
+        if rows < n:  # appended labels: no training positives, so no centroid
+            self.label_centroids = torch.cat([self.label_centroids, self.label_centroids.new_zeros(n - rows, self.label_centroids.shape[1])])
+            self.label_centroid_counts = torch.cat([self.label_centroid_counts, self.label_centroid_counts.new_zeros(n - rows)])
+        elif rows > n:
             self.label_centroids = self.label_centroid_counts = None
 
     def invalidate_label_index(self) -> None:
@@ -758,15 +845,23 @@ class MUFINModel(MUFINPreTrainedModel):
         label_images: Optional[Sequence[Any]] = None,
     ) -> LabelIndex:
         """Encode every label bag with the current weights (``Z_l^1`` and ``z_l^1``, cached) and build the shortlist
-        index over them and the centroids. Without arguments, re-encodes the labels already attached (their texts
-        and, in this session, their images: label images are not saved with the model, only their encoded bags).
-        Passing the attached label texts again without ``label_images`` keeps the attached images (an evaluator
-        that only knows the label texts re-indexes the full multi-modal labels)."""
+        index over them and the centroids. Without arguments, re-encodes the labels already attached: their texts and
+        images (a loaded model has the images it was saved with, ``config.save_label_images``). Passing the attached
+        label texts again without ``label_images`` keeps the attached images (an evaluator that only knows the label
+        texts re-indexes the full multi-modal labels). A loaded model whose labels had images that were not saved
+        refuses to re-encode them as text only: give ``label_images`` again."""
+        same = (
+            label_texts is not None and label_images is None and self.label_texts is not None
+            and [t if isinstance(t, str) and t.strip() else "" for t in label_texts] == self.label_texts
+        )
+        if (same or (label_texts is None and label_images is None)) and self.label_images_missing:
+            raise ValueError(
+                "the labels of this model had images, which were not saved with it (save_label_images=False): re-encoding "
+                "them needs the images again, build_label_index(label_texts, label_images=[...]) (label_images=[[]] * n "
+                "re-encodes them as text only)"
+            )
         if label_texts is not None or label_images is not None:
-            if label_images is None and label_texts is not None and self.label_images is not None:
-                same = [t if isinstance(t, str) and t.strip() else "" for t in label_texts] == self.label_texts
-                label_images = self.label_images if same else None
-            self.set_labels(label_texts, label_uids, label_images)
+            self.set_labels(label_texts, label_uids, self.label_images if same else label_images)
         texts = self._require_labels()
         vectors, bags = self.encode_items(texts, self.label_images, batch_size, show_progress_bar, return_bags=True)
         counts = torch.tensor([b.shape[0] for b in bags])
@@ -1068,7 +1163,7 @@ class MUFINModel(MUFINPreTrainedModel):
     # ------------------------------------------------------------------ persistence
     def save_pretrained(self, save_directory: Union[str, os.PathLike], *args, is_main_process: bool = True, **kwargs) -> None:
         """Save weights, config, tokenizer and labels (base class) plus the image processor, the cached label bags,
-        the centroids and the shortlist index."""
+        the label images (``config.save_label_images``), the centroids and the shortlist index."""
         super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
         if not is_main_process:
             return
@@ -1079,6 +1174,9 @@ class MUFINModel(MUFINPreTrainedModel):
             tensors = {"label_bag_rows": self.label_bag_rows, "label_bag_offsets": self.label_bag_offsets, "label_vectors": self.label_vectors}
             tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
             atomic_write(os.path.join(save_directory, LABEL_BAGS_FILE), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+        if self.label_images is not None and self.config.save_label_images:
+            images = pack_label_images(self.label_images)
+            atomic_write(os.path.join(save_directory, LABEL_IMAGES_FILE), lambda p: save_file(images, p, metadata={"format": "pt"}))
         if self.label_centroids is not None:
             tensors = {"label_centroids": self.label_centroids.contiguous(), "label_centroid_counts": self.label_centroid_counts.contiguous()}
             atomic_write(os.path.join(save_directory, LABEL_CENTROIDS_FILE), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
@@ -1109,6 +1207,17 @@ class MUFINModel(MUFINPreTrainedModel):
             if self.label_texts is not None and num_labels != len(self.label_texts):
                 raise ValueError(f"{bags_path} holds {num_labels} label bags but labels.jsonl lists {len(self.label_texts)} labels")
             self.label_bag_rows, self.label_bag_offsets, self.label_vectors = saved["label_bag_rows"], saved["label_bag_offsets"], saved["label_vectors"]
+        images_path = fetch(LABEL_IMAGES_FILE)
+        if images_path is not None:
+            images = unpack_label_images(load_file(images_path))
+            if self.label_texts is not None and len(images) != len(self.label_texts):
+                raise ValueError(f"{images_path} holds images of {len(images)} labels but labels.jsonl lists {len(self.label_texts)} labels")
+            self.label_images = images if any(images) else None
+        elif self.label_bag_offsets is not None and self.label_texts is not None:
+            # rows of a label's bag beyond its text are images: had the labels any, re-encoding them needs them back
+            text_rows = torch.tensor([1 if t else 0 for t in self.label_texts])
+            self.label_images_missing = bool(((self.label_bag_offsets[1:] - self.label_bag_offsets[:-1]) > text_rows).any())
+        if bags_path is not None:
             vectors, self.shortlist_row_labels = self.shortlist_vectors()
             # the saved faiss file is reused when it matches these rows and the installed faiss, else rebuilt
             self.label_index = LabelIndex.load(vectors, meta_path=fetch(INDEX_META_FILE), index_path=fetch(INDEX_FILE), kind=self.config.index_kind)

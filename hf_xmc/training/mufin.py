@@ -9,6 +9,8 @@ the Module-I encoder, the bag + centroid index over all labels, and a shortlist 
 positives removed. Module IV (``stage="ranker"``): per item ``num_positives`` positives (``S_i``) and
 ``num_negatives`` shortlist negatives (``T_i``); ``pair_mask`` tells the model which (item, label) pairs to score
 with cross-attention and the classifier, so the cost per item stays ``|S_i| + |T_i|`` whatever the pool size.
+After Module IV, :class:`MUFINCentroidCallback` recomputes the centroids with the final encoder, so the index that
+evaluation builds and the model saves holds one embedding space (spec Sec. 12.11, option (a)).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Optional
 import numpy as np
 import scipy.sparse as sp
 import torch
+from transformers import TrainerCallback
 
 from ..data import XMCDataset, filter_predictions
 from .collator import XMCDataCollator
@@ -184,4 +187,24 @@ def mine_mufin_shortlist(
     return ids
 
 
-__all__ = ["MUFINDataCollator", "mine_mufin_shortlist"]
+class MUFINCentroidCallback(TrainerCallback):
+    """Recompute the label centroids ``mu_l`` from the training items with the final weights when training ends.
+
+    Module II computes the centroids with the Module-I encoder; Module IV keeps changing the encoders and ``A_S``, so
+    without this the index would mix Module-I centroids with label bags re-encoded by the final model (spec Sec. 12.11:
+    option (a), the index rebuilt with the final encoder). Evaluation and ``save_pretrained`` then build the index from
+    the fresh centroids and bags. Memory: one ``x^1`` per training item (``4 D`` bytes) while it runs, then ``4 D``
+    bytes per label.
+    """
+
+    def __init__(self, texts: Sequence[Optional[str]], images: Optional[Sequence[Sequence[Any]]], targets: sp.spmatrix, batch_size: int = 64):
+        self.texts, self.images, self.targets, self.batch_size = texts, images, sp.csr_matrix(targets), batch_size
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        model.compute_label_centroids(self.texts, self.images, self.targets, batch_size=self.batch_size, show_progress_bar=not args.disable_tqdm)
+        model.invalidate_label_index()  # bags and index are rebuilt from the final weights on next use
+        logger.info("MUFIN: label centroids recomputed with the final encoder from %d training items", len(self.texts))
+        return control
+
+
+__all__ = ["MUFINCentroidCallback", "MUFINDataCollator", "mine_mufin_shortlist"]

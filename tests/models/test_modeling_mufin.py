@@ -302,8 +302,8 @@ def test_zero_shot_model_scores_unseen_labels(encoders):
     bags, mask = model.label_bags(label)
     x2 = model.label_adapted_embedding(query_bags, query_mask, bags, mask)
     np.testing.assert_allclose(pred.scores[0, 0], float(x2[0].detach() @ model.label_vectors[label[0]]), atol=1e-5)
-    with pytest.raises(ValueError, match="label_space_size"):
-        make_model(encoders, num_labels=5, build=False).set_labels(texts)
+    with pytest.raises(ValueError, match="label_space_size"):  # fewer labels than classifiers: ids would not match
+        make_model(encoders, num_labels=5, build=False).set_labels(texts[:4], images=images[:4])
 
 
 # ---------------------------------------------------------------------------------------------------- index, centroids

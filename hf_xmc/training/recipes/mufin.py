@@ -15,8 +15,10 @@ centroid index + a shortlist ``R_i`` of ``--hard_negative_top_k`` labels per tra
 Module III, the cross-attention and classifiers start at their initialisation (identity, xavier, alpha 0.5); Module
 IV, fine-tuning for ``--num_train_epochs`` with ``--num_positives`` positives and ``--ranker_negatives`` shortlist
 negatives per item (cosine-embedding loss), encoders at ``--ranker_learning_rate``, the cross-attention at 10x and
-the classifier vectors at 100x that rate (the official code's 5e-5 / 5e-4 / 5e-3). Prediction fuses the shortlist
-score and the classifier score, ``0.7 c + 0.3 a``. Writes OUT/ (loadable with AutoModel.from_pretrained(OUT,
+the classifier vectors at 100x that rate (the official code's 5e-5 / 5e-4 / 5e-3). After Module IV the label
+centroids are recomputed and the label bags re-encoded with the final encoder, so the saved index holds one embedding
+space. Prediction fuses the shortlist score and the classifier score, ``0.7 c + 0.3 a``; labels without a training
+positive are scored zero-shot (``w_l = z_l^1``). Writes OUT/ (loadable with AutoModel.from_pretrained(OUT,
 trust_remote_code=True), image processor and label index included) and OUT/eval_results.json.
 """
 
@@ -34,7 +36,7 @@ import scipy.sparse as sp
 from ...data import XCData, XMCDataset
 from ...models import MUFINModel
 from ..evaluation import XMCEvaluator
-from ..mufin import MUFINDataCollator, mine_mufin_shortlist
+from ..mufin import MUFINCentroidCallback, MUFINDataCollator, mine_mufin_shortlist
 from ..script_utils import build_evaluator, load_data, model_config_kwargs, parse_script_args, train_and_evaluate
 from ..trainer import XMCTrainer, XMCTrainingArguments
 
@@ -210,7 +212,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     collator = pretrain_and_mine(model, data, training_args)
     evaluator: XMCEvaluator = build_evaluator(data, data_args)
     evaluator.label_images = data.label_images
-    return train_and_evaluate(model, data, evaluator, _stage_args(training_args, "ranker"), data_collator=collator)
+    # after Module IV the centroids are recomputed with the final encoder: evaluation and the saved index use one space
+    refresh = MUFINCentroidCallback(data.train.texts, data.train.images, data.train.targets, batch_size=data_args.eval_batch_size)
+    return train_and_evaluate(model, data, evaluator, _stage_args(training_args, "ranker"), data_collator=collator, callbacks=[refresh])
 
 
 if __name__ == "__main__":
