@@ -30,18 +30,21 @@ REMOTE_PREDICT = textwrap.dedent(
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
     request = json.loads(sys.argv[2])
     images = {"images": request["images"]} if request["images"] is not None else {}
+    if request.get("rebuild_index"):
+        model.build_label_index()  # re-encode the labels from what the directory holds (texts, label images)
     pred = model.predict(request["texts"], k=5, **images)
     print("RESULT " + json.dumps({"ids": pred.label_ids.tolist(), "scores": pred.scores.tolist(), "texts": pred.label_texts}))
     """
 )
 
 
-def predict_through_remote_code(model_dir, tmp_path, texts, images=None) -> dict:
+def predict_through_remote_code(model_dir, tmp_path, texts, images=None, rebuild_index: bool = False) -> dict:
     """Top-5 of ``texts`` (and ``images``, paths) from ``model_dir`` loaded with ``trust_remote_code`` in a fresh
-    process where hf_xmc cannot be imported, offline; returns ``{"ids", "scores", "texts"}``."""
+    process where hf_xmc cannot be imported, offline (with ``rebuild_index``, after re-encoding the labels); returns
+    ``{"ids", "scores", "texts"}``."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
     proc = subprocess.run(
-        [sys.executable, "-c", REMOTE_PREDICT, str(model_dir), json.dumps({"texts": texts, "images": images})],
+        [sys.executable, "-c", REMOTE_PREDICT, str(model_dir), json.dumps({"texts": texts, "images": images, "rebuild_index": rebuild_index})],
         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300, stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -27,6 +27,7 @@ from hf_xmc.models import MUFINConfig, MUFINModel, label_centroids_from_embeddin
 from hf_xmc.models.modeling_mufin import (
     LABEL_BAGS_FILE,
     LABEL_CENTROIDS_FILE,
+    LABEL_IMAGES_FILE,
     select_siamese_pairs,
 )
 from hf_xmc.models.xmc_losses import mufin_ranker_loss, mufin_triplet_loss
@@ -304,6 +305,95 @@ def test_zero_shot_model_scores_unseen_labels(encoders):
     np.testing.assert_allclose(pred.scores[0, 0], float(x2[0].detach() @ model.label_vectors[label[0]]), atol=1e-5)
     with pytest.raises(ValueError, match="label_space_size"):  # fewer labels than classifiers: ids would not match
         make_model(encoders, num_labels=5, build=False).set_labels(texts[:4], images=images[:4])
+
+
+def test_labels_without_positives_and_added_labels_score_zero_shot(encoders):
+    """Labels never positive in training (centroid count 0) and labels appended after training get w_l = z_l^1 (the
+    spec's alpha = 1 path), while trained labels keep their alpha-mixed classifiers, all in one index."""
+    model = make_model(encoders, build=False)
+    perturb(model)
+    texts, images = make_labels(20)
+    model.build_label_index(texts, label_images=images)
+    targets = sp.lil_matrix((6, 20))
+    for point, label in enumerate([0, 1, 2, 4, 5, 6]):  # labels 3 and 7..19 have no training positive
+        targets[point, label] = 1
+    model.compute_label_centroids([" ".join(WORDS[i : i + 2]) for i in range(6)], None, targets.tocsr())
+    model.eval()
+    ids = torch.arange(20)
+    trained = model.trained_classifier_mask(ids)
+    assert trained.tolist() == [i in (0, 1, 2, 4, 5, 6) for i in range(20)]
+    weights = model.classifier_weights(ids, model.label_vectors).detach()
+    torch.testing.assert_close(weights[~trained], model.label_vectors[~trained], rtol=0, atol=0)  # exactly z
+    torch.testing.assert_close(weights[trained], model.classifier(ids[trained], model.label_vectors[trained]))
+    assert float((weights[trained] - model.label_vectors[trained]).norm(dim=1).min()) > 0.05  # mixed with eta
+    # two labels appended without retraining: zero-shot too, in the same index as the 20 trained ones
+    rng = np.random.default_rng(3)
+    model.build_label_index(texts + ["red car", None], label_images=images + [[], [random_image(rng)]])
+    assert model.label_centroids.shape[0] == 22 and model.label_centroid_counts[20:].tolist() == [0, 0]
+    assert set(model.shortlist_row_labels.tolist()) == set(range(22))
+    all_ids = torch.arange(22)
+    weights = model.classifier_weights(all_ids, model.label_vectors).detach()
+    torch.testing.assert_close(weights[20:], model.label_vectors[20:], rtol=0, atol=0)
+    torch.testing.assert_close(weights[:20][trained], model.classifier(ids[trained], model.label_vectors[:20][trained]))
+    model.config.shortlist_size = 22
+    query = ["red car"]
+    pred = model.predict(query, k=22, search_mode="classifier")
+    assert sorted(pred.label_ids[0].tolist()) == list(range(22))
+    query_bags, query_mask, _ = model.embed_bags(**model.prepare_bags(query))
+    for slot, label in enumerate(pred.label_ids[0].tolist()):  # c = <x^{2,l}, w_l> with w_l = z_l^1 off the classifiers
+        bags, mask = model.label_bags(torch.tensor([label]))
+        x2 = model.label_adapted_embedding(query_bags, query_mask, bags, mask)[0]
+        np.testing.assert_allclose(pred.scores[0, slot], float(x2 @ weights[label]), atol=1e-5)
+    with pytest.raises(ValueError, match="label_space_size"):
+        model.set_labels(texts[:19], images=images[:19])
+
+
+def test_label_images_are_saved_and_used_to_rebuild_after_reload(trained_like, tmp_path):
+    model = trained_like
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / LABEL_IMAGES_FILE).exists()
+    reloaded = AutoModel.from_pretrained(tmp_path)
+    _, images = make_labels(20)
+    assert [len(bag) for bag in reloaded.label_images] == [len(bag) for bag in images]
+    assert all(isinstance(image, bytes) for bag in reloaded.label_images for image in bag)
+    rows = model.label_bag_rows.clone()
+    for rebuild in (lambda: reloaded.build_label_index(), lambda: reloaded.build_label_index(list(reloaded.label_texts))):
+        rebuild()  # without images (as hf-xmc evaluate passes only texts), the stored ones are used
+        torch.testing.assert_close(reloaded.label_bag_rows, rows, atol=1e-5, rtol=1e-5)
+        assert torch.equal(reloaded.label_bag_offsets, model.label_bag_offsets)
+    rng = np.random.default_rng(21)
+    texts, query_images = ["red apple", None], [[random_image(rng)], [random_image(rng)]]
+    before, after = model.predict(texts, k=5, images=query_images), reloaded.predict(texts, k=5, images=query_images)
+    np.testing.assert_array_equal(before.label_ids, after.label_ids)
+    np.testing.assert_allclose(before.scores, after.scores, atol=1e-5)
+
+
+def test_label_images_not_saved_refuse_a_text_only_rebuild(encoders, tmp_path):
+    model = make_model(encoders, save_label_images=False).eval()
+    model.save_pretrained(tmp_path)
+    assert not (tmp_path / LABEL_IMAGES_FILE).exists()
+    reloaded = AutoModel.from_pretrained(tmp_path)
+    assert reloaded.label_images is None and reloaded.label_images_missing
+    texts = ["red apple", "blue car"]
+    np.testing.assert_array_equal(reloaded.predict(texts, k=5).label_ids, model.predict(texts, k=5).label_ids)  # saved bags
+    for rebuild in (lambda: reloaded.build_label_index(), lambda: reloaded.build_label_index(list(reloaded.label_texts))):
+        with pytest.raises(ValueError, match="had images, which were not saved"):
+            rebuild()
+    assert torch.equal(reloaded.label_bag_rows, model.label_bag_rows)  # nothing was overwritten
+    label_texts, label_images = make_labels(20)
+    reloaded.build_label_index(label_texts, label_images=label_images)  # given the images again, it re-encodes them
+    torch.testing.assert_close(reloaded.label_bag_rows, model.label_bag_rows, atol=1e-5, rtol=1e-5)
+
+
+def test_label_images_rebuild_through_remote_code(trained_like, tmp_path):
+    """A remote-code reload (no hf_xmc) re-encodes its labels from the stored images and predicts as before."""
+    model_dir = tmp_path / "model"
+    trained_like.save_pretrained(model_dir)
+    texts = ["red apple", "green tree cat"]
+    before = trained_like.predict(texts, k=5)
+    result = predict_through_remote_code(model_dir, tmp_path, texts, rebuild_index=True)
+    assert result["ids"] == before.label_ids.tolist()
+    np.testing.assert_allclose(np.array(result["scores"]), before.scores, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------- index, centroids
