@@ -209,6 +209,14 @@ def cmd_push(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.model_dir):
         raise UserError(f"{args.model_dir}: no such model directory")
     hub = importlib.import_module("hf_xmc.hub")  # imported here: the upload machinery is for push only
+    if args.dry_run:  # the files the push would upload, one per line; nothing is written or uploaded
+        try:
+            files = hub.upload_file_list(args.model_dir)
+        except ValueError as err:
+            message = _first_line(err)
+            raise UserError(message if args.model_dir in message else f"{args.model_dir}: {message}") from None
+        print("\n".join(files))
+        return 0
     try:
         url = hub.push_to_hub(
             args.model_dir,
@@ -291,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--create_pr", action="store_true", help="open a pull request instead of committing")
     p.add_argument("--commit_message", help="commit message")
     p.add_argument("--token", help="Hub token (default: the logged-in one)")
+    p.add_argument("--dry_run", action="store_true", help="print the files the push would upload, one per line, and upload nothing")
     p.set_defaults(func=cmd_push)
     return parser
 

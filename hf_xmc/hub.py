@@ -2,9 +2,10 @@
 
 ``push_to_hub(model, "org/name")`` is ``model.push_to_hub("org/name")``: everything ``save_pretrained`` writes (weights,
 config with ``auto_map``, the flat remote-code files, tokenizer, labels, label vectors, index and model card) goes
-up in one commit. ``push_to_hub("out/unidec", "org/name")`` uploads a directory written by a training script as it
-is, after checking that it is a complete model directory; Trainer checkpoints and logs in it stay local. A
-directory without a ``README.md`` gets a card built from its ``eval_results.json`` (results, no plot).
+up in one commit. ``push_to_hub("out/unidec", "org/name")`` uploads a directory written by a training script, after checking that it
+is a complete model directory: exactly the files of :func:`upload_file_list` (what a reload needs, the card, its plot
+and ``eval_results.json``); Trainer checkpoints, MUFIN's ``module1/``, logs and pickles stay local. A directory
+without a ``README.md`` gets a card built from its ``eval_results.json`` (results, no plot).
 
 Loading is plain transformers: ``AutoModel.from_pretrained("org/name", trust_remote_code=True, revision=...)``
 reads the label store through the HF cache, so it also works offline (``HF_HUB_OFFLINE=1``) once the repo is cached.
@@ -18,39 +19,54 @@ from typing import Optional
 
 from huggingface_hub import HfApi
 
-from .models.modeling_xmc import LABEL_EMBEDDINGS_FILE, LABELS_FILE, MODEL_CARD_FILE, upload_model_folder
+from .models.modeling_xmc import (
+    CONFIG_FILE,
+    EVAL_RESULTS_FILE,
+    MODEL_CARD_ASSETS,
+    MODEL_CARD_FILE,
+    model_directory_files,
+    upload_model_folder,
+)
 
-# What a directory needs to load and predict anywhere (the index files are a rebuildable cache, so optional).
-REQUIRED_FILES = ("config.json", LABELS_FILE, LABEL_EMBEDDINGS_FILE, "tokenizer_config.json")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-# Training leftovers that stay local: checkpoints, logs, optimizer state, partially written files.
-IGNORE_PATTERNS = ["checkpoint-*", "runs/*", "_*", ".*"]  # fnmatch: "*" spans "/"; ".tmp-*" = unfinished writes
+__all__ = ["check_model_directory", "model_class_of_directory", "push_to_hub", "upload_file_list"]
 
-__all__ = ["IGNORE_PATTERNS", "check_model_directory", "push_to_hub"]
+
+def model_class_of_directory(directory: str | os.PathLike) -> type:
+    """The hf_xmc model class a saved directory holds, from its ``config.json``'s ``model_type``."""
+    from .models import MODEL_CLASSES
+
+    config_path = os.path.join(str(directory), CONFIG_FILE)
+    if not os.path.isdir(str(directory)):
+        raise ValueError(f"{directory}: not a directory")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{directory}: not a saved hf_xmc model, missing {CONFIG_FILE}")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except ValueError as err:
+        raise ValueError(f"{config_path}: not valid JSON ({err})") from err
+    for config_class, model_class in MODEL_CLASSES.values():
+        if config_class.model_type == model_type:
+            return model_class
+    known = ", ".join(sorted(c.model_type for c, _ in MODEL_CLASSES.values()))
+    raise ValueError(f"{config_path}: model_type {model_type!r} is not an hf_xmc model ({known})")
+
+
+def upload_file_list(directory: str | os.PathLike) -> list[str]:
+    """Exactly the files a push of ``directory`` uploads: what a reload needs (config, weights, remote code, tokenizer,
+    the model class's label store and index, :meth:`~hf_xmc.models.XMCPreTrainedModel.model_files`) plus the card,
+    its plot and ``eval_results.json``; never a checkpoint, a log or a pickle. A directory without a card gets one
+    before upload (with its plot when there are results), so the card's files are listed too. Raises ``ValueError``
+    naming what is missing when ``directory`` is not a complete model directory."""
+    files = model_directory_files(directory, model_class_of_directory(directory))
+    if MODEL_CARD_FILE not in files:
+        files += [MODEL_CARD_FILE, *(MODEL_CARD_ASSETS if EVAL_RESULTS_FILE in files else ())]
+    return files
 
 
 def check_model_directory(directory: str | os.PathLike) -> None:
     """Raise ``ValueError`` naming what is missing if ``directory`` is not a complete, remote-code-loadable model."""
-    directory = str(directory)
-    if not os.path.isdir(directory):
-        raise ValueError(f"{directory}: not a directory")
-    missing = [name for name in REQUIRED_FILES if not os.path.isfile(os.path.join(directory, name))]
-    if not any(os.path.isfile(os.path.join(directory, name)) for name in WEIGHT_FILES):
-        missing.append(" or ".join(WEIGHT_FILES))
-    if missing:
-        raise ValueError(f"{directory}: not a saved hf_xmc model, missing {', '.join(missing)}")
-    config_path = os.path.join(directory, "config.json")
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except ValueError as err:
-        raise ValueError(f"{config_path}: not valid JSON ({err})") from err
-    code = [ref.split(".")[0] + ".py" for ref in (config.get("auto_map") or {}).values()]
-    if not code:
-        raise ValueError(f"{config_path}: no auto_map, so the model would not load with trust_remote_code=True")
-    absent = [name for name in code if not os.path.isfile(os.path.join(directory, name))]
-    if absent:
-        raise ValueError(f"{directory}: auto_map names {', '.join(absent)}, which the directory does not hold")
+    model_directory_files(directory, model_class_of_directory(directory))
 
 
 def _card_from_eval_results(directory: str, repo_id: str) -> None:
@@ -100,5 +116,6 @@ def push_to_hub(
         _card_from_eval_results(directory, repo_id)
     return upload_model_folder(
         directory, repo_id, api=api, commit_message=commit_message or f"Upload {os.path.basename(os.path.abspath(directory))}",
-        private=private, token=token, revision=revision, create_pr=create_pr, ignore_patterns=IGNORE_PATTERNS,
+        private=private, token=token, revision=revision, create_pr=create_pr,
+        allow_patterns=model_directory_files(directory, model_class_of_directory(directory)),
     )

@@ -216,6 +216,14 @@ def test_trainer_push_to_hub_uploads_output_dir_with_the_runs_card(tiny_encoder_
     assert final["commit_message"] == "End of training"
     assert DEXML_REPO_FILES <= set(final["files"])
     assert not [f for f in final["files"] if f.startswith("checkpoint-")]
+    assert set(final["files"]) == DEXML_REPO_FILES  # exactly the model: no training_args.bin, no trainer state
+    for upload in api.uploads:  # the pushes at each save too: model files only, never a pickle or a nested path
+        assert not [f for f in upload["files"] if "/" in f or f.endswith((".bin", ".pt", ".pth", ".pkl"))], sorted(upload["files"])
+        assert {"config.json", "model.safetensors", "modeling_dexml.py"} <= set(upload["files"])
+    assert len(api.uploads) >= 2
+    run = tmp_path / "run"
+    assert not list(run.rglob("training_args.bin")), "a pickled training_args.bin was written"
+    assert json.loads((run / "training_args.json").read_text())["learning_rate"] == 0.001
     card = ModelCard(final["files"]["README.md"].decode())
     results = {r.metric_name: r.metric_value for r in card.data.eval_results}
     assert results["PSP@5"] == round(metrics["test_PSP@5"], 2) and results["nDCG@3"] == round(metrics["test_nDCG@3"], 2)

@@ -11,7 +11,15 @@ import pytest
 import scipy.sparse as sp
 import torch
 from PIL import Image
-from transformers import AutoModel, BertTokenizer, DistilBertConfig, DistilBertModel, ViTConfig, ViTImageProcessor, ViTModel
+from transformers import (
+    AutoModel,
+    BertTokenizer,
+    DistilBertConfig,
+    DistilBertModel,
+    ViTConfig,
+    ViTImageProcessor,
+    ViTModel,
+)
 
 from hf_xmc.data import XMCDataset, load_xc_dataset, write_xc_labels, write_xc_raw
 from hf_xmc.models import MUFINModel

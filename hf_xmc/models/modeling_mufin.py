@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoTokenizer, CLIPImageProcessor, ViTImageProcessor
+from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoTokenizer
 from transformers import initialization as init
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from transformers.modeling_outputs import BaseModelOutputWithPooling
@@ -57,7 +57,7 @@ from transformers.utils import ModelOutput, logging
 from .classifier_head import ExtremeClassifier
 from .configuration_mufin import MUFIN_SEARCH_MODES, OPEN_CLIP_PREFIX, MUFINConfig
 from .label_index import INDEX_FILE, INDEX_META_FILE, LabelIndex, atomic_write
-from .modeling_xmc import XMCPrediction, XMCPreTrainedModel, _repair_tokenizer
+from .modeling_xmc import LABEL_EMBEDDINGS_FILE, XMCPrediction, XMCPreTrainedModel, _repair_tokenizer
 from .xmc_losses import mufin_ranker_loss, mufin_triplet_loss
 
 try:  # Pillow is only needed to read image paths; PIL images passed in work as they are
@@ -136,7 +136,7 @@ def open_clip_model_config(name: str) -> dict:
     return model_cfg
 
 
-def load_open_clip_tower(name: str) -> tuple[OpenCLIPVisionTower, dict, CLIPImageProcessor]:
+def load_open_clip_tower(name: str) -> tuple[OpenCLIPVisionTower, dict, Any]:
     """A pretrained open_clip image tower by open_clip model name: ``local-dir:/path`` (a folder with
     ``open_clip_config.json`` and weights), ``hf-hub:org/repo``, or an architecture name with an optional pretrained tag
     (``ViT-B-32@laion2b_s34b_b79k``). Returns the tower, the ``open_clip_config`` to store in :class:`MUFINConfig` and
@@ -149,6 +149,10 @@ def load_open_clip_tower(name: str) -> tuple[OpenCLIPVisionTower, dict, CLIPImag
     tower.visual.load_state_dict(clip.visual.state_dict())
     size = preprocess.get("size", model_cfg["vision_cfg"].get("image_size", 224))
     height, width = (size, size) if isinstance(size, int) else size
+    # imported where a processor is built: importing the image processor classes with the package would warn on
+    # every `import hf_xmc` of an install without torchvision
+    from transformers import CLIPImageProcessor
+
     processor = CLIPImageProcessor(
         size={"shortest_edge": min(height, width)}, crop_size={"height": height, "width": width},
         image_mean=list(preprocess.get("mean", OPENAI_CLIP_MEAN)), image_std=list(preprocess.get("std", OPENAI_CLIP_STD)),
@@ -416,7 +420,7 @@ def unpack_label_images(tensors: dict[str, torch.Tensor]) -> list[list[bytes]]:
     image_offsets = tensors["image_offsets"].tolist()
     label_offsets = tensors["label_image_offsets"].tolist()
     images = [data[image_offsets[i] : image_offsets[i + 1]] for i in range(len(image_offsets) - 1)]
-    return [images[label_offsets[l] : label_offsets[l + 1]] for l in range(len(label_offsets) - 1)]
+    return [images[label_offsets[label] : label_offsets[label + 1]] for label in range(len(label_offsets) - 1)]
 
 
 @dataclass
@@ -528,6 +532,8 @@ class MUFINModel(MUFINPreTrainedModel):
             vision_config = AutoConfig.for_model(**dict(config_kwargs.pop("vision_config", None) or SMALL_VISION_CONFIG))
             vision = AutoModel.from_config(vision_config)
             size = getattr(vision_config, "image_size", SMALL_VISION_IMAGE_SIZE)
+            from transformers import ViTImageProcessor  # here, not at import time (see load_open_clip_tower)
+
             image_processor = ViTImageProcessor(size={"height": size, "width": size})
             vision_kwargs["vision_config"] = vision.config.to_dict()
         elif str(vision_name_or_path).startswith(OPEN_CLIP_PREFIX):
@@ -1161,6 +1167,15 @@ class MUFINModel(MUFINPreTrainedModel):
         return MUFINModelOutput(loss=loss, logits=logits, query_embeds=query_vectors, label_embeds=label_vectors, pair_mask=pair_mask)
 
     # ------------------------------------------------------------------ persistence
+    @classmethod
+    def model_files(cls) -> dict[str, bool]:
+        """The base class's files without ``label_embeddings.safetensors`` (MUFIN's label store is its bags), plus the
+        image processor, the label bags (needed), the centroids and the label images (optional)."""
+        files = super().model_files()
+        del files[LABEL_EMBEDDINGS_FILE]
+        files.update({IMAGE_PROCESSOR_FILE: True, LABEL_BAGS_FILE: True, LABEL_CENTROIDS_FILE: False, LABEL_IMAGES_FILE: False})
+        return files
+
     def save_pretrained(self, save_directory: Union[str, os.PathLike], *args, is_main_process: bool = True, **kwargs) -> None:
         """Save weights, config, tokenizer and labels (base class) plus the image processor, the cached label bags,
         the label images (``config.save_label_images``), the centroids and the shortlist index."""

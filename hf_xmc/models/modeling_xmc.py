@@ -46,6 +46,15 @@ LABELS_FILE = "labels.jsonl"
 LABEL_EMBEDDINGS_FILE = "label_embeddings.safetensors"
 MODEL_CARD_FILE = "README.md"
 MODEL_CARD_ASSETS = ("xmc_metrics.png",)  # files the card shows; they travel with it
+EVAL_RESULTS_FILE = "eval_results.json"  # a training run's metrics (the training script contract); pushed with the card
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+# what tokenizer classes write with save_pretrained (a tokenizer writes some of these)
+TOKENIZER_FILES = (
+    "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json", "vocab.txt", "vocab.json",
+    "merges.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)
 
 
 @dataclass
@@ -114,10 +123,13 @@ def upload_model_folder(
     token: Optional[bool | str] = None,
     revision: Optional[str] = None,
     create_pr: bool = False,
-    ignore_patterns: Optional[list[str]] = None,
-) -> str:
+    allow_patterns: Optional[list[str]] = None,
+    run_as_future: bool = False,
+):
     """Create ``repo_id`` (and the branch ``revision``) if missing and upload ``folder`` in one commit; returns the
-    commit URL. ``api`` lets tests and tools inject an ``HfApi``-like client (default ``HfApi(library_name="hf_xmc")``)."""
+    commit URL (a ``Future`` of the commit info with ``run_as_future``). ``allow_patterns`` lists what goes up (the
+    model's files, :func:`model_directory_files`); ``api`` lets tests and tools inject an ``HfApi``-like client
+    (default ``HfApi(library_name="hf_xmc")``)."""
     api = api if api is not None else HfApi(library_name="hf_xmc")
     repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
     if revision is not None and not create_pr:
@@ -130,9 +142,64 @@ def upload_model_folder(
         token=token,
         revision=revision,
         create_pr=create_pr,
-        **({"ignore_patterns": ignore_patterns} if ignore_patterns is not None else {}),
+        **({"allow_patterns": allow_patterns} if allow_patterns is not None else {}),
+        **({"run_as_future": True} if run_as_future else {}),
     )
-    return str(getattr(commit, "commit_url", commit))
+    return commit if run_as_future else str(getattr(commit, "commit_url", commit))
+
+
+def model_directory_files(directory: str | os.PathLike, model_class: type["XMCPreTrainedModel"], complete: bool = True) -> list[str]:
+    """The files of a saved model directory that make up the model, in upload order: ``config.json``, the weights (one
+    file, or the index and the shards it names), the remote-code files that ``auto_map`` names with the siblings they
+    import, the files of ``model_class.model_files()`` that are present, and ``eval_results.json`` when present.
+
+    Everything else (``checkpoint-*``, ``module1/``, ``runs/``, ``training_args.bin``, optimizer state, temp files)
+    stays out: a push uploads exactly this list. Raises ``ValueError`` naming what a reload needs that is missing;
+    with ``complete=False`` (a Trainer checkpoint, whose label store is re-encoded on first use) only the config,
+    weights and code are required.
+    """
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    directory = str(directory)
+    if not os.path.isdir(directory):
+        raise ValueError(f"{directory}: not a directory")
+
+    def present(name: str) -> bool:
+        return os.path.isfile(os.path.join(directory, name))
+
+    missing = [name for name, required in model_class.model_files().items() if complete and required and not present(name)]
+    weights = [WEIGHTS_FILE] if present(WEIGHTS_FILE) else []
+    if not weights and present(WEIGHTS_INDEX_FILE):
+        with open(os.path.join(directory, WEIGHTS_INDEX_FILE), encoding="utf-8") as f:
+            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+        missing += [name for name in shards if not present(name)]
+        weights = [WEIGHTS_INDEX_FILE, *shards]
+    if not weights:
+        missing.append(f"{WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}")
+    if not present(CONFIG_FILE):
+        missing.insert(0, CONFIG_FILE)
+    if missing:
+        raise ValueError(f"{directory}: not a saved {model_class.__name__} directory, missing {', '.join(missing)}")
+    config_path = os.path.join(directory, CONFIG_FILE)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except ValueError as err:
+        raise ValueError(f"{config_path}: not valid JSON ({err})") from err
+    modules = sorted({ref.split(".")[0] + ".py" for ref in (config.get("auto_map") or {}).values()})
+    if not modules:
+        raise ValueError(f"{config_path}: no auto_map, so the model would not load with trust_remote_code=True")
+    absent = [name for name in modules if not present(name)]
+    if absent:
+        raise ValueError(f"{directory}: auto_map names {', '.join(absent)}, which the directory does not hold")
+    code = set(modules)
+    for name in modules:
+        code.update(os.path.relpath(path, directory) for path in get_relative_import_files(os.path.join(directory, name)))
+    absent = sorted(name for name in code if not present(name))
+    if absent:
+        raise ValueError(f"{directory}: the remote code imports {', '.join(absent)}, which the directory does not hold")
+    artifacts = [name for name in model_class.model_files() if present(name)]
+    return [CONFIG_FILE, *weights, *sorted(code), *artifacts, *([EVAL_RESULTS_FILE] if present(EVAL_RESULTS_FILE) else [])]
 
 
 def _write_bytes(path: str, data: bytes) -> None:
@@ -463,8 +530,20 @@ class XMCPreTrainedModel(PreTrainedModel):
         return XMCPrediction(label_ids=ids, scores=scores, label_texts=names)
 
     # ------------------------------------------------------------------ persistence
+    @classmethod
+    def model_files(cls) -> dict[str, bool]:
+        """The files :meth:`save_pretrained` writes beside ``config.json``, the weights and the remote code, each mapped
+        to whether a reload needs it (``True``) or it is optional (another tokenizer's file, the index cache, the card).
+        The directory check and every push read this one list (:func:`model_directory_files`), so a method that saves
+        another file names it here."""
+        files = dict.fromkeys(TOKENIZER_FILES, False)
+        files.update({"tokenizer_config.json": True, LABELS_FILE: True, LABEL_EMBEDDINGS_FILE: True, INDEX_FILE: False, INDEX_META_FILE: False})
+        files.update(dict.fromkeys((MODEL_CARD_FILE, *MODEL_CARD_ASSETS), False))
+        return files
+
     def save_pretrained(self, save_directory: str | os.PathLike, *args, is_main_process: bool = True, **kwargs) -> None:
-        """Save weights and config (``PreTrainedModel.save_pretrained``) plus tokenizer, labels, label vectors and index."""
+        """Save weights and config (``PreTrainedModel.save_pretrained``) plus tokenizer, labels, label vectors and index
+        (the files of :meth:`model_files`)."""
         super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
         if not is_main_process:
             return
@@ -513,6 +592,7 @@ class XMCPreTrainedModel(PreTrainedModel):
             return upload_model_folder(
                 tmp, repo_id, api=api, commit_message=commit_message or f"Upload {type(self).__name__}",
                 commit_description=commit_description, private=private, token=token, revision=revision, create_pr=create_pr,
+                allow_patterns=model_directory_files(tmp, type(self)),
             )
 
     def _write_labels(self, path: str) -> None:

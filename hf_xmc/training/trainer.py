@@ -302,6 +302,72 @@ class XMCTrainer(Trainer):
             self.memory_bank = EmbeddingMemoryBank(len(self.xmc_train_data), query_embeds.shape[1])
         self.memory_bank.update(indices.cpu(), query_embeds.float().cpu())
 
+    # ------------------------------------------------------------------ saving and pushing
+    TRAINING_ARGS_JSON = "training_args.json"
+
+    def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
+        """``Trainer._save`` (model with its label store, tokenizer), with the training arguments as JSON
+        (``training_args.json``) instead of transformers' pickled ``training_args.bin``: nothing in a model or
+        checkpoint directory needs unpickling."""
+        super()._save(output_dir, state_dict=state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save:
+            pickled = os.path.join(output_dir, "training_args.bin")
+            if os.path.exists(pickled):
+                os.remove(pickled)
+            from .script_utils import write_json_atomic
+
+            write_json_atomic(os.path.join(output_dir, self.TRAINING_ARGS_JSON), self.args.to_dict())
+
+    def _upload_model_directory(self, folder: str, commit_message: str, blocking: bool = True, token=None, revision=None, complete: bool = True):
+        """Upload exactly the model files of ``folder`` (``model_directory_files``) to ``hub_model_id``; a checkpoint
+        (``complete=False``) may lack the label store, which training invalidates and a reload re-encodes."""
+        import transformers.trainer as hf_trainer
+
+        from ..models.modeling_xmc import model_directory_files
+
+        return hf_trainer.hf_api().upload_folder(
+            repo_id=self.hub_model_id,
+            folder_path=folder,
+            commit_message=commit_message,
+            token=token if token is not None else self.args.hub_token,
+            run_as_future=not blocking,
+            allow_patterns=model_directory_files(folder, type(self.accelerator.unwrap_model(self.model)), complete=complete),
+            revision=revision if revision is not None else self.args.hub_revision,
+        )
+
+    def push_to_hub(self, commit_message: Optional[str] = "End of training", blocking: bool = True, token=None, revision=None, private=None, **kwargs):
+        """Save the model to ``output_dir``, write its card and upload exactly the model's files (what a reload needs,
+        the card, its plot and ``eval_results.json``) to ``hub_model_id``: never a checkpoint, a log, a pickle or a
+        nested folder (MUFIN's ``module1/``), which ``Trainer.push_to_hub`` would send along. ``kwargs`` go to
+        :meth:`create_model_card`."""
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        model_name = kwargs.pop("model_name", None)
+        if model_name is None:
+            model_name = (self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))).split("/")[-1]
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token if token is not None else self.args.hub_token, private=private)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        self.create_model_card(model_name=model_name, **kwargs)
+        self._finish_current_push()
+        return self._upload_model_directory(self.args.output_dir, commit_message, blocking=blocking, token=token, revision=revision)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """``hub_strategy`` pushes during training: the checkpoint's model files only (a checkpoint is a complete model
+        directory, label store included), never its optimizer state or the trainer's own files."""
+        if not self.is_world_process_zero() or self.args.hub_strategy == "end":
+            return
+        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+            return
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        step = f"step {self.state.global_step}" if self.args.save_strategy == "steps" else f"epoch {int(self.state.epoch or 0)}"
+        from transformers.utils.hub import PushInProgress
+
+        job = self._upload_model_directory(checkpoint_folder, f"Training in progress, {step}", blocking=False, complete=False)
+        self.push_in_progress = PushInProgress([job])
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Run the :class:`XMCEvaluator` with the current weights; logs and returns ``<prefix>_<metric>`` values."""
         if self.evaluator is None:

@@ -51,6 +51,41 @@ def predict_through_remote_code(model_dir, tmp_path, texts, images=None, rebuild
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][0][7:])
 
 
+def check_push_uploads_exactly_the_model_files(model, tmp_path, capsys) -> None:
+    """Save ``model``, litter the directory with what training leaves behind (checkpoints, MUFIN's ``module1/``, logs,
+    pickles, optimizer state), then check that ``hf-xmc push --dry_run``, a directory push and ``model.push_to_hub``
+    upload exactly the saved files (+ ``eval_results.json`` and the card): what the model class names, no more."""
+    from hf_xmc.cli import main as cli_main
+    from hf_xmc.hub import push_to_hub
+    from hf_xmc.models.modeling_xmc import model_directory_files
+    from tests.test_hub import FakeHubApi
+
+    out = tmp_path / "pushed"
+    model.save_pretrained(out)
+    saved = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    assert set(model_directory_files(out, type(model))) == saved, "save_pretrained and model_files() disagree"
+    leftovers = ["checkpoint-5/model.safetensors", "checkpoint-5/optimizer.pt", "module1/checkpoint-3/model.safetensors",
+                 "module1/checkpoint-3/xmc_training_state.pt", "runs/events.out", "training_args.bin", "rng_state.pth", ".tmp-partial"]
+    for rel in leftovers:
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(b"\x80\x04leftover")  # a pickle's first bytes
+    (out / "eval_results.json").write_text(json.dumps({"test_P@1": 12.5}))
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+
+    assert cli_main(["push", str(out), "org/m", "--dry_run"]) == 0
+    listed = capsys.readouterr().out.split()
+    expected = saved | {"eval_results.json", "README.md", "xmc_metrics.png"}  # a results-only card is written first
+    assert set(listed) == expected and len(listed) == len(expected)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before  # a dry run writes nothing
+
+    api = FakeHubApi()
+    push_to_hub(str(out), "org/m", api=api)
+    assert set(api.uploads[0]["files"]) == expected
+    api = FakeHubApi()
+    model.push_to_hub("org/m", api=api)
+    assert set(api.uploads[0]["files"]) == saved | {"README.md"}
+
+
 class XMCModelTesterMixin:
     model_class = None
 
@@ -107,6 +142,9 @@ class XMCModelTesterMixin:
         assert result["ids"] == before.label_ids.tolist()
         np.testing.assert_allclose(np.array(result["scores"]), before.scores, atol=1e-5)
         assert result["texts"] == before.label_texts
+
+    def test_push_uploads_exactly_the_model_files(self, model, tmp_path, capsys):
+        check_push_uploads_exactly_the_model_files(model, tmp_path, capsys)
 
     def test_non_persistent_buffers_survive_loading(self, model, tmp_path):
         # from_pretrained materialises weights on the meta device: buffers that are not saved must be re-filled

@@ -31,7 +31,7 @@ from hf_xmc.models.modeling_mufin import (
     select_siamese_pairs,
 )
 from hf_xmc.models.xmc_losses import mufin_ranker_loss, mufin_triplet_loss
-from tests.models.test_modeling_common import predict_through_remote_code
+from tests.models.test_modeling_common import check_push_uploads_exactly_the_model_files, predict_through_remote_code
 
 WORDS = "red green blue yellow black white apple pear car boat tree house shoe hat lamp chair cup dog cat bird".split()
 D = 8
@@ -670,6 +670,12 @@ def test_remote_code_reload_without_hf_xmc(trained_like, tmp_path):
     assert result["ids"] == before.label_ids.tolist()
     np.testing.assert_allclose(np.array(result["scores"]), before.scores, atol=1e-5)
     assert result["texts"] == before.label_texts
+
+
+def test_push_uploads_exactly_the_model_files(trained_like, tmp_path, capsys):
+    """MUFIN directories push (they hold label bags, no label_embeddings.safetensors) with their label images."""
+    check_push_uploads_exactly_the_model_files(trained_like, tmp_path, capsys)
+    assert (tmp_path / "pushed" / LABEL_IMAGES_FILE).exists()
 
 
 def test_config_validation():
