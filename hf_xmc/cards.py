@@ -26,7 +26,7 @@ from typing import Any, Optional
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .metrics import precision_by_frequency_bucket, xmc_metrics
-from .models.modeling_xmc import MODEL_CARD_ASSETS, MODEL_CARD_FILE, ModelCardFiles
+from .models.modeling_xmc import MODEL_CARD_ASSETS, MODEL_CARD_FILE, ModelCardFiles, card_pipeline_tag
 
 PLOT_FILE = MODEL_CARD_ASSETS[0]
 CARD_METRICS = ("P@1", "P@3", "P@5", "nDCG@1", "nDCG@3", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")
@@ -245,8 +245,9 @@ def generate_model_card(
         dataset_name / dataset_id: the evaluation dataset's name (default: the summary's), and its Hub dataset id.
         model_name: the card's title and ``model-index`` name (default: ``<method>-<dataset>``).
         model_id: the repo id shown in the loading example (default: ``model_name``).
-        base_model: the Hub id of the encoder the model started from (metadata ``base_model``; default: the
-            encoder's ``name_or_path`` when that is a repo id and not a local directory).
+        base_model: the Hub id of the text encoder the model started from (default: the encoder's ``name_or_path``
+            when that is a repo id and not a local directory). The card's ``base_model`` lists every tower
+            (``model.base_model_names()``: MUFIN's vision tower too) that is a Hub id.
         training_args: the run's ``TrainingArguments`` (hyper-parameter table).
         train_metrics: ``train_runtime`` etc. from ``Trainer.train``.
         template_path: a jinja2 template to use instead of the method's.
@@ -255,16 +256,18 @@ def generate_model_card(
 
     method = model.config.model_type.removeprefix("hf_xmc_")
     dataset_name = dataset_name or (summary or {}).get("dataset_name") or "unnamed dataset"
-    base_model = base_model or _hub_repo_id(model.config.encoder_config.name_or_path)
+    towers = model.base_model_names()
+    base_models = [name for name in [base_model or _hub_repo_id(towers[0])] + [_hub_repo_id(t) for t in towers[1:]] if name]
     model_name = model_name or f"{method}-{dataset_name}".lower().replace(" ", "-")
     num_labels = len(model.label_texts) if model.label_texts is not None else 0
     card_data = ModelCardData(
         model_name=model_name,
         library_name="transformers",
-        # no Hub pipeline fits an image + text ranker (hf_ecosystem.md section 3): no tag, no widget
-        pipeline_tag=None if "image" in getattr(model, "input_modalities", ("text",)) else "text-classification",
+        # no Hub pipeline fits an image + text ranker (hf_ecosystem.md section 3); no stock widget can call predict()
+        pipeline_tag=card_pipeline_tag(model),
+        inference=False,
         license=license,
-        base_model=base_model,
+        base_model=(base_models[0] if len(base_models) == 1 else base_models) or None,
         datasets=[dataset_id] if dataset_id else None,
         metrics=["precision", "ndcg"] if summary else None,
         tags=["extreme-classification", "xmc", "hf_xmc", method, *tags],
@@ -290,7 +293,8 @@ def generate_model_card(
         model_class=type(model).__name__,
         method=method,
         num_labels=f"{num_labels:,}",
-        base_model=base_model,
+        base_models=base_models,
+        requirements=model.runtime_requirements(),
         dataset_name=dataset_name,
         summary=summary,
         metrics_table=_table([(m, f"{metrics[m]:.2f}") for m in CARD_METRICS if m in metrics], ("metric", "value (%)")) if metrics else None,

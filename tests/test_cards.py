@@ -100,3 +100,35 @@ def test_custom_template_and_results_only_summary(evaluated, tmp_path):
     image = Image.open(io.BytesIO(files[PLOT_FILE]))
     assert image.width < 2 * image.height  # no buckets: one panel
     assert np.asarray(image.convert("L")).std() > 10  # something is drawn
+
+
+def test_metadata_per_model_towers_requirements_and_widget(evaluated, tiny_encoder_dir):
+    """base_model lists every tower that is a Hub id (MUFIN: text and vision), the card names the packages the model
+    needs (Pillow for images, open_clip_torch for an open_clip tower, faiss), pipeline_tag fits the inputs, and the
+    widget is off (no stock pipeline calls predict) -- in generated cards and in the minimal card of a push."""
+    from hf_xmc.models import MUFINModel
+    from hf_xmc.models.modeling_xmc import default_model_card
+    from tests.models.test_modeling_mufin import make_labels
+
+    text_model, _, _ = evaluated
+    model = MUFINModel.from_encoders_pretrained(tiny_encoder_dir, label_space_size=3, embed_dim=8, attention_heads=2)
+    texts, images = make_labels(3)
+    model.set_labels(texts, images=images)
+    model.config.encoder_config._name_or_path = "sentence-transformers/msmarco-distilbert-base-v4"
+    model.config.vision_config._name_or_path = "google/vit-base-patch32-224-in21k"
+    for files in (generate_model_card(model, dataset_name="tiny").files, default_model_card(model, "org/m").files):
+        card = ModelCard(files["README.md"].decode())
+        assert card.data.pipeline_tag is None and card.data.inference is False
+    card = ModelCard(generate_model_card(model, dataset_name="tiny").text)
+    assert card.data.base_model == ["sentence-transformers/msmarco-distilbert-base-v4", "google/vit-base-patch32-224-in21k"]
+    assert '"Pillow"' in card.text and '"faiss-cpu"' in card.text and "open_clip_torch" not in card.text
+    model.config.open_clip_config = {"name": "hf-hub:org/clip-vit@v1", "model_cfg": {"embed_dim": 8, "vision_cfg": {}}}
+    card = ModelCard(generate_model_card(model, dataset_name="tiny").text)
+    assert card.data.base_model == ["sentence-transformers/msmarco-distilbert-base-v4", "org/clip-vit"]
+    assert '"open_clip_torch"' in card.text and "- `open_clip_torch`: the open_clip image tower" in card.text
+
+    for files in (generate_model_card(text_model, dataset_name="tiny").files, default_model_card(text_model, "org/m").files):
+        card = ModelCard(files["README.md"].decode())
+        assert card.data.pipeline_tag == "text-classification" and card.data.inference is False
+    card = ModelCard(generate_model_card(text_model, dataset_name="tiny").text)
+    assert '"faiss-cpu"' in card.text and '"transformers>=5.23,<6"' in card.text and "Pillow" not in card.text

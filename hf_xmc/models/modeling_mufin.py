@@ -157,7 +157,7 @@ def load_open_clip_tower(name: str) -> tuple[OpenCLIPVisionTower, dict, Any]:
         size={"shortest_edge": min(height, width)}, crop_size={"height": height, "width": width},
         image_mean=list(preprocess.get("mean", OPENAI_CLIP_MEAN)), image_std=list(preprocess.get("std", OPENAI_CLIP_STD)),
     )
-    return tower, {"model_cfg": model_cfg, "preprocess_cfg": preprocess}, processor
+    return tower, {"name": name, "model_cfg": model_cfg, "preprocess_cfg": preprocess}, processor
 
 
 # names of the vision parameters before the layer stack (patch / class / position embeddings, open_clip's conv1 and
@@ -1165,6 +1165,25 @@ class MUFINModel(MUFINPreTrainedModel):
             positive = targets.bool().to(pair_mask.device)
             loss = mufin_ranker_loss(logits, logits, cfg.ranker_margin, positive & pair_mask, ~positive & pair_mask, cfg.ranker_loss_reduction)
         return MUFINModelOutput(loss=loss, logits=logits, query_embeds=query_vectors, label_embeds=label_vectors, pair_mask=pair_mask)
+
+    # ------------------------------------------------------------------ what the model needs and came from (its card)
+    def base_model_names(self) -> list[str]:
+        """The text encoder's and the vision tower's ``name_or_path`` (an open_clip tower: its ``hf-hub:`` repo)."""
+        names = super().base_model_names()
+        if self.config.open_clip_config:
+            name = str(self.config.open_clip_config.get("name", ""))
+            names.append(name.partition("@")[0][len("hf-hub:") :] if name.startswith("hf-hub:") else "")
+        elif self.config.vision_config is not None:
+            names.append(self.config.vision_config.name_or_path)
+        return names
+
+    def runtime_requirements(self) -> dict[str, str]:
+        """The base requirements plus Pillow (image inputs) and, for an open_clip image tower, open_clip_torch."""
+        needs = dict(super().runtime_requirements())
+        needs["Pillow"] = "image inputs (paths, bytes) and the saved image processor"
+        if self.config.open_clip_config:
+            needs["open_clip_torch"] = "the open_clip image tower"
+        return needs
 
     # ------------------------------------------------------------------ persistence
     @classmethod

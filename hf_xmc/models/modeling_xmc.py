@@ -216,7 +216,8 @@ def default_model_card(model: "XMCPreTrainedModel", repo_id: str, tags: Optional
     """A minimal card for a model without one: metadata and how to load it (``hf_xmc.cards`` writes full cards)."""
     data = ModelCardData(
         library_name="transformers",
-        pipeline_tag="text-classification",
+        pipeline_tag=card_pipeline_tag(model),
+        inference=False,  # the Hub's widget runs a stock pipeline on forward(); these models rank through predict()
         tags=["extreme-classification", "xmc", "hf_xmc", model.config.model_type, *(tags or [])],
     )
     num_labels = len(model.label_texts) if model.label_texts is not None else 0
@@ -228,6 +229,12 @@ def default_model_card(model: "XMCPreTrainedModel", repo_id: str, tags: Optional
         'pred = model.predict(["a query text"], k=5)  # label_ids, scores, label_texts\n```\n'
     )
     return ModelCardFiles({MODEL_CARD_FILE: text.encode("utf-8")})
+
+
+def card_pipeline_tag(model: "XMCPreTrainedModel") -> Optional[str]:
+    """The card's ``pipeline_tag``: text classification for text models; none for models that take images (no Hub
+    pipeline ranks labels for an image + text item)."""
+    return None if "image" in getattr(model, "input_modalities", ("text",)) else "text-classification"
 
 
 def mean_pooling(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -528,6 +535,22 @@ class XMCPreTrainedModel(PreTrainedModel):
         scores, ids = self.search(queries, k)
         names = [[labels[i] if i >= 0 else "" for i in row] for row in ids.tolist()]
         return XMCPrediction(label_ids=ids, scores=scores, label_texts=names)
+
+    # ------------------------------------------------------------------ what the model needs and came from (its card)
+    def base_model_names(self) -> list[str]:
+        """``name_or_path`` of every pretrained tower the model started from (here the text encoder; MUFIN adds its
+        vision tower): the card's ``base_model``."""
+        return [self.config.encoder_config.name_or_path]
+
+    def runtime_requirements(self) -> dict[str, str]:
+        """The pip requirements of loading and predicting with this model (no hf_xmc needed), each with why it is
+        needed; ``""`` = always. The model card lists them."""
+        return {
+            "torch": "",
+            "transformers>=5.23,<6": "",
+            "safetensors": "",
+            "faiss-cpu": "the fastest label search (faiss-gpu on a GPU); without it search falls back to exact torch.topk",
+        }
 
     # ------------------------------------------------------------------ persistence
     @classmethod
