@@ -11,15 +11,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 from PIL import Image
-from transformers import (
-    AutoModel,
-    BertTokenizer,
-    DistilBertConfig,
-    DistilBertModel,
-    ViTConfig,
-    ViTImageProcessor,
-    ViTModel,
-)
+from transformers import BertTokenizer, DistilBertConfig, DistilBertModel, ViTConfig, ViTImageProcessor, ViTModel
 
 from hf_xmc.data import XMCDataset, load_xc_dataset, write_xc_labels, write_xc_raw
 from hf_xmc.models import MUFINModel
@@ -195,8 +187,8 @@ def test_train_mufin_script_contract(task, tmp_path):
     # one embedding space: the saved centroids, bags and index equal those rebuilt from scratch with the saved model
     # (before, the centroids stayed those of the Module-I encoder while the bags came from the final one)
     data = task[0]
-    saved = AutoModel.from_pretrained(out)
-    rebuilt = AutoModel.from_pretrained(out)
+    saved = MUFINModel.from_pretrained(out)
+    rebuilt = MUFINModel.from_pretrained(out)
     rebuilt.compute_label_centroids(data.train.texts, data.train.images, data.train.targets)
     rebuilt.build_label_index()
     torch.testing.assert_close(saved.label_centroids, rebuilt.label_centroids, atol=1e-5, rtol=1e-5)

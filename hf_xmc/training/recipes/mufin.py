@@ -72,6 +72,9 @@ class MUFINModelArguments:
     item_modalities: str = field(
         default="text,image", metadata={"help": "Descriptors of the points used (train and test): 'text,image', 'text' or 'image' (ablations)."}
     )
+    save_label_images: bool = field(
+        default=True, metadata={"help": "Store the label images (their file bytes) with the model, so a reload can re-encode the labels from texts and images."}
+    )
 
 
 @dataclass
