@@ -111,11 +111,12 @@ def push_to_hub(
             repo_id, api=api, token=token, revision=revision, private=private, create_pr=create_pr, commit_message=commit_message
         )
     directory = str(model_or_directory)
-    check_model_directory(directory)
+    model_class = model_class_of_directory(directory)
+    model_directory_files(directory, model_class)  # refuse an incomplete directory before writing a card into it
     if not os.path.isfile(os.path.join(directory, MODEL_CARD_FILE)):
         _card_from_eval_results(directory, repo_id)
     return upload_model_folder(
         directory, repo_id, api=api, commit_message=commit_message or f"Upload {os.path.basename(os.path.abspath(directory))}",
         private=private, token=token, revision=revision, create_pr=create_pr,
-        allow_patterns=model_directory_files(directory, model_class_of_directory(directory)),
+        allow_patterns=model_directory_files(directory, model_class),  # listed again: the card may be new
     )

@@ -353,19 +353,13 @@ def select_siamese_pairs(
 def to_rgb(image: Any) -> Any:
     """An image path, encoded image bytes (PNG, JPEG, ...) or PIL image as an RGB PIL image; transparent pixels become
     white (``hf_xmc.data.load_image`` uses this too)."""
-    if isinstance(image, (bytes, bytearray, memoryview)):
+    if isinstance(image, (str, os.PathLike, bytes, bytearray, memoryview)):
+        encoded = not isinstance(image, (str, os.PathLike))
         if Image is None:
-            raise ImportError("decoding image bytes needs Pillow: pip install pillow")
-        with Image.open(io.BytesIO(bytes(image))) as im:
-            im.load()
-            image = im.copy()
-    if isinstance(image, (str, os.PathLike)):
-        if Image is None:
-            raise ImportError("reading image paths needs Pillow: pip install pillow")
-        path = os.fspath(image)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"image file not found: {path}")
-        with Image.open(path) as im:
+            raise ImportError(f"{'decoding image bytes' if encoded else 'reading image paths'} needs Pillow: pip install pillow")
+        if not encoded and not os.path.exists(os.fspath(image)):
+            raise FileNotFoundError(f"image file not found: {os.fspath(image)}")
+        with Image.open(io.BytesIO(bytes(image)) if encoded else os.fspath(image)) as im:
             im.load()
             image = im.copy()
     if Image is None or not isinstance(image, Image.Image):
@@ -738,13 +732,11 @@ class MUFINModel(MUFINPreTrainedModel):
     def classifier_weights(self, label_ids: torch.Tensor, label_vectors: torch.Tensor) -> torch.Tensor:
         """``w_l`` for ``label_ids`` given their ``z_l^1``: the alpha-mixed classifier for labels with a trained one
         (:meth:`trained_classifier_mask`), exactly ``z_l^1`` for the others and in ``zero_shot`` mode (alpha = 1)."""
-        trained = self.trained_classifier_mask(label_ids)
-        if not bool(trained.any()):
+        if self.config.zero_shot or self.classifier is None:
             return label_vectors
-        if bool(trained.all()):
-            return self.classifier(label_ids, label_vectors)
-        table_ids = label_ids.clamp(max=self.classifier.num_labels - 1)  # rows outside the table are not used
-        return torch.where(trained.to(label_vectors.device).unsqueeze(-1), self.classifier(table_ids, label_vectors), label_vectors)
+        trained = self.trained_classifier_mask(label_ids).to(label_vectors.device)
+        table_ids = label_ids.clamp(max=self.classifier.num_labels - 1)  # rows outside the table are masked out below
+        return torch.where(trained.unsqueeze(-1), self.classifier(table_ids, label_vectors), label_vectors)
 
     def score_pairs(
         self,

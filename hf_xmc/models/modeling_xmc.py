@@ -124,12 +124,10 @@ def upload_model_folder(
     revision: Optional[str] = None,
     create_pr: bool = False,
     allow_patterns: Optional[list[str]] = None,
-    run_as_future: bool = False,
-):
+) -> str:
     """Create ``repo_id`` (and the branch ``revision``) if missing and upload ``folder`` in one commit; returns the
-    commit URL (a ``Future`` of the commit info with ``run_as_future``). ``allow_patterns`` lists what goes up (the
-    model's files, :func:`model_directory_files`); ``api`` lets tests and tools inject an ``HfApi``-like client
-    (default ``HfApi(library_name="hf_xmc")``)."""
+    commit URL. ``allow_patterns`` lists what goes up (the model's files, :func:`model_directory_files`); ``api`` lets
+    tests and tools inject an ``HfApi``-like client (default ``HfApi(library_name="hf_xmc")``)."""
     api = api if api is not None else HfApi(library_name="hf_xmc")
     repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
     if revision is not None and not create_pr:
@@ -143,9 +141,8 @@ def upload_model_folder(
         revision=revision,
         create_pr=create_pr,
         **({"allow_patterns": allow_patterns} if allow_patterns is not None else {}),
-        **({"run_as_future": True} if run_as_future else {}),
     )
-    return commit if run_as_future else str(getattr(commit, "commit_url", commit))
+    return str(getattr(commit, "commit_url", commit))
 
 
 def model_directory_files(directory: str | os.PathLike, model_class: type["XMCPreTrainedModel"], complete: bool = True) -> list[str]:
