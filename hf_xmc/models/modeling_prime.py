@@ -93,6 +93,9 @@ class PRIMEModel(PRIMEPreTrainedModel):
     no_weight_decay_parameters = ("free_vectors",)
     # the LPN and free vectors get their gradients in the loss, outside the DDP-wrapped encoder replays
     supports_distributed_gradient_cache = False
+    # every process applies the same centroid update (from the queries of all processes), so DDP need not broadcast
+    # the centroid bank (4 d bytes per label) from rank 0 at every forward; XMCTrainer reads this
+    ddp_broadcast_buffers = False
 
     def __init__(self, config: PRIMEConfig):
         if config.num_free_vectors is None:

@@ -279,8 +279,28 @@ def all_gather_rows(tensor: torch.Tensor, with_grad: bool = True) -> torch.Tenso
 
 
 def targets_from_positive_ids(query_positive_ids: torch.Tensor, label_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean ``(queries, pool)``: True where pool label ``label_ids[j]`` is among query ``i``'s ``-1``-padded positives."""
-    return (query_positive_ids.unsqueeze(1) == label_ids.view(1, -1, 1)).any(dim=2)
+    """Boolean ``(queries, pool)``: True where pool label ``label_ids[j]`` is among query ``i``'s ``-1``-padded positives.
+
+    Built by a binary search of every (query, positive) pair in the sorted pool, so memory is the ``(queries, pool)``
+    result plus ``O(queries x P_max)`` keys: never the ``(queries, pool, P_max)`` broadcast a direct comparison needs
+    (4 GB of booleans for 256 queries x a 64K pool x 250 positives).
+    """
+    num_queries, pool = query_positive_ids.shape[0], label_ids.numel()
+    targets = torch.zeros(num_queries, pool, dtype=torch.bool, device=label_ids.device)
+    if pool == 0 or query_positive_ids.numel() == 0:
+        return targets
+    positives = query_positive_ids.to(label_ids.device)
+    sorted_ids, order = torch.sort(label_ids.reshape(-1))
+    slot = torch.searchsorted(sorted_ids, positives).clamp_(max=pool - 1)
+    hit = (sorted_ids[slot] == positives) & (positives >= 0)
+    rows = torch.arange(num_queries, device=label_ids.device).unsqueeze(1).expand_as(positives)
+    # a label present several times in the pool: every copy is a target (equal ids are adjacent once sorted)
+    targets[rows[hit], order[slot[hit]]] = True
+    duplicated = sorted_ids[1:] == sorted_ids[:-1]
+    if bool(duplicated.any()):
+        first_of_run = torch.searchsorted(sorted_ids, sorted_ids, right=False)  # each slot's first equal id
+        targets[:, order] = targets[:, order[first_of_run]] | targets[:, order]
+    return targets
 
 
 def all_gather_id_lists(ids: torch.Tensor, pad_value: int = -1) -> torch.Tensor:
@@ -430,14 +450,17 @@ class XMCPreTrainedModel(PreTrainedModel):
     ) -> torch.Tensor:
         """Embed texts in eval mode, batch by batch (longest first to limit padding); returns ``(n, dim)`` on CPU.
 
+        Memory: the ``(n, dim)`` result (4 bytes per value in float32) plus one batch; nothing per text is kept
+        besides the sort order (8 bytes).
+
         ``normalize`` overrides ``config.normalize``; ``embed_kwargs`` go to :meth:`embed` (e.g. UniDEC's ``head``).
         """
         if len(texts) == 0:
             raise ValueError("encode_texts got no texts")
         was_training = self.training
         self.eval()
-        order = np.argsort([-len(t) for t in texts], kind="stable")
-        out = [None] * len(order)
+        order = np.argsort(np.fromiter((-len(t) for t in texts), dtype=np.int64, count=len(texts)), kind="stable")
+        out: Optional[torch.Tensor] = None  # (n, dim), allocated once the first batch tells the width
         show = len(texts) > 10 * batch_size if show_progress_bar is None else show_progress_bar
         try:
             for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=not show, unit="batch"):
@@ -445,11 +468,12 @@ class XMCPreTrainedModel(PreTrainedModel):
                 batch = self.tokenize([texts[i] for i in idx], max_length)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
                 emb = self.embed(batch["input_ids"], batch["attention_mask"], normalize=normalize, **embed_kwargs).cpu()
-                for j, i in enumerate(idx):
-                    out[i] = emb[j]
+                if out is None:
+                    out = torch.empty(len(order), emb.shape[1], dtype=emb.dtype)
+                out[torch.from_numpy(idx)] = emb
         finally:
             self.train(was_training)
-        return torch.stack(out)
+        return out
 
     def encode_queries(self, texts: Sequence[str], batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
         """Embed query texts (``max_seq_length`` tokens)."""

@@ -9,6 +9,7 @@ from typing import Optional
 
 import numpy as np
 import scipy.sparse as sp
+from tqdm.auto import tqdm
 
 from ..data import XMCDataset, filter_predictions
 from ..metrics import inverse_propensity, xmc_metrics
@@ -35,6 +36,7 @@ class XMCEvaluator:
         dataset_name: the dataset's name, for model cards (e.g. ``"LF-AmazonTitles-131K"``).
         label_images: per label a list of images, for models that take images (MUFIN); the queries' images come
             from ``data.images``. Such models are evaluated through their own ``predict`` (shortlist + re-ranking).
+        chunk_size: queries encoded and searched at a time (text models), which bounds the query-side memory.
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class XMCEvaluator:
         batch_size: int = 256,
         dataset_name: Optional[str] = None,
         label_images: Optional[Sequence[Sequence]] = None,
+        chunk_size: int = 65536,
     ):
         if data.targets.shape[1] != len(label_texts):
             raise ValueError(f"evaluation targets have {data.targets.shape[1]} label columns but there are {len(label_texts)} labels")
@@ -70,6 +73,7 @@ class XMCEvaluator:
         if label_images is not None and len(label_images) != len(self.label_texts):
             raise ValueError(f"{len(label_images)} label image lists for {len(self.label_texts)} labels")
         self.label_images = label_images
+        self.chunk_size = int(chunk_size)
         # top-max(ks) label ids of the last evaluation (the model card's curves are computed from them)
         self.last_predictions: Optional[np.ndarray] = None
 
@@ -92,12 +96,30 @@ class XMCEvaluator:
         else:
             model.build_label_index(self.label_texts, self.label_uids, batch_size=self.batch_size, show_progress_bar=show_progress_bar)
             start = time.perf_counter()
-            queries = model.query_search_vectors(self.data.texts, batch_size=self.batch_size, show_progress_bar=show_progress_bar)
-            scores, ids = model.search(queries, k + extra)
+            scores, ids = self._search_texts(model, k, extra, show_progress_bar)
+            return ids, scores, time.perf_counter() - start
         seconds = time.perf_counter() - start
         if self.filter_matrix is not None:
             ids, scores = filter_predictions(ids, scores, self.filter_matrix, k)
         return ids, scores, seconds
+
+    def _search_texts(self, model, k: int, extra: int, show_progress_bar: Optional[bool]) -> tuple[np.ndarray, np.ndarray]:
+        """Encode, search and filter the queries ``chunk_size`` at a time: memory is the ``(n, k)`` result (12 bytes per
+        query and rank) plus one chunk of query vectors and search hits, however many queries there are."""
+        texts = self.data.texts
+        n = len(texts)
+        ids = np.full((n, k), -1, dtype=np.int64)
+        scores = np.full((n, k), -np.inf, dtype=np.float32)
+        show = n > self.chunk_size if show_progress_bar is None else show_progress_bar
+        chunks = range(0, n, self.chunk_size)
+        for start in tqdm(chunks, desc="Searching", disable=not show or len(chunks) < 2, unit="chunk"):
+            stop = min(start + self.chunk_size, n)
+            queries = model.query_search_vectors(texts[start:stop], batch_size=self.batch_size, show_progress_bar=show_progress_bar if len(chunks) < 2 else False)
+            chunk_scores, chunk_ids = model.search(queries, k + extra)
+            if self.filter_matrix is not None:
+                chunk_ids, chunk_scores = filter_predictions(chunk_ids, chunk_scores, self.filter_matrix[start:stop], k)
+            ids[start:stop], scores[start:stop] = chunk_ids[:, :k], chunk_scores[:, :k]
+        return scores, ids
 
     def _predict_items(self, model, k: int, show_progress_bar: Optional[bool]) -> tuple[np.ndarray, np.ndarray]:
         """``model.predict`` on the items (texts and images); items with neither (a single-modality ablation) get no

@@ -10,10 +10,15 @@ from typing import Optional
 
 import numpy as np
 import scipy.sparse as sp
+import torch
+from tqdm.auto import tqdm
 
 from ..data import filter_predictions
 
 logger = logging.getLogger(__name__)
+
+# largest (rows x search depth) block searched at once: 4M ids + scores = 48 MB
+_SEARCH_BUDGET = 1 << 22
 
 
 def mine_hard_negatives(
@@ -23,22 +28,63 @@ def mine_hard_negatives(
     top_k: int = 100,
     batch_size: int = 256,
     show_progress_bar: Optional[bool] = None,
+    chunk_size: int = 16384,
 ) -> np.ndarray:
     """Top-``top_k`` labels per training query under the current weights, known positives removed.
 
     The labels are re-encoded and indexed with ``model.build_label_index()`` (exact search, as the DEXML code
-    does), in the model's ``hard_negative_search_mode`` when it names one; returns an ``(n, top_k)`` int64 array, ``-1``-padded where fewer negatives exist.
+    does), in the model's ``hard_negative_search_mode`` when it names one. The queries are then encoded, searched
+    and filtered ``chunk_size`` at a time, so memory does not grow with the number of queries beyond the result.
+    A query is searched ``top_k + |its positives|`` deep (its positives are removed afterwards); queries with many
+    positives (head queries of LF-AmazonTitles-1.3M have hundreds) are searched in small groups of their own, so
+    one of them never deepens the search of a whole chunk.
+
+    Memory: the result, ``top_k`` int32 ids per query (400 bytes per query at ``top_k=100``; int64 when the label
+    space exceeds 2^31), plus per chunk ``chunk_size x d`` query vectors and at most ``_SEARCH_BUDGET`` (id,
+    score) pairs of search results; the label index itself is the model's (see ``LabelIndex``).
+
+    Returns an ``(n, top_k)`` array, ``-1``-padded where fewer negatives exist.
     """
     targets = sp.csr_matrix(targets)
-    if targets.shape[0] != len(texts):
-        raise ValueError(f"{len(texts)} texts but {targets.shape[0]} target rows")
+    n = targets.shape[0]
+    if n != len(texts):
+        raise ValueError(f"{len(texts)} texts but {n} target rows")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    dtype = np.int32 if targets.shape[1] < np.iinfo(np.int32).max else np.int64
+    shortlist = np.full((n, top_k), -1, dtype=dtype)
+    positives = np.diff(targets.indptr)
     # a model may mine in another space than it predicts in (UniDEC: the DE head only, paper Sec. 3.2)
     mode = getattr(model, "hard_negative_search_mode", None)
+    show = n > chunk_size if show_progress_bar is None else show_progress_bar
     with model.using_search_mode(mode) if mode is not None else nullcontext():
         model.build_label_index(batch_size=batch_size, show_progress_bar=show_progress_bar)
-        queries = model.query_search_vectors(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
-        max_pos = int(np.diff(targets.indptr).max()) if targets.nnz else 0
-        scores, ids = model.search(queries, top_k + max_pos)
-    ids, _ = filter_predictions(ids, scores, targets, top_k)
-    logger.info("mined a shortlist of %d hard negatives for %d queries", top_k, len(texts))
-    return ids
+        for start in tqdm(range(0, n, chunk_size), desc="Mining hard negatives", disable=not show, unit="chunk"):
+            stop = min(start + chunk_size, n)
+            queries = model.query_search_vectors(texts[start:stop], batch_size=batch_size, show_progress_bar=False)
+            rows = np.arange(start, stop)
+            for group in _depth_groups(positives[start:stop], top_k):
+                depth = top_k + int(positives[start + group].max())
+                scores, ids = model.search(queries[torch.from_numpy(group)], depth)
+                shortlist[rows[group]], _ = filter_predictions(ids, scores, targets[rows[group]], top_k)
+    logger.info("mined a shortlist of %d hard negatives for %d queries", top_k, n)
+    return shortlist
+
+
+def _depth_groups(num_positives: np.ndarray, top_k: int) -> list[np.ndarray]:
+    """Row groups of a chunk searched together: rows with at most ``top_k`` positives in one group (searched
+    ``2 top_k`` deep at most), the rest sorted by positive count and cut so that rows x depth stays within
+    ``_SEARCH_BUDGET``."""
+    light = np.flatnonzero(num_positives <= top_k)
+    heavy = np.flatnonzero(num_positives > top_k)
+    groups = [light[i : i + max(1, _SEARCH_BUDGET // (2 * top_k))] for i in range(0, len(light), max(1, _SEARCH_BUDGET // (2 * top_k)))]
+    heavy = heavy[np.argsort(num_positives[heavy], kind="stable")]
+    start = 0
+    while start < len(heavy):
+        # the group's deepest row sets its depth: grow the group while rows x depth fits the budget
+        stop = start + 1
+        while stop < len(heavy) and (stop + 1 - start) * (top_k + num_positives[heavy[stop]]) <= _SEARCH_BUDGET:
+            stop += 1
+        groups.append(heavy[start:stop])
+        start = stop
+    return [g for g in groups if len(g)]

@@ -119,6 +119,10 @@ class XMCTrainer(Trainer):
                 "gradient cache cannot synchronise across processes: use --gradient_cache_chunk_size 0 with several "
                 "processes, or one process"
             )
+        if args is not None and args.ddp_broadcast_buffers is None and getattr(model, "ddp_broadcast_buffers", None) is False:
+            # DDP would re-send every buffer from rank 0 at each forward: PRIME's centroid bank is 4 d bytes per label
+            # (2 GB at 1.3M labels) and every rank already applies the same update to its copy
+            args.ddp_broadcast_buffers = False
         if label_texts is not None:  # label images only for models that take them (MUFIN)
             model.set_labels(label_texts, label_uids, *([label_images] if label_images is not None else []))
         xmc_args = args if isinstance(args, XMCTrainingArguments) else None

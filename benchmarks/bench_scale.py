@@ -1,0 +1,444 @@
+#!/usr/bin/env python
+"""Every method end to end at the LF-AmazonTitles-1.3M shape: seconds and peak RSS per stage, on this machine.
+
+    python benchmarks/bench_scale.py --methods dexml,prime,unidec --num_labels 1300000 --num_train 2200000 \
+        --num_test 50000 --steps 200 --out benchmarks/results/scale.json
+
+The task is ``make_synthetic_xmc`` at the shape of LF-AmazonTitles-1.3M (prime.md 8.2: 2.2M training queries, 1.3M
+labels, 22.2 labels per query, Zipf-like label frequencies), written once as XC raw files (cached under
+``--data_dir``). The encoder is a random BERT with the real vector size (hidden 384) and no transformer layer
+(``--encoder_layers 0``: token + position embeddings, LayerNorm, mean pooling), with a WordPiece vocabulary of the
+task's syllable pairs (about 20K pieces, a word is two pieces), at 16 tokens: encoding millions of texts then costs
+minutes on 2 cores and what grows with the label space and the data dominates. Quality figures (P@1, R@100) of such
+an encoder after a few hundred steps say nothing about a method; they show that the pipeline ranks for real.
+
+``--methods`` takes ``method`` or ``method:variant`` entries: ``dexml`` (= ``dexml:in_batch``), ``dexml:hard_neg``,
+``dexml:all_label``, ``prime``, ``unidec``. Each runs in fresh processes, through the method's own recipe
+(``hf_xmc.training.recipes``, what ``training_scripts/train_<method>.py`` runs) with the paper's batch size for that
+method at 1.3M labels, and the training-engine flags that make every stage happen within ``--steps`` steps (the NGAME
+clustering and the hard-negative mining at the first epoch instead of later ones):
+
+1. training process: data load, model init, label state (PRIME: free-vector clustering + centroids; UniDEC: nothing
+   with xavier classifiers), clustering of all training queries, hard-negative mining over all training queries, the
+   training steps, evaluation on the test set (label index build + search), ``save_pretrained``, model card;
+2. a second fresh process: ``AutoModel.from_pretrained(dir, trust_remote_code=True)``, ``predict(k=100)`` on the test
+   set (P@1, R@100), latency at batch 1 and 256.
+
+Per stage it records seconds and peak RSS (``VmHWM`` of /proc/self/status, reset at each stage through
+/proc/self/clear_refs), and per run the on-disk size of the saved model. Writes a JSON list, one row per method
+variant (``completed: false`` with the error's last lines when a run fails), after every run, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+# paper batch size (queries per step) at LF-AmazonTitles-1.3M and the recipe flags of each variant
+VARIANTS = {
+    # dexml.md Table 7: batch 8192 at 1.3M; in-batch negatives
+    ("dexml", "in_batch"): {"batch_size": 8192, "args": ["--label_pool", "in_batch"]},
+    # dexml.md 4: ANCE-style shortlist of 100, one negative per query, mined from the first epoch here
+    ("dexml", "hard_neg"): {
+        "batch_size": 8192,
+        "args": ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negative_start_epoch", "0"],
+    },
+    # dexml.md released config AT-1.3M all_decoupled-softmax: bsz 3000, gradient-cache chunk 3000
+    ("dexml", "all_label"): {"batch_size": 3000, "args": ["--label_pool", "all", "--gradient_cache_chunk_size", "3000"]},
+    # prime.md Table 10: batch 3200 at 1.3M (131,072 free vectors = the default at 1.3M labels); clustering at epoch 0
+    ("prime", "default"): {"batch_size": 3200, "args": ["--cluster_curriculum_epochs", "0"]},
+    # unidec.md: |Q_B| = 1000 queries, pool |L_B| = 3000, heads of 256 at 1.3M; clustering and mining at epoch 0
+    ("unidec", "default"): {
+        "batch_size": 1000,
+        "args": ["--max_label_pool", "3000", "--projection_dim", "256", "--cluster_curriculum_epochs", "0", "--hard_negative_start_epoch", "0"],
+    },
+}
+DEFAULT_VARIANT = {"dexml": "in_batch", "prime": "default", "unidec": "default"}
+GIB = 1024**3
+
+
+def parse_methods(spec: str) -> list[tuple[str, str]]:
+    """``"dexml,dexml:all_label,prime"`` -> ``[("dexml", "in_batch"), ("dexml", "all_label"), ("prime", "default")]``."""
+    out = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        method, _, variant = item.partition(":")
+        key = (method, variant or DEFAULT_VARIANT.get(method, "default"))
+        if key not in VARIANTS:
+            known = ", ".join(f"{m}:{v}" for m, v in VARIANTS)
+            raise SystemExit(f"bench_scale.py: unknown method {item!r} (known: {known})")
+        out.append(key)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- stage probes
+def _vm_hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_hwm() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+class StageRecorder:
+    """Nested stages: inclusive seconds and peak RSS each (a parent's peak includes its children's)."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, dict] = {}
+        self.stack: list[list] = []  # [name, start, peak so far]
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        if self.stack:  # the parent's peak up to now, before the reset
+            self.stack[-1][2] = max(self.stack[-1][2], _vm_hwm_bytes())
+        path = ".".join([s[0] for s in self.stack] + [name])
+        _reset_hwm()
+        self.stack.append([name, time.perf_counter(), 0])
+        try:
+            yield
+        finally:
+            _, start, peak = self.stack.pop()
+            peak = max(peak, _vm_hwm_bytes())
+            entry = self.stages.setdefault(path, {"seconds": 0.0, "peak_rss_gib": 0.0, "calls": 0})
+            entry["seconds"] = round(entry["seconds"] + time.perf_counter() - start, 3)
+            entry["peak_rss_gib"] = round(max(entry["peak_rss_gib"], peak / GIB), 3)
+            entry["calls"] += 1
+            if self.stack:
+                self.stack[-1][2] = max(self.stack[-1][2], peak)
+            _reset_hwm()
+
+    def wrap(self, owner, attr: str, name: str, kind: str = "function") -> None:
+        """Replace ``owner.attr`` by a version timed as stage ``name`` (kind: function | classmethod)."""
+        original = getattr(owner, attr)
+        recorder = self
+        if kind == "classmethod":
+            func = original.__func__
+
+            @functools.wraps(func)
+            def timed_cm(cls, *args, **kwargs):
+                with recorder.stage(name):
+                    return func(cls, *args, **kwargs)
+
+            setattr(owner, attr, classmethod(timed_cm))
+            return
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            with recorder.stage(name):
+                return original(*args, **kwargs)
+
+        setattr(owner, attr, timed)
+
+
+# --------------------------------------------------------------------------------------------------- data + encoder
+def make_task(data_dir: str, num_labels: int, num_train: int, num_test: int, seed: int = 0) -> dict:
+    """Write the synthetic task (trn/tst/lbl.json.gz) and a tiny encoder into ``data_dir`` unless already there."""
+    done = os.path.join(data_dir, "task.json")
+    if os.path.exists(done):
+        with open(done) as f:
+            return json.load(f)
+    import numpy as np
+
+    from hf_xmc.data import make_synthetic_xmc, write_xc_labels, write_xc_raw
+
+    os.makedirs(data_dir, exist_ok=True)
+    start = time.perf_counter()
+    # 1-43 labels per query (mean 22, as LF-AmazonTitles-1.3M's 22.2); Zipf 0.6 over label ranks: the top label in
+    # ~2.5% of the queries, the rarest in ~14 at 1.3M labels (a=1.1 puts one label in almost every query at this depth)
+    data = make_synthetic_xmc(num_labels, num_train, num_test, labels_per_point=(1, 43), zipf_a=0.6, noise_words=4, seed=seed)
+    write_xc_raw(os.path.join(data_dir, "trn.json.gz"), data.train)
+    write_xc_raw(os.path.join(data_dir, "tst.json.gz"), data.test)
+    write_xc_labels(os.path.join(data_dir, "lbl.json.gz"), data.label_uids, data.label_texts)
+    counts = np.asarray(data.train.targets.sum(axis=0)).ravel()
+    stats = {
+        "num_labels": num_labels, "num_train": num_train, "num_test": num_test,
+        "labels_per_query": round(float(data.train.targets.nnz / max(num_train, 1)), 2),
+        "queries_per_label": round(float(data.train.targets.nnz / num_labels), 2),
+        "max_queries_per_label": int(counts.max()), "labels_without_training_query": int((counts == 0).sum()),
+        "word_letters": len(data.label_texts[0].split()[1]), "seconds": round(time.perf_counter() - start, 1),
+    }
+    with open(done, "w") as f:
+        json.dump(stats, f, indent=2)
+    return stats
+
+
+def make_encoder(directory: str, word_letters: int, layers: int, hidden: int = 384) -> str:
+    """A random BERT (``layers`` transformer layers, hidden ``hidden``) and a WordPiece tokenizer whose pieces are the
+    synthetic words' syllable pairs (``abcd`` and ``##abcd``), so a word is two or three tokens."""
+    if os.path.exists(os.path.join(directory, "config.json")):
+        return directory
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    from hf_xmc.data.synthetic import _SYLLABLES
+
+    syllables = [bytes(s).decode() for s in _SYLLABLES]
+    pairs = [a + b for a in syllables for b in syllables]
+    pieces = pairs + syllables
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "label"] + pieces + ["##" + p for p in pieces]
+    os.makedirs(directory, exist_ok=True)
+    vocab_file = os.path.join(directory, "vocab.txt")
+    with open(vocab_file, "w") as f:
+        f.write("\n".join(vocab) + "\n")
+    tokenizer = BertTokenizer(vocab=vocab_file, do_lower_case=True)
+    tokenizer.save_pretrained(directory)
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=6,
+        intermediate_size=hidden, max_position_embeddings=64,
+    )
+    BertModel(config).save_pretrained(directory)
+    return directory
+
+
+# --------------------------------------------------------------------------------------------------- workers
+def train_worker(cfg: dict) -> dict:
+    """One training run through the method's recipe, every stage timed."""
+    from hf_xmc.models.modeling_xmc import XMCPreTrainedModel
+    from hf_xmc.training import trainer as trainer_module
+    from hf_xmc.training.recipes import RECIPES
+    from hf_xmc.training.samplers import ClusterBatchSampler
+
+    import importlib
+
+    rec = StageRecorder()
+    recipe = importlib.import_module(RECIPES[cfg["method"]])
+    rec.wrap(recipe, "load_data", "data_load")
+    rec.wrap(XMCPreTrainedModel, "from_encoder_pretrained", "model_init", kind="classmethod")
+    rec.wrap(trainer_module, "initialize_label_state", "label_state")
+    rec.wrap(trainer_module.XMCEpochCallback, "_query_embeddings", "clustering_encode")
+    rec.wrap(ClusterBatchSampler, "update_clusters", "clustering")
+    rec.wrap(trainer_module, "mine_hard_negatives", "hard_negative_mining")
+    rec.wrap(trainer_module.XMCTrainer, "train", "train")
+    rec.wrap(trainer_module.XMCTrainer, "evaluate", "evaluate")
+    rec.wrap(XMCPreTrainedModel, "build_label_index", "index_build")
+    rec.wrap(trainer_module.XMCTrainer, "save_model", "save")
+    rec.wrap(trainer_module.XMCTrainer, "create_model_card", "model_card")
+    d = cfg["data_dir"]
+    argv = [
+        "--train_file", os.path.join(d, "trn.json.gz"), "--test_file", os.path.join(d, "tst.json.gz"),
+        "--label_file", os.path.join(d, "lbl.json.gz"), "--model_name_or_path", cfg["encoder"],
+        "--output_dir", cfg["output_dir"], "--max_steps", str(cfg["steps"]),
+        "--per_device_train_batch_size", str(cfg["batch_size"]), "--max_seq_length", str(cfg["max_seq_length"]),
+        "--save_strategy", "no", "--logging_steps", "25", "--disable_tqdm", "true", "--seed", "0",
+        "--eval_batch_size", "1024", "--propensity_a", "0.6", "--propensity_b", "2.6", "--dataset_name", "synthetic-lf-1.3m-shape",
+        *cfg["args"],
+    ]
+    with rec.stage("total"):
+        metrics = recipe.main(argv)
+    stages = rec.stages
+    children = sum(v["seconds"] for k, v in stages.items() if k.startswith("total.train.") and k.count(".") == 2)
+    if "total.train" in stages:  # the optimisation steps themselves: train minus the stages nested in it
+        stages["total.train.steps"] = {"seconds": round(stages["total.train"]["seconds"] - children, 3), "peak_rss_gib": None, "calls": 1}
+    return {"stages": stages, "train_metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+
+
+def reload_worker(cfg: dict) -> dict:
+    """Fresh process: remote-code reload, predict(k=100) on the test set, latency at batch 1 and 256."""
+    import numpy as np
+    from transformers import AutoModel
+
+    from hf_xmc.data import read_xc_raw
+    from hf_xmc.metrics import xmc_metrics
+
+    rec = StageRecorder()
+    with rec.stage("total"):
+        with rec.stage("reload"):
+            model = AutoModel.from_pretrained(cfg["output_dir"], trust_remote_code=True)
+        test = read_xc_raw(os.path.join(cfg["data_dir"], "tst.json.gz"), num_labels=len(model.label_texts))
+        with rec.stage("predict"):
+            pred = model.predict(test.texts, k=100, batch_size=1024)
+        metrics = xmc_metrics(pred.label_ids, test.targets, None, ks=(1, 5), recall_ks=(100,))
+        latency = {}
+        texts = test.texts
+        for batch in (1, 256):
+            times = []
+            reps = 50 if batch == 1 else 8
+            for r in range(reps):
+                chunk = [texts[(r * batch + j) % len(texts)] for j in range(batch)]
+                start = time.perf_counter()
+                model.predict(chunk, k=100, batch_size=batch)
+                times.append(time.perf_counter() - start)
+            latency[f"batch_{batch}_ms"] = round(1000 * float(np.median(times)), 2)
+    return {"stages": rec.stages, "P@1": float(metrics["P@1"]), "P@5": float(metrics["P@5"]), "R@100": float(metrics["R@100"]), "latency": latency}
+
+
+def _saved_bytes(directory: str) -> int:
+    total = 0
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            total += os.path.getsize(path)
+    return total
+
+
+def run_worker(kind: str, cfg: dict, log_path: str, timeout: float) -> dict:
+    """Run a worker in a fresh Python process; returns its result dict (raises with the log's tail on failure)."""
+    result_path = log_path + ".result.json"
+    if os.path.exists(result_path):
+        os.remove(result_path)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--worker_config", json.dumps(cfg), "--worker_result", result_path]
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+    if proc.returncode != 0 or not os.path.exists(result_path):
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"{kind} worker failed (exit {proc.returncode}):\n{tail}")
+    with open(result_path) as f:
+        return json.load(f)
+
+
+def run_variant(method: str, variant: str, args, task: dict, encoder: str) -> dict:
+    spec = VARIANTS[(method, variant)]
+    batch_size = args.batch_size or spec["batch_size"]
+    steps = args.all_label_steps if variant == "all_label" else args.steps
+    extra = list(spec["args"])
+    if variant == "all_label" and args.batch_size:
+        extra[extra.index("--gradient_cache_chunk_size") + 1] = str(min(3000, args.batch_size))
+    out_dir = os.path.join(args.work_dir, f"{method}-{variant}")
+    cfg = {
+        "method": method, "variant": variant, "data_dir": args.data_dir, "encoder": encoder, "output_dir": out_dir,
+        "steps": steps, "batch_size": batch_size, "max_seq_length": args.max_seq_length, "args": extra,
+    }
+    row = {
+        "method": method, "variant": variant, "num_labels": task["num_labels"], "num_train": task["num_train"],
+        "num_test": task["num_test"], "steps": steps, "batch_size": batch_size, "encoder_layers": args.encoder_layers,
+        "completed": False, "peak_rss_gib": None, "saved_bytes": None, "stages": {}, "P@1": None, "R@100": None,
+    }
+    os.makedirs(args.work_dir, exist_ok=True)
+    log = os.path.join(args.work_dir, f"{method}-{variant}")
+    try:
+        train = run_worker("train", cfg, log + ".train.log", args.timeout)
+        row["stages"].update({f"train:{k[len('total.'):] if k.startswith('total.') else k}": v for k, v in train["stages"].items()})
+        row["saved_bytes"] = _saved_bytes(out_dir)
+        row["eval"] = {k: train["train_metrics"][k] for k in ("test_P@1", "test_P@5", "test_R@100", "train_runtime") if k in train["train_metrics"]}
+        reload = run_worker("reload", cfg, log + ".reload.log", args.timeout)
+        row["stages"].update({f"reload:{k[len('total.'):] if k.startswith('total.') else k}": v for k, v in reload["stages"].items()})
+        row.update({"P@1": reload["P@1"], "P@5": reload["P@5"], "R@100": reload["R@100"], "latency_ms": reload["latency"], "completed": True})
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        row["error"] = str(err)[-2000:]
+    peaks = [v["peak_rss_gib"] for v in row["stages"].values() if v.get("peak_rss_gib") is not None]
+    row["peak_rss_gib"] = max(peaks) if peaks else None
+    return row
+
+
+STAGE_COLUMNS = [
+    ("data", "train:data_load"), ("label state", "train:train.label_state"), ("cluster", "train:train.clustering_encode"),
+    ("", "train:train.clustering"), ("mining", "train:train.hard_negative_mining"), ("steps", "train:train.steps"),
+    ("eval", "train:evaluate"), ("save", "train:save"), ("reload", "reload:reload"), ("predict", "reload:predict"),
+]
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table: per variant the seconds (peak GiB) of each stage, size on disk, quality and latency."""
+    head = "| method | labels | train q | steps x batch | data | label state | clustering | mining | steps | eval | save | reload | predict k=100 | peak RSS GiB | saved GB | P@1 | R@100 | ms/query b=1 | ms/batch b=256 |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def cell(row, key):
+        st = row["stages"].get(key)
+        if not st:
+            return "-"
+        peak = f" ({st['peak_rss_gib']:.1f})" if st.get("peak_rss_gib") is not None else ""
+        return f"{st['seconds']:.0f}s{peak}"
+
+    for r in rows:
+        cluster = "-"
+        if r["stages"].get("train:train.clustering"):
+            enc = r["stages"].get("train:train.clustering_encode", {"seconds": 0.0})
+            cl = r["stages"]["train:train.clustering"]
+            cluster = f"{enc['seconds']:.0f}+{cl['seconds']:.0f}s ({max(cl['peak_rss_gib'], enc.get('peak_rss_gib') or 0):.1f})"
+        lat = r.get("latency_ms", {})
+        name = f"{r['method']}:{r['variant']}" + ("" if r["completed"] else " (failed)")
+        lines.append(
+            f"| {name} | {r['num_labels']:,} | {r['num_train']:,} | {r['steps']} x {r['batch_size']} | {cell(r, 'train:data_load')} | "
+            f"{cell(r, 'train:train.label_state')} | {cluster} | {cell(r, 'train:train.hard_negative_mining')} | {cell(r, 'train:train.steps')} | "
+            f"{cell(r, 'train:evaluate')} | {cell(r, 'train:save')} | {cell(r, 'reload:reload')} | {cell(r, 'reload:predict')} | "
+            f"{r['peak_rss_gib'] if r['peak_rss_gib'] is not None else '-'} | {(r['saved_bytes'] or 0) / 1e9:.2f} | "
+            f"{r['P@1'] if r['P@1'] is None else round(r['P@1'], 2)} | {r['R@100'] if r['R@100'] is None else round(r['R@100'], 2)} | "
+            f"{lat.get('batch_1_ms', '-')} | {lat.get('batch_256_ms', '-')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default="dexml,dexml:hard_neg,dexml:all_label,prime,unidec")
+    parser.add_argument("--num_labels", type=int, default=1_300_000)
+    parser.add_argument("--num_train", type=int, default=2_200_000)
+    parser.add_argument("--num_test", type=int, default=50_000)
+    parser.add_argument("--steps", type=int, default=200, help="Training steps of every variant but all_label.")
+    parser.add_argument("--all_label_steps", type=int, default=2, help="Steps of dexml:all_label (each re-encodes every label).")
+    parser.add_argument("--batch_size", type=int, default=0, help="Override every variant's paper batch size (0 = paper).")
+    parser.add_argument("--max_seq_length", type=int, default=16)
+    parser.add_argument("--encoder_layers", type=int, default=0, help="Transformer layers of the random encoder (hidden 384).")
+    parser.add_argument("--data_dir", default=None, help="Where the task is written / cached (default outputs/scale/<shape>).")
+    parser.add_argument("--work_dir", default=None, help="Model directories and logs (default <data_dir>/runs).")
+    parser.add_argument("--timeout", type=float, default=4 * 3600, help="Seconds per worker process.")
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "scale.json"))
+    parser.add_argument("--merge", action="store_true", help="Keep rows of --out for variants not run now (replace the others).")
+    parser.add_argument("--worker", choices=("train", "reload"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker_config", help=argparse.SUPPRESS)
+    parser.add_argument("--worker_result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        cfg = json.loads(args.worker_config)
+        try:
+            result = (train_worker if args.worker == "train" else reload_worker)(cfg)
+        except Exception:
+            traceback.print_exc()
+            raise SystemExit(1)
+        with open(args.worker_result, "w") as f:
+            json.dump(result, f)
+        return []
+
+    variants = parse_methods(args.methods)
+    shape = f"L{args.num_labels}-N{args.num_train}-T{args.num_test}"
+    args.data_dir = args.data_dir or os.path.join(REPO, "outputs", "scale", shape)
+    args.work_dir = args.work_dir or os.path.join(args.data_dir, "runs")
+    print(f"task {shape} in {args.data_dir}", flush=True)
+    task = make_task(args.data_dir, args.num_labels, args.num_train, args.num_test)
+    print(json.dumps(task), flush=True)
+    encoder = make_encoder(os.path.join(args.data_dir, f"encoder-{args.encoder_layers}l"), task["word_letters"], args.encoder_layers)
+
+    rows: list[dict] = []
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as f:
+            rows = [r for r in json.load(f) if (r["method"], r["variant"]) not in variants]
+    for method, variant in variants:
+        print(f"--- {method}:{variant}", flush=True)
+        row = run_variant(method, variant, args, task, encoder)
+        row["task"] = task
+        rows = [r for r in rows if (r["method"], r["variant"]) != (method, variant)] + [row]
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(rows, f, indent=2)
+        os.replace(tmp, args.out)
+        print(format_table([row]), flush=True)
+        if not row["completed"]:
+            print(row.get("error", ""), flush=True)
+    print(format_table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The memory-bounded structures that replace dense N x L / B x L / B x pool x P_max code (issue: million-label scale).
+
+Each streaming or sorted path is checked against the dense computation it replaced, on inputs small enough for the
+dense one, with chunk sizes small enough that the bounded path really runs in several pieces.
+"""
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+import torch.nn.functional as F
+
+from hf_xmc.data import filter_predictions
+from hf_xmc.models import DEXMLModel, PRIMEModel
+from hf_xmc.models.modeling_xmc import targets_from_positive_ids
+from hf_xmc.training import XMCEvaluator, XMCTrainer, XMCTrainingArguments, label_centroids, mine_hard_negatives
+from hf_xmc.training import label_state, negatives
+
+
+def dense_targets(query_positive_ids: torch.Tensor, label_ids: torch.Tensor) -> torch.Tensor:
+    """The (queries, pool, P_max) broadcast the sorted version replaced."""
+    return (query_positive_ids.unsqueeze(1) == label_ids.view(1, -1, 1)).any(dim=2)
+
+
+@pytest.mark.parametrize("duplicates", [False, True])
+def test_targets_from_positive_ids_equals_the_broadcast(duplicates):
+    gen = torch.Generator().manual_seed(0)
+    label_ids = torch.randperm(200, generator=gen)[:60]
+    if duplicates:  # a label sampled by two processes appears twice in a gathered pool
+        label_ids = torch.cat([label_ids, label_ids[:7]])
+    positives = torch.randint(0, 200, (9, 12), generator=gen)
+    positives[positives % 5 == 0] = -1  # padding
+    positives[3] = -1  # a query without positives
+    expected = dense_targets(positives, label_ids)
+    got = targets_from_positive_ids(positives, label_ids)
+    assert got.dtype == torch.bool and got.shape == (9, label_ids.numel())
+    assert expected.any() and torch.equal(got, expected)
+
+
+def test_targets_from_positive_ids_empty_pool_and_width():
+    assert targets_from_positive_ids(torch.full((3, 2), -1), torch.tensor([4, 5])).sum() == 0
+    assert targets_from_positive_ids(torch.tensor([[1, 2]]), torch.zeros(0, dtype=torch.long)).shape == (1, 0)
+
+
+def test_label_centroids_stream_in_bounded_pieces(monkeypatch):
+    rng = np.random.default_rng(0)
+    targets = sp.random(50, 30, density=0.2, random_state=1, format="csr", dtype=np.float32)
+    targets.data[:] = 1.0
+    queries = torch.from_numpy(rng.standard_normal((50, 8)).astype(np.float32))
+    dense = F.normalize(torch.from_numpy(np.asarray(targets.T @ F.normalize(queries, dim=-1).numpy())), dim=-1)
+    sums = torch.zeros(30, 8)
+    label_state.label_centroid_sums(sums, queries, targets, max_pairs=3)  # many pieces, some rows alone
+    torch.testing.assert_close(F.normalize(sums, dim=-1), dense)
+    torch.testing.assert_close(label_centroids(queries, targets), dense)
+    assert (dense.norm(dim=1) == 0).any() == (np.asarray(targets.sum(axis=0)).ravel() == 0).any()
+
+
+def test_streamed_label_centroids_equal_the_one_pass_centroids(tiny_encoder_dir, tiny_task):
+    data, _ = tiny_task
+    model = PRIMEModel.from_encoder_pretrained(tiny_encoder_dir, label_space_size=len(data.label_texts))
+    texts, targets = data.train.texts[:100], data.train.targets[:100]
+    one_pass = label_centroids(model.encode_queries(texts, show_progress_bar=False), targets)
+    streamed = label_state.streamed_label_centroids(model, texts, targets, batch_size=16, chunk_size=7, show_progress_bar=False)
+    torch.testing.assert_close(streamed, one_pass, rtol=1e-5, atol=1e-6)
+
+
+def _dense_mining(model, texts, targets, top_k):
+    """The one-shot mining the chunked version replaced: every query searched top_k + max positives deep."""
+    model.build_label_index(show_progress_bar=False)
+    queries = model.query_search_vectors(texts, show_progress_bar=False)
+    max_pos = int(np.diff(targets.indptr).max())
+    scores, ids = model.search(queries, top_k + max_pos)
+    return filter_predictions(ids, scores, targets, top_k)[0]
+
+
+def test_chunked_mining_equals_one_shot_mining(tiny_encoder_dir, tiny_task, monkeypatch):
+    data, _ = tiny_task
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir)
+    model.set_labels(data.label_texts)
+    texts = data.train.texts[:60]
+    targets = sp.csr_matrix(data.train.targets[:60]).astype(np.float32)
+    # two head queries with many positives: they are searched in groups of their own
+    targets = targets.tolil()
+    targets[5, :30] = 1.0
+    targets[17, 10:40] = 1.0
+    targets = targets.tocsr()
+    expected = _dense_mining(model, texts, targets, top_k=6)
+    monkeypatch.setattr(negatives, "_SEARCH_BUDGET", 40)  # a handful of rows per search
+    got = mine_hard_negatives(model, texts, targets, top_k=6, chunk_size=11, show_progress_bar=False)
+    assert got.dtype == np.int32 and got.shape == (60, 6)
+    np.testing.assert_array_equal(got, expected)
+    assert (got[17] >= 0).sum() == min(6, 40 - targets[17].nnz)  # the head query still gets its negatives
+    for row in range(60):  # no known positive in the shortlist
+        assert not set(got[row][got[row] >= 0]) & set(targets[row].indices)
+
+
+def test_depth_groups_cover_every_row_once_within_budget(monkeypatch):
+    monkeypatch.setattr(negatives, "_SEARCH_BUDGET", 50)
+    positives = np.array([1, 30, 2, 0, 12, 45, 3, 11, 5])
+    groups = negatives._depth_groups(positives, top_k=5)
+    np.testing.assert_array_equal(np.sort(np.concatenate(groups)), np.arange(len(positives)))
+    for group in groups:
+        depth = 5 + positives[group].max()
+        assert len(group) == 1 or len(group) * depth <= 50
+
+
+def test_evaluator_in_chunks_equals_one_chunk(tiny_encoder_dir, tiny_task):
+    data, _ = tiny_task
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir)
+    filt = sp.csr_matrix((np.ones(len(data.test)), (np.arange(len(data.test)), np.arange(len(data.test)) % len(data.label_texts))), shape=data.test.targets.shape)
+    kwargs = dict(train_targets=data.train.targets, filter_matrix=filt)
+    whole = XMCEvaluator(data.test, data.label_texts, **kwargs)(model, show_progress_bar=False)
+    chunked_eval = XMCEvaluator(data.test, data.label_texts, chunk_size=13, **kwargs)
+    chunked = chunked_eval(model, show_progress_bar=False)
+    for key, value in whole.items():
+        if "runtime" not in key and "per_second" not in key:
+            assert chunked[key] == pytest.approx(value), key
+    # the filtered pair (query i, label i mod L) never comes back
+    rows = np.arange(len(data.test))
+    assert not (chunked_eval.last_predictions == (rows % len(data.label_texts))[:, None]).any()
+
+
+def test_prime_training_does_not_broadcast_the_centroid_bank(tiny_encoder_dir, tiny_task, tmp_path):
+    data, _ = tiny_task
+    model = PRIMEModel.from_encoder_pretrained(tiny_encoder_dir, label_space_size=len(data.label_texts))
+    args = XMCTrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none")
+    trainer = XMCTrainer(model=model, args=args, train_dataset=data.train, label_texts=data.label_texts)
+    assert trainer.args.ddp_broadcast_buffers is False
+    dexml = XMCTrainer(model=DEXMLModel.from_encoder_pretrained(tiny_encoder_dir), args=XMCTrainingArguments(output_dir=str(tmp_path)), train_dataset=data.train, label_texts=data.label_texts)
+    assert dexml.args.ddp_broadcast_buffers is None  # models with nothing to gain keep transformers' default
