@@ -46,8 +46,12 @@ def test_collator_all_labels_pool(tiny_encoder_dir, tiny_task):
     tok = AutoTokenizer.from_pretrained(tiny_encoder_dir)
     collator = XMCDataCollator(tok, data.train.texts, data.train.targets, data.label_texts, 16, 16, all_labels=True)
     batch = collator([{"index": r} for r in range(8)])
-    assert batch["label_ids"].tolist() == list(range(len(data.label_texts)))
-    np.testing.assert_array_equal(batch["targets"].numpy(), data.train.targets[:8].toarray() > 0)
+    # every label is in the pool: no pool tokens and no (batch, L) targets, only each query's positive ids
+    assert set(batch) == {"input_ids", "attention_mask", "indices", "query_positive_ids"}
+    rebuilt = np.zeros((8, len(data.label_texts)), dtype=bool)
+    for row, ids in enumerate(batch["query_positive_ids"].tolist()):
+        rebuilt[row, [i for i in ids if i >= 0]] = True
+    np.testing.assert_array_equal(rebuilt, data.train.targets[:8].toarray() > 0)
 
 
 def test_collator_rejects_mismatched_label_space(tiny_task):

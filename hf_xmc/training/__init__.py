@@ -2,7 +2,7 @@
 mining, gradient caching and the per-label state (free-vector map, centroids) PRIME derives from the data."""
 
 from .clustering import balanced_2means_tree
-from .collator import PSLDataCollator, XMCDataCollator, XMCTrainDataset
+from .collator import LabelTokens, PSLDataCollator, XMCDataCollator, XMCTrainDataset, tokenize_labels
 from .evaluation import XMCEvaluator
 from .gradcache import CachedLossOutput, RandContext, cached_loss
 from .label_state import free_vector_assignment, initialize_label_state, label_centroids
@@ -14,6 +14,7 @@ __all__ = [
     "CachedLossOutput",
     "ClusterBatchSampler",
     "EmbeddingMemoryBank",
+    "LabelTokens",
     "PSLDataCollator",
     "RandContext",
     "XMCDataCollator",
@@ -28,4 +29,5 @@ __all__ = [
     "initialize_label_state",
     "label_centroids",
     "mine_hard_negatives",
+    "tokenize_labels",
 ]

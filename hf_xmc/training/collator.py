@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -33,6 +34,69 @@ class XMCTrainDataset(Dataset):
         return {"index": int(i)}
 
 
+def label_shard_bounds(num_labels: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``[start, stop)`` of process ``rank``'s contiguous shard of ``num_labels`` labels (sizes differ by at most one)."""
+    return num_labels * rank // world_size, num_labels * (rank + 1) // world_size
+
+
+@dataclass
+class LabelTokens:
+    """Token ids of a contiguous range of labels, tokenised once for the all-label mode.
+
+    Memory: ``4 * max_length + 4`` bytes per label (int32 ids, right-padded with the pad id, and an int32 length);
+    e.g. 132 bytes per label at 32 tokens, 172 MB for 1.3M labels, split across processes (each holds its shard).
+    Chunks are padded only to their own longest label when they become model inputs (:meth:`model_inputs`).
+
+    Attributes:
+        input_ids: ``(n, max_length)`` int32.
+        lengths: ``(n,)`` int32 token counts.
+        start: global id of the first label.
+        pad_token_id: the id in padded positions.
+    """
+
+    input_ids: torch.Tensor
+    lengths: torch.Tensor
+    start: int = 0
+    pad_token_id: int = 0
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device) -> LabelTokens:
+        """The same tokens on ``device``."""
+        return LabelTokens(self.input_ids.to(device), self.lengths.to(device), self.start, self.pad_token_id)
+
+    @staticmethod
+    def model_inputs(input_ids: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``input_ids`` / ``attention_mask`` (int64) of some rows of ``input_ids``, cut to their longest label."""
+        width = max(int(lengths.max()), 1) if len(lengths) else 1
+        ids = input_ids[:, :width].long()
+        mask = (torch.arange(width, device=ids.device).unsqueeze(0) < lengths.unsqueeze(1)).long()
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+def tokenize_labels(
+    tokenizer, label_texts: Sequence[str], max_length: int, start: int = 0, stop: Optional[int] = None, batch_size: int = 8192
+) -> LabelTokens:
+    """Tokenise labels ``start .. stop - 1`` once (``batch_size`` texts at a time) into a :class:`LabelTokens`.
+
+    Rows are written left-aligned whatever the tokenizer's padding side, so that :meth:`LabelTokens.model_inputs` can
+    cut a chunk to its longest label.
+    """
+    stop = len(label_texts) if stop is None else stop
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = np.full((stop - start, max_length), pad, dtype=np.int32)
+    lengths = np.zeros(stop - start, dtype=np.int32)
+    for a in range(start, stop, batch_size):
+        b = min(a + batch_size, stop)
+        rows = tokenizer([label_texts[i] for i in range(a, b)], truncation=True, max_length=max_length)["input_ids"]
+        n = np.fromiter(map(len, rows), dtype=np.int32, count=b - a)
+        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=int(n.sum()))
+        ids[a - start : b - start][np.arange(max_length) < n[:, None]] = flat  # row-major fill: row i gets its n_i ids
+        lengths[a - start : b - start] = n
+    return LabelTokens(torch.from_numpy(ids), torch.from_numpy(lengths), start, int(pad))
+
+
 @dataclass
 class XMCDataCollator:
     """Builds a training batch: tokenised queries, a label pool and the ``(batch, pool)`` target mask.
@@ -43,6 +107,9 @@ class XMCDataCollator:
     sampled for the batch. ``targets[b, p]`` is True whenever pool label ``p`` is *any* positive of query ``b``, so
     losses mask false negatives; ``positive_index[b]`` is the pool position of query ``b``'s first sampled
     positive.
+
+    With ``all_labels`` (DEXML's all-label mode) the batch holds only the queries, ``indices`` and
+    ``query_positive_ids``: the pool is every label, so neither label tokens nor targets are built per batch.
 
     Besides the model inputs the batch carries ``indices`` (training rows, for memory banks), ``label_ids`` (pool
     label ids) and ``query_positive_ids`` (each query's positives, ``-1``-padded) so that targets can be rebuilt
@@ -57,7 +124,9 @@ class XMCDataCollator:
         num_positives: positives sampled per query per step.
         positive_weights: optional per-label sampling weights (e.g. inverse propensities); uniform when None.
         num_negatives: hard negatives drawn per query from ``shortlist`` (ignored while no shortlist is set).
-        all_labels: put every label in every pool (DEXML's "all negatives" mode; pair it with gradient caching).
+        all_labels: DEXML's "all negatives" mode: every label is in every pool, so the batch carries no label tokens and
+            no targets, only the queries and their ``query_positive_ids``; the trainer scores the queries against every
+            label (its process's shard of :func:`tokenize_labels`) chunk by chunk.
         seed: base seed of the sampling. Each batch draws from a generator seeded by ``(seed, epoch, its rows)``, so
             a batch's samples do not depend on what came before it (a resumed run draws exactly the same).
     """
@@ -153,11 +222,17 @@ class XMCDataCollator:
 
     def __call__(self, features: list[dict[str, int]]) -> dict[str, torch.Tensor]:
         rows = np.array([f["index"] for f in features], dtype=np.int64)
+        q = self.tokenizer([self.texts[r] for r in rows], padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt")
+        if self.all_labels:  # the pool is every label: no pool tokens, no (batch, L) targets, only id lists
+            return {
+                "input_ids": q["input_ids"],
+                "attention_mask": q["attention_mask"],
+                "indices": torch.from_numpy(rows),
+                "query_positive_ids": self.query_positive_ids(rows),
+            }
         rng = self.batch_rng(rows)
         sampled = self.sample_positives(rows, rng)
-        extra = np.arange(len(self.label_texts)) if self.all_labels else self.sample_negatives(rows, rng)
-        pool, targets, positive_index = self.build_pool(rows, sampled, extra, rng)
-        q = self.tokenizer([self.texts[r] for r in rows], padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt")
+        pool, targets, positive_index = self.build_pool(rows, sampled, self.sample_negatives(rows, rng), rng)
         lab = self.tokenizer([self.label_texts[i] for i in pool], padding=True, truncation=True, max_length=self.label_max_seq_length, return_tensors="pt")
         return {
             "input_ids": q["input_ids"],

@@ -182,6 +182,7 @@ def cached_loss(
                 group_embs.append(embed_fn(chunk))
         rand_states.append(group_states)
         embeddings.append(torch.cat(group_embs, dim=0))
+        del group_embs  # the chunks' copies: only the concatenation is kept ((L, d) in DEXML's all-label mode)
 
     if not torch.is_grad_enabled():
         loss = loss_fn(*embeddings)

@@ -16,7 +16,14 @@ from transformers.trainer_utils import SaveStrategy
 
 from ..data import XMCDataset
 from ..metrics import inverse_propensity
-from .collator import PSLDataCollator, XMCDataCollator, XMCTrainDataset
+from .collator import (
+    LabelTokens,
+    PSLDataCollator,
+    XMCDataCollator,
+    XMCTrainDataset,
+    label_shard_bounds,
+    tokenize_labels,
+)
 from .evaluation import XMCEvaluator
 from .gradcache import cached_loss
 from .label_state import initialize_label_state
@@ -24,6 +31,9 @@ from .negatives import mine_hard_negatives
 from .samplers import ClusterBatchSampler, EmbeddingMemoryBank
 
 logger = logging.getLogger(__name__)
+
+# label_pool="all" with gradient_cache_chunk_size=0: labels per encoder chunk and per (batch, chunk) score block
+ALL_LABEL_CHUNK_SIZE = 256
 
 
 @dataclass
@@ -54,7 +64,7 @@ class XMCTrainingArguments(TrainingArguments):
     hard_negative_top_k: int = field(default=100, metadata={"help": "Shortlist size per query (known positives removed)."})
     hard_negative_start_epoch: int = field(default=5, metadata={"help": "First epoch that uses the shortlist (in-batch negatives before)."})
     hard_negative_refresh_interval: int = field(default=5, metadata={"help": "Re-mine the shortlist every N epochs."})
-    gradient_cache_chunk_size: int = field(default=0, metadata={"help": "GradCache: encode queries and labels in chunks of N rows (0 = off)."})
+    gradient_cache_chunk_size: int = field(default=0, metadata={"help": "GradCache: encode queries and labels in chunks of N rows (0 = off; with label_pool='all' 0 means 256)."})
     label_pool: str = field(default="in_batch", metadata={"help": "'in_batch' (sampled positives [+ hard negatives]), 'psl' (UniDEC pick-some-labels: sampled positives, hard negatives and the batch's other positives, capped at max_label_pool) or 'all' (every label re-encoded each step: DEXML brute force)."})
     max_label_pool: int = field(default=0, metadata={"help": "label_pool='psl': most labels in a pool (0 = no cap)."})
 
@@ -76,6 +86,18 @@ class XMCTrainingArguments(TrainingArguments):
 def _accelerator_present() -> bool:
     """True when torch sees a CUDA or MPS device."""
     return torch.cuda.is_available() or (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available())
+
+
+def _check_all_label_support(model) -> None:
+    """Raise unless ``model`` can train with ``label_pool="all"`` (DEXML: DecoupledSoftmax or SoftmaxCE)."""
+    if not hasattr(model, "all_label_loss"):
+        raise ValueError(
+            f"{type(model).__name__} does not support label_pool='all' (the all-label mode is DEXML's): "
+            "use label_pool='in_batch' or 'psl'"
+        )
+    check = getattr(model, "check_all_label_loss", None)
+    if check is not None:
+        check()
 
 
 class XMCTrainer(Trainer):
@@ -123,6 +145,8 @@ class XMCTrainer(Trainer):
             # DDP would re-send every buffer from rank 0 at each forward: PRIME's centroid bank is 4 d bytes per label
             # (2 GB at 1.3M labels) and every rank already applies the same update to its copy
             args.ddp_broadcast_buffers = False
+        if getattr(args, "label_pool", None) == "all":
+            _check_all_label_support(model)
         if label_texts is not None:  # label images only for models that take them (MUFIN)
             model.set_labels(label_texts, label_uids, *([label_images] if label_images is not None else []))
         xmc_args = args if isinstance(args, XMCTrainingArguments) else None
@@ -160,6 +184,7 @@ class XMCTrainer(Trainer):
         self.xmc_train_data = train_dataset
         self.cluster_sampler: Optional[ClusterBatchSampler] = None
         self.memory_bank: Optional[EmbeddingMemoryBank] = None
+        self._label_tokens: Optional[LabelTokens] = None  # label_pool="all": this process's label shard, tokenised once
         if xmc_args is not None and train_dataset is not None:
             if xmc_args.cluster_batching:
                 self.cluster_sampler = ClusterBatchSampler(
@@ -241,12 +266,16 @@ class XMCTrainer(Trainer):
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The model's pool loss; with ``gradient_cache_chunk_size`` the encoder runs in chunks (GradCache)."""
+        """The model's pool loss; with ``gradient_cache_chunk_size`` the encoder runs in chunks (GradCache); with
+        ``label_pool="all"`` the loss over every label (:meth:`_all_label_loss`)."""
         # the weights are about to change: label vectors computed before would be stale in a checkpoint
         self.model.invalidate_label_index()
         indices = inputs.pop("indices", None)
         chunk = getattr(self.args, "gradient_cache_chunk_size", 0)
-        if chunk and model.training and torch.is_grad_enabled():
+        if getattr(self.args, "label_pool", None) == "all":
+            loss, query_embeds = self._all_label_loss(model, inputs)
+            outputs = None
+        elif chunk and model.training and torch.is_grad_enabled():
             loss, query_embeds = self._cached_pool_loss(model, inputs, chunk)
             outputs = None
         else:
@@ -295,6 +324,55 @@ class XMCTrainer(Trainer):
             return unwrapped.pool_loss(query_embeds, label_embeds, **extra)[0]
 
         out = cached_loss(embed, groups, loss_fn, chunk_size, ddp_module=model if hasattr(model, "no_sync") else None, return_embeddings=True)
+        return out.loss, out.embeddings[0]
+
+    def _label_shard_tokens(self) -> LabelTokens:
+        """This process's contiguous shard of the label space (``L / world_size`` labels), tokenised on first use."""
+        labels = self.model._require_labels()
+        if len(labels) < self.args.world_size:
+            raise ValueError(f"label_pool='all' shards the labels across processes: {len(labels)} labels for {self.args.world_size} processes")
+        start, stop = label_shard_bounds(len(labels), self.args.process_index, self.args.world_size)
+        cached = self._label_tokens
+        if cached is None or (cached.start, cached.start + len(cached)) != (start, stop):
+            tokens = tokenize_labels(self.model._require_tokenizer(), labels, self.model.config.label_max_seq_length, start, stop)
+            self._label_tokens = cached = tokens.to(self.args.device)  # on the device: RandContext snapshots its RNG
+            logger.info("label_pool='all': labels [%d, %d) tokenised once for this process (%.1f MB)", start, stop,
+                        (tokens.input_ids.nbytes + tokens.lengths.nbytes) / 2**20)
+        return cached
+
+    def _all_label_loss(self, model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """DEXML's all-label step: every label is a negative of every query, re-encoded with the current weights.
+
+        This process encodes its shard of the labels (:meth:`_label_shard_tokens`) in chunks through the gradient cache
+        (``gradient_cache_chunk_size``, :data:`ALL_LABEL_CHUNK_SIZE` when 0) and the model's ``all_label_loss`` scores
+        the queries against it chunk by chunk, joining the shards of all processes. Memory per step: the encoder's
+        activations for one chunk, ``(L / world) x d`` label embeddings and their cached gradients (``8 d`` bytes per
+        label in float32), ``batch x chunk`` scores, and the shard's token ids (``4 * label_max_seq_length + 4`` bytes
+        per label, kept between steps).
+        """
+        unwrapped = self.model
+        if "query_positive_ids" not in inputs:
+            raise ValueError("label_pool='all' needs query_positive_ids in the batch: use XMCDataCollator(all_labels=True)")
+        chunk = self.args.gradient_cache_chunk_size
+        if not chunk:
+            chunk = ALL_LABEL_CHUNK_SIZE
+            if self._label_tokens is None:
+                logger.info("label_pool='all': gradient_cache_chunk_size is 0, encoding and scoring labels in chunks of %d", chunk)
+        tokens = self._label_shard_tokens()
+        groups = [
+            {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]},
+            {"label_token_ids": tokens.input_ids, "label_lengths": tokens.lengths},
+        ]
+
+        def embed(part: dict) -> torch.Tensor:
+            if "label_lengths" in part:
+                part = LabelTokens.model_inputs(part["label_token_ids"], part["label_lengths"])
+            return model(**part).query_embeds
+
+        def loss_fn(query_embeds: torch.Tensor, label_embeds: torch.Tensor) -> torch.Tensor:
+            return unwrapped.all_label_loss(query_embeds, label_embeds, inputs["query_positive_ids"], label_offset=tokens.start, chunk_size=chunk)
+
+        out = cached_loss(embed, groups, loss_fn, chunk, ddp_module=model if hasattr(model, "no_sync") else None, return_embeddings=True)
         return out.loss, out.embeddings[0]
 
     def _update_memory_bank(self, indices: torch.Tensor, query_embeds: torch.Tensor) -> None:

@@ -71,7 +71,7 @@ class UniDECTrainingArguments(XMCTrainingArguments):
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "Schedule after warm-up (paper: cosine)."})
     num_train_epochs: float = field(default=3.0, metadata={"help": "Training epochs."})
     per_device_train_batch_size: int = field(default=64, metadata={"help": "Queries per batch and process."})
-    label_pool: str = field(default="psl", metadata={"help": "'psl' (pick-some-labels), 'in_batch' or 'all'."})
+    label_pool: str = field(default="psl", metadata={"help": "'psl' (pick-some-labels) or 'in_batch' ('all' is DEXML's mode)."})
     max_label_pool: int = field(default=256, metadata={"help": "Most labels in a pool per process (paper: about 3 per query)."})
     positive_sampling: str = field(default="propensity", metadata={"help": "'propensity' or 'uniform' positive draws."})
     num_positives: int = field(default=3, metadata={"help": "beta: positives drawn per query (with replacement)."})
