@@ -482,7 +482,12 @@ def test_labels_to_hf_dataset():
 # ------------------------------------------------------------------------------------------
 
 
-def test_synthetic_planted_structure():
+@pytest.mark.parametrize("block", [None, 17])
+def test_synthetic_planted_structure(block, monkeypatch):
+    if block is not None:  # points drawn in many blocks (what bounds memory at millions of points)
+        from hf_xmc.data import synthetic
+
+        monkeypatch.setattr(synthetic, "_POINT_BLOCK", block)
     data = make_synthetic_xmc(num_labels=50, num_train=200, num_test=40, words_per_label=4,
                               labels_per_point=(1, 3), noise_words=2, zipf_a=1.1, seed=3)
     assert len(data.train) == 200 and len(data.test) == 40 and data.num_labels == 50
@@ -500,6 +505,7 @@ def test_synthetic_planted_structure():
             assert sum(w not in all_topic for w in words) == 2  # noise words are not topic words
     for lab in (0, 17, 49):
         assert data.label_texts[lab] == "label " + " ".join(data.label_texts.label_words(lab))
+    assert data.train.targets.indices.dtype == np.int32 and data.train.targets.has_sorted_indices
 
 
 def test_synthetic_determinism_and_skew():

@@ -17,11 +17,13 @@ Memory cost:
 * labels: O(1). :class:`SyntheticLabelTexts` and :class:`SyntheticLabelUids` are lazy sequences that
   spell a label's text from its id on access, so 10M labels cost nothing until texts are read; the
   Zipf sampler uses a closed-form inverse CDF and an affine id permutation (no per-label arrays).
-* points: sampling is vectorised with numpy (no per-point Python loop). Peak memory is about
-  0.5-0.6 KB per point with the defaults (measured: 1M points over 10M labels take ~3 s and
-  ~570 MB peak RSS; 200k points ~110 MB peak), of which ~200 bytes per point remain in the result:
-  one Python ``str`` per point text (~50 bytes + 9-11 bytes per word), one uid string, and the CSR
-  targets (12 bytes per (point, label) pair). So ~30M points fit in 24 GiB; labels are free.
+* points: sampling is vectorised with numpy (no per-point Python loop), in blocks of 131,072 points drawn from one
+  generator (a task that fits one block is what a single draw gives). The work arrays of a block take about
+  0.5-0.6 KB per point with the defaults (~70 MB per block; with 43 labels per point ~1 GB), whatever the number
+  of points. What remains is ~200 bytes per point plus ~25 per word of its text: one Python ``str`` per point text
+  (~50 bytes + 9-11 bytes per word), one uid string, and the CSR targets (8 bytes per (point, label) pair: int32
+  label id + float32 value). So ~30M short points fit in 24 GiB; labels are free. Measured at the
+  LF-AmazonTitles-1.3M shape (2.25M points, 22 labels and ~48 words each): see ``benchmarks/bench_scale.py``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ _SYLLABLES = np.array([[ord(c), ord(v)] for c in _CONSONANTS for v in _VOWELS], 
 _BASE = len(_SYLLABLES)
 _MAX_SYLLABLES = 5  # 100**5 = 1e10 words; keeps a * x < 2**63 for a < 2**29
 _CHUNK = 1 << 16
+_POINT_BLOCK = 1 << 17  # points drawn at once: bounds the (points, labels per point) work arrays
 
 
 class _WordCoder:
@@ -211,7 +214,37 @@ def make_synthetic_xmc(num_labels: int, num_train: int, num_test: int, words_per
     n = num_train + num_test
     hi = min(hi, num_labels)
     lo = min(lo, hi)
+    texts: list[str] = []
+    counts, indices = [], []
+    for start in range(0, n, _POINT_BLOCK):  # blocks share one generator: a task fitting one block is unchanged
+        block_texts, block_counts, block_indices = _sample_points(
+            rng, draw, coder, min(_POINT_BLOCK, n - start), lo, hi, num_labels, words_per_label, noise_words, noise_vocab
+        )
+        texts.extend(block_texts)
+        counts.append(block_counts)
+        indices.append(block_indices)
+        del block_texts
+    counts_all = np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts_all, out=indptr[1:])
+    index_dtype = np.int32 if num_labels < np.iinfo(np.int32).max and indptr[-1] < np.iinfo(np.int32).max else np.int64
+    all_indices = np.concatenate(indices).astype(index_dtype) if indices else np.zeros(0, dtype=index_dtype)
+    del indices
+    targets = sp.csr_matrix((np.ones(all_indices.size, dtype=np.float32), all_indices, indptr.astype(index_dtype)), shape=(n, num_labels))
+    targets.has_sorted_indices = True
 
+    train = XMCDataset(texts=texts[:num_train], targets=targets[:num_train],
+                       uids=[f"trn{i}" for i in range(num_train)])
+    test = XMCDataset(texts=texts[num_train:], targets=targets[num_train:],
+                      uids=[f"tst{i}" for i in range(num_test)])
+    return XCData(train=train, test=test,
+                  label_texts=SyntheticLabelTexts(num_labels, words_per_label, coder),
+                  label_uids=SyntheticLabelUids(num_labels))
+
+
+def _sample_points(rng: np.random.Generator, draw: Callable, coder: _WordCoder, n: int, lo: int, hi: int, num_labels: int,
+                   words_per_label: int, noise_words: int, noise_vocab: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Draw ``n`` points: their texts, label counts and sorted label ids (concatenated), see the module docstring."""
     # --- labels: (n, hi) draws, of which the first k[i] are used; duplicates within a row are redrawn
     k = rng.integers(lo, hi + 1, size=n)
     cols = np.arange(hi)
@@ -234,10 +267,7 @@ def make_synthetic_xmc(num_labels: int, num_train: int, num_test: int, words_per
     counts = valid.sum(axis=1)
     srt = np.sort(np.where(valid, lab, num_labels), axis=1)
     indices = srt[cols[None, :] < counts[:, None]]
-    indptr = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(counts, out=indptr[1:])
-    targets = sp.csr_matrix((np.ones(indices.size, dtype=np.float32), indices, indptr), shape=(n, num_labels))
-    targets.has_sorted_indices = True
+    del srt
 
     # --- words: min(2, wpl) distinct topic words per label + noise words, shuffled within the point
     wpe = min(2, words_per_label)
@@ -262,11 +292,5 @@ def make_synthetic_xmc(num_labels: int, num_train: int, num_test: int, words_per
     buf[np.cumsum(n_tok) - 1, w] = ord("\n")
     texts = buf.tobytes().decode("ascii").split("\n")[:-1] if n else []
     del buf, flat
+    return texts, counts, indices
 
-    train = XMCDataset(texts=texts[:num_train], targets=targets[:num_train],
-                       uids=[f"trn{i}" for i in range(num_train)])
-    test = XMCDataset(texts=texts[num_train:], targets=targets[num_train:],
-                      uids=[f"tst{i}" for i in range(num_test)])
-    return XCData(train=train, test=test,
-                  label_texts=SyntheticLabelTexts(num_labels, words_per_label, coder),
-                  label_uids=SyntheticLabelUids(num_labels))
