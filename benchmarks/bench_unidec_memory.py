@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Peak memory of a UniDEC model per label: build, index + predict, and one training step (AdamW), at growing label
-spaces, each size in a fresh process (peak RSS from getrusage).
+"""Peak memory of a UniDEC model per label: build, index + predict, and one training step (SparseAdamW, what
+XMCTrainer uses), at growing label spaces, each size in a fresh process (peak RSS from getrusage).
 
     python benchmarks/bench_unidec_memory.py [--labels 10000 100000 1000000] [--dim 384] [--update_readme]
 
 The encoder is a small random BERT (hidden 32, MiniLM's tokenizer) so the label-space-dependent parts dominate: the
 classifier ``Psi`` (L x d), the saved search vectors ``[DE ; classifier]`` (L x 2d) and the faiss index over them,
-and in training Psi's gradient and AdamW moments. Bytes per label are the slope between the two largest sizes (the
+and in training Psi's AdamW moments (its gradient is sparse: the pool's rows only). Bytes per label are the slope between the two largest sizes (the
 encoder and Python are constant). Writes benchmarks/results/unidec_memory.json and, with --update_readme, the
 table between the README's ``<!-- bench:unidec_memory -->`` markers.
 """
@@ -41,11 +41,11 @@ def make_encoder(path: str) -> None:
 
 
 def measure(encoder: str, num_labels: int, dim: int, phase: str) -> dict:
-    """One phase in this process: 'predict' (build, index, predict) or 'train' (build, one AdamW step on a pool)."""
+    """One phase in this process: 'predict' (build, index, predict) or 'train' (build, one SparseAdamW step on a pool)."""
     import torch
 
     from hf_xmc.models import UniDECModel
-    from hf_xmc.training import PSLDataCollator
+    from hf_xmc.training import PSLDataCollator, SparseAdamW
 
     torch.manual_seed(0)
     start = time.perf_counter()
@@ -65,7 +65,7 @@ def measure(encoder: str, num_labels: int, dim: int, phase: str) -> dict:
         targets = sp.csr_matrix((np.ones(queries * 3), (np.repeat(np.arange(queries), 3), rng.integers(0, num_labels, queries * 3))), shape=(queries, num_labels))
         collator = PSLDataCollator(model.tokenizer, [f"query {i}" for i in range(queries)], targets, model.label_texts, 16, 16, num_positives=3, max_label_pool=256)
         batch = collator([{"index": i} for i in range(queries)])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = SparseAdamW(model.parameters(), lr=1e-3)  # Psi's gradient is sparse (sparse_label_gradients)
         model.train()
         model(**batch).loss.backward()
         optimizer.step()

@@ -1,13 +1,16 @@
 """Extreme classifiers: one learnable vector per label, trained and searched without dense label x batch logits.
 
-Shared by the methods with per-label classifiers (UniDEC's ``Psi``; SiameseXML, MUFIN and PRIME's OvA stage reuse
-it). Training scores a batch only against the rows of its label pool (``pool_weights``), so one step costs
-``batch x pool x d`` whatever the label space; inference never scores all labels either: the normalised weights go
-into the label index and a query's top-k come from the index search.
+Shared by the methods with per-label tables (UniDEC's ``Psi``, PRIME's free-vector bank, MUFIN's ``eta``). Training
+scores a batch only against the rows of its label pool (``pool_weights``), so one step costs ``batch x pool x d``
+whatever the label space; inference never scores all labels either: the normalised weights go into the label index
+and a query's top-k come from the index search.
 
-Memory per label (fp32, dimension d): weights ``4d`` bytes; training adds the gradient (``4d``, dense: AdamW
-needs dense gradients, rows outside the pool are zero) and AdamW's two moments (``8d``), i.e. ``16d`` bytes per
-label; searching adds the normalised copy in the label store and the index (see the README's memory table).
+Memory per label (fp32, dimension d): weights ``4d`` bytes. Training with ``sparse_gradients=True`` (UniDEC and
+PRIME by default, config field ``sparse_label_gradients``) adds AdamW's two moments (``8d``) and no gradient for the
+rows outside the pool: ``12d`` bytes per label, plus ``pool x d`` floats of sparse gradient per step, updated
+row-wise by :class:`hf_xmc.training.SparseAdamW`. With dense gradients (``sparse_gradients=False``) the gradient is a
+full ``L x d`` tensor, zero outside the pool, and AdamW updates every row each step: ``16d`` bytes per label.
+Searching adds the normalised copy in the label store and the index (see the README's memory table).
 
 This file is part of the remote-code bundle (torch only).
 """
@@ -19,33 +22,41 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class ExtremeClassifier(nn.Module):
+class ExtremeClassifier(nn.Embedding):
     """``num_labels x dim`` classifier vectors (no bias), scored on label pools.
+
+    An ``nn.Embedding`` so that ``sparse_gradients`` is the module's ``sparse`` flag: the pool's rows are gathered
+    with ``F.embedding(..., sparse=True)`` and ``weight.grad`` is a sparse COO tensor holding only those rows, and
+    ``DistributedDataParallel`` (which reads that flag on ``nn.Embedding`` modules only) all-reduces it as a sparse
+    gradient (the gloo backend; NCCL has no sparse all-reduce). ``torch.optim.AdamW`` refuses sparse gradients:
+    train such a table with :class:`hf_xmc.training.SparseAdamW` (what ``XMCTrainer`` picks).
 
     Args:
         num_labels: L, one row per label id.
         dim: size of a classifier vector (the query head's output size).
+        sparse_gradients: gather rows with sparse gradients (``False``: a dense ``L x dim`` gradient, zero outside the
+            pool). May be switched later through the ``sparse`` attribute, before a ``DistributedDataParallel`` wrap.
 
     Example:
-        >>> clf = ExtremeClassifier(1_000_000, 64)
+        >>> clf = ExtremeClassifier(1_000_000, 64, sparse_gradients=True)
         >>> scores = torch.randn(8, 64) @ clf.pool_weights(torch.tensor([3, 17, 999_999])).T  # (8, 3)
     """
 
-    def __init__(self, num_labels: int, dim: int):
-        super().__init__()
+    def __init__(self, num_labels: int, dim: int, sparse_gradients: bool = False):
         if num_labels < 1 or dim < 1:
             raise ValueError(f"an extreme classifier needs num_labels >= 1 and dim >= 1, got {num_labels}, {dim}")
-        self.weight = nn.Parameter(torch.empty(num_labels, dim))
+        # an uninitialised table (no normal_ pass over L x d rows): the model's _init_weights sets it
+        super().__init__(num_labels, dim, sparse=sparse_gradients, _weight=torch.empty(num_labels, dim))
 
     @property
     def num_labels(self) -> int:
         return self.weight.shape[0]
 
     def pool_weights(self, label_ids: torch.Tensor) -> torch.Tensor:
-        """The ``(pool, dim)`` rows of ``label_ids`` (only these rows receive gradient)."""
+        """The ``(pool, dim)`` rows of ``label_ids`` (only these rows receive gradient, sparse if ``self.sparse``)."""
         if label_ids.numel() and (int(label_ids.min()) < 0 or int(label_ids.max()) >= self.num_labels):
             raise ValueError(f"label ids must lie in [0, {self.num_labels}), got [{int(label_ids.min())}, {int(label_ids.max())}]")
-        return self.weight.index_select(0, label_ids.to(self.weight.device))
+        return self(label_ids.to(self.weight.device))
 
     @torch.no_grad()
     def normalized_weights(self, chunk_size: int = 65536) -> torch.Tensor:
@@ -54,6 +65,9 @@ class ExtremeClassifier(nn.Module):
         for start in range(0, self.num_labels, chunk_size):
             out[start : start + chunk_size] = F.normalize(self.weight[start : start + chunk_size].float(), dim=-1).cpu()
         return out
+
+    def extra_repr(self) -> str:
+        return f"num_labels={self.num_labels}, dim={self.embedding_dim}, sparse_gradients={self.sparse}"
 
 
 __all__ = ["ExtremeClassifier"]

@@ -58,6 +58,10 @@ class PRIMEConfig(XMCConfig):
             Weights of the query->label-text and label-text->query triplet terms.
         regularizer_weight (`float`, *optional*, defaults to 0.1), regularizer_margin (`float`, *optional*, defaults to 0.1):
             lambda and m' of the regulariser R.
+        sparse_label_gradients (`bool`, *optional*, defaults to `True`):
+            Gather the pool's free vectors with sparse gradients: the bank's gradient holds only the rows the pool
+            reads and [`XMCTrainer`] trains with `SparseAdamW` (lazy row-wise AdamW), so a step touches only those
+            rows. `False`: a dense F x hidden gradient and a dense AdamW update of the whole bank.
         kwargs: the shared fields of [`XMCConfig`] (encoder sub-config, pooling, index, ...). `normalize` must stay
             True: PRIME scores are cosines.
     """
@@ -82,6 +86,7 @@ class PRIMEConfig(XMCConfig):
     label_to_query_weight: float = 1.0
     regularizer_weight: float = 0.1
     regularizer_margin: float = 0.1
+    sparse_label_gradients: bool = True
 
     def validate_xmc(self) -> None:
         super().validate_xmc()

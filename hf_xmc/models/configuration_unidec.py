@@ -56,6 +56,11 @@ class UniDECConfig(XMCConfig):
             Learning rate of g1/g2 relative to the encoder's (paper: 2e-4 vs 1e-4).
         classifier_learning_rate (`float`, *optional*, defaults to 1e-3):
             Absolute learning rate of Psi (paper: 1e-3). `None` uses the encoder's.
+        sparse_label_gradients (`bool`, *optional*, defaults to `True`):
+            Gather the pool's rows of Psi with sparse gradients: `Psi.grad` holds only the pool's rows and
+            [`XMCTrainer`] trains with `SparseAdamW` (lazy row-wise AdamW), so training memory per label is weights +
+            moments (12 d bytes in fp32) and a step touches only the pool's rows. `False`: a dense L x d gradient
+            and a dense AdamW update of every row (16 d bytes per label).
         kwargs: the shared fields of [`XMCConfig`] (encoder sub-config, pooling, index, ...).
     """
 
@@ -77,6 +82,7 @@ class UniDECConfig(XMCConfig):
     classifier_init: str = "xavier"
     head_learning_rate_multiplier: float = 2.0
     classifier_learning_rate: Optional[float] = 1e-3
+    sparse_label_gradients: bool = True
 
     def validate_xmc(self) -> None:
         super().validate_xmc()

@@ -448,6 +448,8 @@ class MUFINPreTrainedModel(XMCPreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, ExtremeClassifier):
+            return  # eta is an nn.Embedding, xavier-initialised below with its MUFINClassifier (no normal init first)
         super()._init_weights(module)
         if isinstance(module, nn.Linear) and getattr(module, "_mufin_identity_init", False):
             # Modules I and III: Q, K, V, O of A_S / A_C start at the identity with zero bias. Done per Linear (after

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
+from .classifier_head import ExtremeClassifier
 from .configuration_prime import PRIMEConfig, default_num_free_vectors
 from .modeling_xmc import (
     XMCModelOutput,
@@ -65,10 +66,11 @@ class PRIMEPreTrainedModel(XMCPreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, ExtremeClassifier):  # the free-vector bank: an nn.Embedding, but xavier-initialised
+            init.xavier_uniform_(module.weight)
+            return
         super()._init_weights(module)
         if isinstance(module, PRIMEModel):
-            if module.free_vectors is not None:
-                init.xavier_uniform_(module.free_vectors)
             init.zeros_(module.label_centroids)
             init.zeros_(module.free_vector_map)
             init.zeros_(module.label_state_initialized)
@@ -90,7 +92,7 @@ class PRIMEModel(PRIMEPreTrainedModel):
     """
 
     # parameters trained without weight decay (paper Appx. G: the free-vector bank)
-    no_weight_decay_parameters = ("free_vectors",)
+    no_weight_decay_parameters = ("free_vectors.weight",)
     # the LPN and free vectors get their gradients in the loss, outside the DDP-wrapped encoder replays
     supports_distributed_gradient_cache = False
     # every process applies the same centroid update (from the queries of all processes), so DDP need not broadcast
@@ -103,10 +105,11 @@ class PRIMEModel(PRIMEPreTrainedModel):
         super().__init__(config)
         hidden = config.encoder_config.hidden_size
         self.lpn = LabelPrototypeNetwork(hidden, config.lpn_num_heads, config.lpn_intermediate_size, config.lpn_dropout)
+        # the free-vector bank (F x hidden): a pool reads only its clusters' rows, with sparse gradients by default
         if config.num_free_vectors:
-            self.free_vectors = nn.Parameter(torch.empty(config.num_free_vectors, hidden))
+            self.free_vectors = ExtremeClassifier(config.num_free_vectors, hidden, sparse_gradients=config.sparse_label_gradients)
         else:
-            self.register_parameter("free_vectors", None)
+            self.free_vectors = None
         self.register_buffer("free_vector_map", torch.zeros(config.label_space_size, dtype=torch.long))
         self.register_buffer("label_centroids", torch.zeros(config.label_space_size, hidden))
         self.register_buffer("label_state_initialized", torch.zeros((), dtype=torch.bool))
@@ -124,6 +127,21 @@ class PRIMEModel(PRIMEPreTrainedModel):
         )
         self.last_loss_terms: dict[str, torch.Tensor] = {}  # detached terms of the last loss, for logging
         self.post_init()
+
+    # checkpoints written before the free-vector bank became an ExtremeClassifier hold it under ``free_vectors``
+    _legacy_key_mapping = {r"^free_vectors$": "free_vectors.weight"}
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """``XMCPreTrainedModel.from_pretrained``; a checkpoint with the bank under its former key ``free_vectors``
+        (now ``free_vectors.weight``) loads too, and saves again under the current key."""
+        kwargs["key_mapping"] = {**cls._legacy_key_mapping, **(kwargs.get("key_mapping") or {})}
+        model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        # transformers reverses on save the renamings a load used: not this one (its reverse is no valid key)
+        used = getattr(model, "_weight_conversions", None)
+        if used:
+            model._weight_conversions = [c for c in used if list(getattr(c, "source_patterns", ())) != list(cls._legacy_key_mapping)]
+        return model
 
     # ------------------------------------------------------------------ label state
     @property
@@ -191,7 +209,7 @@ class PRIMEModel(PRIMEPreTrainedModel):
         """LPN output ``z_l`` for raw label-text embeddings ``(n, hidden)`` of labels ``label_ids`` (not normalised)."""
         tokens = [F.normalize(label_embeds, dim=-1) if self.config.normalize_lpn_inputs else label_embeds]
         if self.free_vectors is not None:
-            tokens.append(self.free_vectors[self.free_vector_map[label_ids]].to(label_embeds.dtype))
+            tokens.append(self.free_vectors(self.free_vector_map[label_ids]).to(label_embeds.dtype))
         tokens.append(self.label_centroids[label_ids].to(label_embeds.dtype))
         return self.lpn(*tokens)
 

@@ -38,9 +38,10 @@ class UniDECPreTrainedModel(XMCPreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        if isinstance(module, ExtremeClassifier):
+        if isinstance(module, ExtremeClassifier):  # an nn.Embedding, but not normal-initialised
             init.xavier_uniform_(module.weight)  # official code: xavier-initialised label classifiers
+            return
+        super()._init_weights(module)
         if isinstance(module, UniDECModel):
             for head in (module.de_head, module.clf_head):
                 if head is not None:  # (semi-)orthogonal: the heads start by keeping the pretrained geometry
@@ -78,7 +79,7 @@ class UniDECModel(UniDECPreTrainedModel):
         self.de_logit_scale = nn.Parameter(torch.empty(()), requires_grad=config.learnable_logit_scale)
         if config.use_classifier:
             self.clf_head = nn.Sequential(nn.Linear(hidden, dim), nn.Dropout(config.head_dropout))
-            self.classifier = ExtremeClassifier(config.label_space_size, dim)
+            self.classifier = ExtremeClassifier(config.label_space_size, dim, sparse_gradients=config.sparse_label_gradients)
             self.clf_logit_scale = nn.Parameter(torch.empty(()), requires_grad=config.learnable_logit_scale)
         else:
             self.clf_head = None

@@ -7,6 +7,7 @@ from .evaluation import XMCEvaluator
 from .gradcache import CachedLossOutput, RandContext, cached_loss
 from .label_state import free_vector_assignment, initialize_label_state, label_centroids
 from .negatives import mine_hard_negatives
+from .optim import SparseAdamW
 from .samplers import ClusterBatchSampler, EmbeddingMemoryBank
 from .trainer import XMCEpochCallback, XMCTrainer, XMCTrainingArguments
 
@@ -17,6 +18,7 @@ __all__ = [
     "LabelTokens",
     "PSLDataCollator",
     "RandContext",
+    "SparseAdamW",
     "XMCDataCollator",
     "XMCEpochCallback",
     "XMCEvaluator",

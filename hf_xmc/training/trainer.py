@@ -28,6 +28,7 @@ from .evaluation import XMCEvaluator
 from .gradcache import cached_loss
 from .label_state import initialize_label_state
 from .negatives import mine_hard_negatives
+from .optim import SparseAdamW, can_reduce_sparse_gradients, sparse_gradient_parameters, use_dense_gradients
 from .samplers import ClusterBatchSampler, EmbeddingMemoryBank
 
 logger = logging.getLogger(__name__)
@@ -225,30 +226,49 @@ class XMCTrainer(Trainer):
         return [n for n in names if not any(n == e or n.endswith("." + e) for e in excluded)]
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
-        """transformers' optimizer, with per-module learning rates when the model asks for them.
+        """transformers' optimizer, with per-module learning rates when the model asks for them, and
+        :class:`SparseAdamW` when the model has per-label tables with sparse gradients.
 
         A model may define ``parameter_learning_rates(base_lr) -> {name prefix: lr}`` (UniDEC: heads at twice the
         encoder's rate, classifier vectors at 1e-3); each prefix gets its own parameter groups (with and without
         weight decay). The schedule scales every group by the same factor.
+
+        Tables with sparse gradients (``nn.Embedding(sparse=True)``, e.g. UniDEC's ``Psi`` and PRIME's free vectors
+        with ``config.sparse_label_gradients``) are trained with :class:`SparseAdamW` (AdamW on every dense parameter,
+        lazy row-wise AdamW on the tables' pool rows) when the optimizer is transformers' AdamW (``--optim
+        adamw_torch`` or ``adamw_torch_fused``, the default), with the same groups and hyper-parameters. With any
+        other optimizer (``--optim``, ``optimizer_cls_and_kwargs``, ``optimizers=``) or a data-parallel backend
+        without sparse all-reduce (NCCL; gloo has one), the tables switch to dense gradients, with a warning.
         """
         opt_model = self.model if model is None else model
         rates_of = getattr(self.model, "parameter_learning_rates", None)
-        if self.optimizer is not None or rates_of is None or self.optimizer_cls_and_kwargs is not None:
-            return super().create_optimizer(model)
-        rates = rates_of(self.args.learning_rate)
-        decay = set(self.get_decay_parameter_names(opt_model))
-        groups: dict[tuple[float, bool], list] = {}
-        for name, param in opt_model.named_parameters():
-            if not param.requires_grad:
-                continue
-            bare = name[len("module."):] if name.startswith("module.") else name
-            lr = next((rate for prefix, rate in rates.items() if bare.startswith(prefix)), self.args.learning_rate)
-            groups.setdefault((lr, name in decay), []).append(param)
-        optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-        self.optimizer = optimizer_cls(
-            [{"params": params, "lr": lr, "weight_decay": self.args.weight_decay if decays else 0.0} for (lr, decays), params in groups.items()],
-            **optimizer_kwargs,
-        )
+        sparse = sparse_gradient_parameters(opt_model)
+        if self.optimizer is not None or self.optimizer_cls_and_kwargs is not None or (rates_of is None and not sparse):
+            super().create_optimizer(model)
+        else:
+            rates = rates_of(self.args.learning_rate) if rates_of is not None else {}
+            decay = set(self.get_decay_parameter_names(opt_model))
+            groups: dict[tuple[float, bool], list] = {}
+            for name, param in opt_model.named_parameters():
+                if not param.requires_grad:
+                    continue
+                bare = name[len("module."):] if name.startswith("module.") else name
+                lr = next((rate for prefix, rate in rates.items() if bare.startswith(prefix)), self.args.learning_rate)
+                groups.setdefault((lr, name in decay), []).append(param)
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            if sparse and optimizer_cls is torch.optim.AdamW and can_reduce_sparse_gradients(self.args.world_size, self.args.n_gpu):
+                optimizer_cls = SparseAdamW  # same kwargs (betas, eps, fused): dense parameters take AdamW's own step
+            self.optimizer = optimizer_cls(
+                [{"params": params, "lr": lr, "weight_decay": self.args.weight_decay if decays else 0.0} for (lr, decays), params in groups.items()],
+                **optimizer_kwargs,
+            )
+        if sparse and not isinstance(getattr(self.optimizer, "optimizer", self.optimizer), SparseAdamW):  # Accelerate wraps it
+            use_dense_gradients(opt_model)
+            logger.warning(
+                "%s is not SparseAdamW (or the processes cannot all-reduce sparse gradients): %d per-label table(s) now "
+                "take dense gradients (an L x d gradient per table and a dense update of every row each step)",
+                type(self.optimizer).__name__, len(sparse),
+            )
         return self.optimizer
 
     # ------------------------------------------------------------------ data

@@ -50,7 +50,7 @@ class TestPRIMEModel(XMCModelTesterMixin):
         assert not reloaded.needs_label_state
         torch.testing.assert_close(reloaded.label_centroids, model.label_centroids)
         torch.testing.assert_close(reloaded.free_vector_map, model.free_vector_map)
-        torch.testing.assert_close(reloaded.free_vectors, model.free_vectors)
+        torch.testing.assert_close(reloaded.free_vectors.weight, model.free_vectors.weight)
         # the reloaded weights rebuild the saved prototypes exactly
         torch.testing.assert_close(reloaded.label_search_vectors(), model.label_embeddings, atol=1e-5, rtol=1e-4)
 
@@ -114,8 +114,10 @@ def test_shared_free_vector_gradients_accumulate(tiny_encoder_dir, tiny_task):
     centroids_before = model.label_centroids.clone()
     model(**batch).loss.backward()
     pool_vectors = set(model.free_vector_map[batch["label_ids"]].tolist())
-    grad_rows = set(model.free_vectors.grad.abs().sum(1).nonzero().squeeze(1).tolist())
-    assert grad_rows and grad_rows <= pool_vectors  # vectors of absent clusters get no gradient
+    grad = model.free_vectors.weight.grad
+    assert grad.is_sparse and grad.shape == model.free_vectors.weight.shape  # sparse_label_gradients: no dense F x d
+    grad_rows = grad.coalesce().indices()[0].tolist()
+    assert sorted(grad_rows) == sorted(pool_vectors)  # the pool's clusters, once each; absent clusters get nothing
     assert model.lpn.layer.linear1.weight.grad.abs().sum() > 0
     assert model.encoder.embeddings.word_embeddings.weight.grad.abs().sum() > 0
     assert not model.label_centroids.requires_grad
@@ -123,7 +125,23 @@ def test_shared_free_vector_gradients_accumulate(tiny_encoder_dir, tiny_task):
     # two labels that share a free vector read the same row
     a, b = [i for i in range(40) if model.free_vector_map[i] == model.free_vector_map[0]][:2]
     ids = torch.tensor([a, b])
-    torch.testing.assert_close(model.free_vectors[model.free_vector_map[ids]][0], model.free_vectors[model.free_vector_map[ids]][1])
+    torch.testing.assert_close(model.free_vectors(model.free_vector_map[ids])[0], model.free_vectors(model.free_vector_map[ids])[1])
+
+
+def test_checkpoint_with_the_former_free_vectors_key_loads(tiny_encoder_dir, tiny_task, tmp_path):
+    # before the bank became an ExtremeClassifier (sparse gradients, DDP-aware) it was saved as `free_vectors`
+    from safetensors.torch import load_file, save_file
+
+    model = make_prime(tiny_encoder_dir, tiny_task[0])
+    model.save_pretrained(tmp_path / "old")
+    weights = load_file(tmp_path / "old" / "model.safetensors")
+    weights["free_vectors"] = weights.pop("free_vectors.weight")
+    save_file(weights, tmp_path / "old" / "model.safetensors", metadata={"format": "pt"})
+    reloaded = PRIMEModel.from_pretrained(tmp_path / "old")
+    torch.testing.assert_close(reloaded.free_vectors.weight, model.free_vectors.weight)
+    reloaded.save_pretrained(tmp_path / "new")  # saved again under the current key
+    assert "free_vectors.weight" in load_file(tmp_path / "new" / "model.safetensors")
+    torch.testing.assert_close(PRIMEModel.from_pretrained(tmp_path / "new").free_vectors.weight, model.free_vectors.weight)
 
 
 def test_centroid_ema_matches_the_closed_form():
@@ -170,7 +188,7 @@ def test_training_moves_centroids_and_learns(tiny_encoder_dir, tiny_task, tmp_pa
     assert after["eval_P@1"] > before["test_P@1"] + 20, (before, after)
     # the free-vector bank is trained without weight decay, the LPN weights with it
     groups = trainer.optimizer.param_groups
-    bank_group = [g for g in groups if any(p is model.free_vectors for p in g["params"])][0]
+    bank_group = [g for g in groups if any(p is model.free_vectors.weight for p in g["params"])][0]
     lpn_group = [g for g in groups if any(p is model.lpn.layer.linear1.weight for p in g["params"])][0]
     assert bank_group["weight_decay"] == 0.0 and lpn_group["weight_decay"] == 0.01
     # prototypes beat label texts on the training objective's own ranking (R at work): P@1 by prototype >= by text
@@ -232,9 +250,10 @@ def test_gradient_cache_gives_the_plain_gradients(tiny_encoder_dir, tiny_task):
     loss = cached_loss(lambda chunk: model(**chunk).query_embeds, groups, lambda q, lab: model.pool_loss(q, lab, **extra)[0], chunk_size=6)
     loss.backward()
     cached = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert set(cached) == set(plain) and "free_vectors" in cached and "lpn.layer.linear1.weight" in cached
+    assert set(cached) == set(plain) and "free_vectors.weight" in cached and "lpn.layer.linear1.weight" in cached
+    assert cached["free_vectors.weight"].is_sparse  # the replayed loss also gathers the bank with sparse gradients
     for name in plain:
-        torch.testing.assert_close(cached[name], plain[name], atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(cached[name].to_dense(), plain[name].to_dense(), atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_distributed_gradient_cache_is_refused(tiny_encoder_dir, tiny_task, tmp_path, monkeypatch):

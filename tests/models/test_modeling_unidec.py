@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoModel
 
 from hf_xmc.models import UniDECConfig, UniDECModel
-from hf_xmc.training import PSLDataCollator, XMCTrainer, XMCTrainingArguments, mine_hard_negatives
+from hf_xmc.training import PSLDataCollator, SparseAdamW, XMCTrainer, XMCTrainingArguments, mine_hard_negatives
 from tests.models.test_modeling_common import XMCModelTesterMixin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -114,10 +114,21 @@ def test_classifier_gradient_only_on_pool_rows(tiny_encoder_dir, tiny_task):
     model = make_unidec(tiny_encoder_dir, data)
     batch = psl_batch(model, data, max_label_pool=10)
     model.train()
+    assert model.config.sparse_label_gradients and model.classifier.sparse
+    torch.manual_seed(0)
     model(**batch).loss.backward()
-    grad_rows = set(model.classifier.weight.grad.abs().sum(1).nonzero().squeeze(1).tolist())
-    assert grad_rows == set(batch["label_ids"].tolist())  # every pool row moves, no other row
+    grad = model.classifier.weight.grad
+    assert grad.is_sparse and grad.shape == model.classifier.weight.shape  # no dense L x d gradient
+    grad_rows = grad.coalesce().indices()[0].tolist()
+    assert sorted(grad_rows) == sorted(batch["label_ids"].tolist())  # every pool row, once, and no other row
     assert model.de_head[0].weight.grad.abs().sum() > 0 and model.clf_head[0].weight.grad.abs().sum() > 0
+    # sparse_label_gradients=False (the classifier's sparse flag): the same gradient, dense
+    sparse_grad, model.classifier.sparse = grad.to_dense(), False
+    model.zero_grad()
+    torch.manual_seed(0)  # the same dropout masks
+    model(**batch).loss.backward()
+    assert model.classifier.weight.grad.layout == torch.strided
+    torch.testing.assert_close(model.classifier.weight.grad, sparse_grad)
     assert model.de_logit_scale.grad is not None and model.clf_logit_scale.grad is not None
     assert set(model.last_loss_terms) >= {"de_query_to_label", "de_label_to_query", "clf_query_to_label", "clf_label_to_query", "clf_bce", "loss"}
 
@@ -181,6 +192,7 @@ def test_optimizer_learning_rates_per_part_and_cosine_schedule(tiny_encoder_dir,
     assert lr_of[id(model.classifier.weight)] == pytest.approx(1e-3)
     assert decay_of[id(model.classifier.weight)] == 0.01 and decay_of[id(model.de_logit_scale)] == 0.0
     assert len(lr_of) == sum(1 for p in model.parameters() if p.requires_grad)  # every trainable parameter, once
+    assert type(trainer.optimizer) is SparseAdamW and model.classifier.sparse  # Psi: sparse gradients, lazy AdamW
     lrs = []
     for _ in range(10):
         trainer.optimizer.step()
@@ -233,7 +245,7 @@ def test_a_million_label_model_builds_and_predicts(tiny_encoder_dir):
     out = model(batch["input_ids"], batch["attention_mask"], label_batch["input_ids"], label_batch["attention_mask"], targets=targets, label_ids=ids)
     assert out.logits.shape == (3, 4)
     out.loss.backward()
-    assert set(model.classifier.weight.grad.abs().sum(1).nonzero().squeeze(1).tolist()) == set(ids.tolist())
+    assert set(model.classifier.weight.grad.coalesce().indices()[0].tolist()) == set(ids.tolist())  # sparse: 4 rows
     model.classifier.weight.grad = None
     model.build_label_index(batch_size=8192, show_progress_bar=False)
     assert model.label_embeddings.shape == (num_labels, 32)
