@@ -334,7 +334,8 @@ def run_variant(method: str, variant: str, args, task: dict, encoder: str) -> di
         row["stages"].update({f"reload:{k[len('total.'):] if k.startswith('total.') else k}": v for k, v in reload["stages"].items()})
         row.update({"P@1": reload["P@1"], "P@5": reload["P@5"], "R@100": reload["R@100"], "latency_ms": reload["latency"], "completed": True})
     except (RuntimeError, subprocess.TimeoutExpired) as err:
-        row["error"] = str(err)[-2000:]
+        message = str(err)
+        row["error"] = message if len(message) <= 2000 else message.split("\n", 1)[0] + "\n...\n" + message[-1800:]
     peaks = [v["peak_rss_gib"] for v in row["stages"].values() if v.get("peak_rss_gib") is not None]
     row["peak_rss_gib"] = max(peaks) if peaks else None
     return row
@@ -394,6 +395,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--timeout", type=float, default=4 * 3600, help="Seconds per worker process.")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "scale.json"))
     parser.add_argument("--merge", action="store_true", help="Keep rows of --out for variants not run now (replace the others).")
+    parser.add_argument("--update_readme", action="store_true", help="Write the table between the README's bench:scale markers.")
     parser.add_argument("--worker", choices=("train", "reload"), help=argparse.SUPPRESS)
     parser.add_argument("--worker_config", help=argparse.SUPPRESS)
     parser.add_argument("--worker_result", help=argparse.SUPPRESS)
@@ -437,6 +439,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if not row["completed"]:
             print(row.get("error", ""), flush=True)
     print(format_table(rows))
+    if args.update_readme:
+        from benchmarks.sweep_defaults import update_readme_block
+
+        update_readme_block("<!-- bench:scale -->", format_table(rows) + "\n")
     return rows
 
 
