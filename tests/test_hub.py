@@ -21,12 +21,13 @@ from hf_xmc.hub import check_model_directory, push_to_hub
 from hf_xmc.models import DEXMLModel
 from hf_xmc.training import XMCEvaluator, XMCTrainer, XMCTrainingArguments
 
-# Everything a pushed DEXML model consists of: weights, config, remote code, tokenizer, label store, index, card.
+# Everything a pushed DEXML model consists of: weights, config, remote code, tokenizer, label store, index, card (the
+# exact index searches the label vectors themselves: no faiss file).
 DEXML_REPO_FILES = {
     "config.json", "model.safetensors",
     "configuration_dexml.py", "configuration_xmc.py", "modeling_dexml.py", "modeling_xmc.py", "label_index.py", "xmc_losses.py",
     "tokenizer.json", "tokenizer_config.json",
-    "labels.jsonl", "label_embeddings.safetensors", "label_index.faiss", "label_index.json",
+    "labels.jsonl", "label_embeddings.safetensors", "label_index.json",
     "README.md", "xmc_metrics.png",
 }
 

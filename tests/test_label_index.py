@@ -1,10 +1,12 @@
-"""LabelIndex: exact/HNSW faiss search, the torch fallback, save/load and stale-cache rebuilds."""
+"""LabelIndex: exact, HNSW and IVF search, the torch fallback, fp16 and sharded (row-block) vectors, save/load and
+stale-cache rebuilds."""
 
 import json
 import os
 
 import numpy as np
 import pytest
+import torch
 
 import hf_xmc.models.label_index as label_index_module
 from hf_xmc.index import LabelIndex
@@ -56,7 +58,7 @@ def test_k_larger_than_label_count_pads(vectors):
 def test_bad_inputs(vectors):
     labels, queries = vectors
     with pytest.raises(ValueError, match="kind"):
-        LabelIndex(labels, kind="ivf")
+        LabelIndex(labels, kind="annoy")
     with pytest.raises(ValueError, match="non-empty 2-D"):
         LabelIndex(labels[:0], kind="exact")
     with pytest.raises(ValueError, match=r"shape \(n, 16\)"):
@@ -97,3 +99,120 @@ def test_fallback_without_faiss(monkeypatch, vectors):
     index = LabelIndex(labels, kind="hnsw")
     assert index.kind == "torch"
     np.testing.assert_array_equal(index.search(queries, 4)[1], brute_force(labels, queries, 4)[1])
+    exact = LabelIndex(labels, kind="exact")  # exact search on CPU needs no faiss at all
+    assert exact.kind == "exact" and exact._index is None
+    np.testing.assert_array_equal(exact.search(queries, 4)[1], brute_force(labels, queries, 4)[1])
+
+
+def clustered(num_labels: int, num_queries: int, dim: int = 32, clusters: int = 40, seed: int = 0):
+    """Unit vectors around ``clusters`` random centres (labels and queries drawn alike): neighbours are meaningful, so
+    ANN recall against exact search is too."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((clusters, dim))
+
+    def draw(n):
+        x = centres[rng.integers(clusters, size=n)] + 0.6 * rng.standard_normal((n, dim))
+        return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+    return draw(num_labels), draw(num_queries)
+
+
+def recall(ids, ref):
+    return float(np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(ids, ref)]))
+
+
+def test_ivf_recall_grows_with_nprobe_and_is_exact_when_probing_every_list():
+    labels, queries = clustered(4000, 100)
+    _, ref = brute_force(labels, queries, 10)
+    index = LabelIndex(labels, kind="ivf", ivf_nprobe=1)
+    assert index.ivf_nlist == 100 and isinstance(index._index, faiss.IndexIVFFlat)  # min(4 sqrt(L), L / 40)
+    low = recall(index.search(queries, 10)[1], ref)
+    index.ivf_nprobe = 16
+    mid = recall(index.search(queries, 10)[1], ref)
+    index.ivf_nprobe = index.ivf_nlist
+    scores, ids = index.search(queries, 10)
+    assert low < mid and mid > 0.9
+    np.testing.assert_array_equal(ids, ref)
+    np.testing.assert_allclose(scores, brute_force(labels, queries, 10)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_ivf_save_load_restores_kind_and_params_and_reuses_the_file(tmp_path, monkeypatch):
+    labels, queries = clustered(2000, 30)
+    index = LabelIndex(labels, kind="ivf", ivf_nlist=20, ivf_nprobe=7)
+    index.save(str(tmp_path))
+    meta = json.load(open(tmp_path / "label_index.json"))
+    assert (meta["kind"], meta["ivf_nlist"], meta["ivf_nprobe"], meta["dtype"]) == ("ivf", 20, 7, "float32")
+    paths = str(tmp_path / "label_index.json"), str(tmp_path / "label_index.faiss")
+    real_build = LabelIndex._build_faiss
+    monkeypatch.setattr(LabelIndex, "_build_faiss", lambda self: pytest.fail("the saved index should be reused"))
+    loaded = LabelIndex.load(labels, *paths)
+    assert (loaded.kind, loaded.ivf_nlist, loaded.ivf_nprobe) == ("ivf", 20, 7)
+    np.testing.assert_array_equal(loaded.search(queries, 10)[1], index.search(queries, 10)[1])
+    assert LabelIndex.load(labels, *paths, ivf_nprobe=20).ivf_nprobe == 20  # a search parameter: same file
+    # another list count, or other vectors of the same shape, rebuild the index
+    rebuilt = []
+    monkeypatch.setattr(LabelIndex, "_build_faiss", lambda self: rebuilt.append(self.ivf_nlist) or real_build(self))
+    assert LabelIndex.load(labels, *paths, ivf_nlist=10).ivf_nlist == 10
+    LabelIndex.load(labels[::-1].copy(), *paths)
+    assert rebuilt == [10, 20]
+
+
+def test_stale_hnsw_file_for_other_vectors_of_the_same_shape_is_rebuilt(tmp_path):
+    labels, queries = clustered(500, 20)
+    LabelIndex(labels, kind="hnsw", hnsw_ef_construction=40).save(str(tmp_path))
+    other, _ = clustered(500, 1, seed=1)
+    loaded = LabelIndex.load(other, str(tmp_path / "label_index.json"), str(tmp_path / "label_index.faiss"))
+    assert recall(loaded.search(queries, 10)[1], brute_force(other, queries, 10)[1]) > 0.95
+
+
+def test_exact_kinds_keep_no_faiss_copy_and_save_no_faiss_file(tmp_path, vectors):
+    labels, _ = vectors
+    LabelIndex(labels, kind="hnsw").save(str(tmp_path))
+    index = LabelIndex(labels, kind="exact")
+    assert index._index is None and index.blocks[0].data_ptr() == labels.ctypes.data  # searches the caller's array
+    index.save(str(tmp_path))  # the HNSW file of the earlier save would be a stale upload
+    assert not (tmp_path / "label_index.faiss").exists()
+    assert json.load(open(tmp_path / "label_index.json"))["kind"] == "exact"
+
+
+@pytest.mark.parametrize("kind", ["exact", "torch", "hnsw", "ivf"])
+def test_row_blocks_search_like_one_array_without_copies(vectors, kind):
+    labels, queries = vectors
+    blocks = [labels[:130], labels[130:400], labels[400:]]
+    whole = LabelIndex(labels, kind=kind, chunk_size=64)
+    split = LabelIndex(blocks, kind=kind, chunk_size=64)  # chunks cross the block boundaries
+    assert split.num_labels == 500 and [b.data_ptr() for b in split.blocks] == [b.ctypes.data for b in blocks]
+    s1, i1 = whole.search(queries, 12)
+    s2, i2 = split.search(queries, 12)
+    np.testing.assert_array_equal(i1, i2)
+    np.testing.assert_allclose(s1, s2, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="differ in width or dtype"):
+        LabelIndex([labels[:10], labels[10:20, :8]], kind=kind)
+
+
+@pytest.mark.parametrize("kind,faiss_type", [("exact", None), ("hnsw", "IndexHNSWSQ"), ("ivf", "IndexIVFScalarQuantizer")])
+def test_fp16_vectors_stay_fp16(kind, faiss_type):
+    labels, queries = clustered(3000, 50)
+    half = labels.astype(np.float16)
+    index = LabelIndex(half, kind=kind, hnsw_ef_construction=40, ivf_nprobe=32, chunk_size=1000)
+    assert index.dtype == torch.float16 and index.blocks[0].data_ptr() == half.ctypes.data
+    if faiss_type:  # faiss holds fp16 codes too, not a widened fp32 copy
+        assert type(index._index).__name__ == faiss_type
+    scores, ids = index.search(queries, 10)
+    ref_scores, ref_ids = brute_force(half.astype(np.float32), queries, 10)
+    if kind == "exact":
+        np.testing.assert_array_equal(ids, ref_ids)
+        np.testing.assert_allclose(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    else:
+        assert recall(ids, ref_ids) > 0.9
+
+
+def test_exact_search_keeps_the_score_block_within_budget(monkeypatch, vectors):
+    labels, queries = vectors
+    monkeypatch.setattr(label_index_module, "SCORE_BLOCK_VALUES", 40 * 50)  # 40 queries -> 50 label rows at a time
+    seen = []
+    real_chunks = LabelIndex._chunks
+    monkeypatch.setattr(LabelIndex, "_chunks", lambda self, rows, blocks=None: seen.append(rows) or real_chunks(self, rows, blocks))
+    scores, ids = LabelIndex(labels, kind="exact").search(queries, k=7)
+    assert seen == [50]
+    np.testing.assert_array_equal(ids, brute_force(labels, queries, 7)[1])

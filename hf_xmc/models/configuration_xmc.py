@@ -6,6 +6,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
 POOLING_MODES = ("mean", "cls")
+LABEL_EMBEDDINGS_DTYPES = ("float32", "float16")
 
 
 class XMCConfig(PreTrainedConfig):
@@ -28,8 +29,12 @@ class XMCConfig(PreTrainedConfig):
         label_max_seq_length (`int`, *optional*, defaults to 32):
             Token budget of a label text.
         index_kind (`str`, *optional*, defaults to `"exact"`):
-            Label index used by `predict`: `"exact"` (faiss flat inner product), `"hnsw"` (faiss HNSW) or
-            `"torch"` (chunked exact search, also the fallback without faiss).
+            Label index used by `predict`: `"exact"` (chunked exact search over the label vectors; a faiss flat index
+            on GPU), `"hnsw"` (faiss HNSW), `"ivf"` (faiss inverted lists) or `"torch"` (chunked exact search in torch,
+            also the fallback without faiss). See `label_index.py` for the memory each one costs.
+        label_embeddings_dtype (`str`, *optional*, defaults to `"float32"`):
+            Precision of the saved label vectors, on disk and in memory: `"float32"` or `"float16"` (half the bytes;
+            search widens fp16 vectors to fp32 one chunk at a time, the faiss indexes store fp16 codes).
         propensity_a / propensity_b (`float`, *optional*):
             Constants of the inverse-propensity model used for PSP@k (pyxclib: 0.55/1.5 by default,
             0.6/2.6 Amazon, 0.5/0.4 Wikipedia).
@@ -45,6 +50,7 @@ class XMCConfig(PreTrainedConfig):
     max_seq_length: int = 32
     label_max_seq_length: int = 32
     index_kind: str = "exact"
+    label_embeddings_dtype: str = "float32"
     propensity_a: float = 0.55
     propensity_b: float = 1.5
 
@@ -52,7 +58,11 @@ class XMCConfig(PreTrainedConfig):
         """Raise a ValueError naming the first invalid field."""
         if self.pooling not in POOLING_MODES:
             raise ValueError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
-        if self.index_kind not in ("exact", "hnsw", "torch"):
-            raise ValueError(f"index_kind must be 'exact', 'hnsw' or 'torch', got {self.index_kind!r}")
+        from .label_index import INDEX_KINDS  # here, not at the top: loading a config needs no torch
+
+        if self.index_kind not in INDEX_KINDS:
+            raise ValueError(f"index_kind must be one of {INDEX_KINDS}, got {self.index_kind!r}")
+        if self.label_embeddings_dtype not in LABEL_EMBEDDINGS_DTYPES:
+            raise ValueError(f"label_embeddings_dtype must be one of {LABEL_EMBEDDINGS_DTYPES}, got {self.label_embeddings_dtype!r}")
         if not 0.0 <= self.embedding_dropout < 1.0:
             raise ValueError(f"embedding_dropout must be in [0, 1), got {self.embedding_dropout}")

@@ -2,14 +2,30 @@
 
 Backends
 --------
-* ``"exact"``  faiss ``IndexFlatIP`` (exact; moved to every visible GPU when a faiss GPU build and a GPU
-  are present).
-* ``"hnsw"``   faiss ``IndexHNSWFlat`` with inner-product metric (approximate, CPU only in faiss).
-* ``"torch"``  exact chunked ``torch.topk`` over label blocks; the fallback when faiss is not installed
-  and the test oracle for the others.
+* ``"exact"``  exact search. On CPU it is the chunked matmul + running top-k of ``"torch"`` straight over the label
+  vectors (no copy of them; faiss ``IndexFlatIP`` would hold a second fp32 copy for the same GEMM); on GPU with a
+  faiss GPU build, a faiss flat index on every visible GPU, filled chunk by chunk.
+* ``"hnsw"``   faiss ``IndexHNSWFlat`` (``IndexHNSWSQ`` fp16 over fp16 vectors), inner product; approximate, CPU.
+* ``"ivf"``    faiss ``IndexIVFFlat`` (``IndexIVFScalarQuantizer`` fp16 over fp16 vectors), inner product:
+  ``ivf_nlist`` lists from spherical k-means on a sample of the vectors, ``ivf_nprobe`` lists scanned per query.
+* ``"torch"``  exact chunked ``torch.topk`` over label blocks, on the GPU when torch sees one; the fallback when
+  faiss is not installed and the test oracle for the others.
 
-The label vectors are the source of truth; the faiss file written by :meth:`LabelIndex.save` is a cache
-that is rebuilt whenever it is missing or was written by another faiss version.
+The label vectors are the source of truth; the faiss file written by :meth:`LabelIndex.save` (``hnsw`` and ``ivf``
+only) is a cache that is rebuilt whenever it is missing, was written by another faiss version, or was built from
+other vectors (its ``label_index.json`` keeps a fingerprint of them).
+
+Memory model (``L`` labels of ``d`` dims; ``s`` = 4 bytes per value for fp32 vectors, 2 for fp16)
+------------------------------------------------------------------------------------------------
+* the vectors: ``L * d * s``, used in place (a memory-mapped store costs its pages once they are touched; a store
+  loaded as several shards stays several blocks, never joined);
+* ``exact`` / ``torch`` on CPU: nothing per label; per query batch ``b`` a score block of at most
+  ``SCORE_BLOCK_VALUES`` floats (64 MiB) plus, for fp16 vectors, one fp32 chunk of ``rows x d x 4`` bytes;
+* ``hnsw``: faiss's own copy, ``L * (d * s + ~8 M + 12)`` bytes (``M = hnsw_m``: 2M int32 neighbours on level 0,
+  the upper levels and the level tables): 1,808 B per label measured at d=384, M=32 in fp32 (1.18x the vectors),
+  1,040 B in fp16 (1.35x). Searching never touches the vectors, so a loaded index costs only this;
+* ``ivf``: faiss's own copy, ``L * (d * s + 8)`` bytes + ``nlist * d * 4`` centroids (1.005x the vectors);
+  building also holds a training sample of ``min(L, 40 nlist) x d x 4`` bytes.
 
 This file is part of the remote-code bundle of every hf_xmc model: it imports only numpy, torch and
 (optionally) faiss.
@@ -17,11 +33,14 @@ This file is part of the remote-code bundle of every hf_xmc model: it imports on
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
-from typing import Optional
+from collections.abc import Iterator, Sequence
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -33,9 +52,18 @@ except ImportError:  # pragma: no cover - exercised in environments without fais
 
 logger = logging.getLogger(__name__)
 
-INDEX_KINDS = ("exact", "hnsw", "torch")
+INDEX_KINDS = ("exact", "hnsw", "ivf", "torch")
 INDEX_FILE = "label_index.faiss"
 INDEX_META_FILE = "label_index.json"
+# score block budget of the chunked exact search: (queries x label rows) floats scored at once, 64 MiB
+SCORE_BLOCK_VALUES = 1 << 24
+# training vectors per IVF list: k-means sees this many (faiss warns below 39; more costs build time, ~linearly)
+IVF_TRAIN_POINTS_PER_LIST = 40
+# parameters that shape the faiss index: a saved file built with other values is rebuilt
+BUILD_PARAMS = ("hnsw_m", "hnsw_ef_construction", "ivf_nlist")
+SEARCH_PARAMS = ("hnsw_ef_search", "ivf_nprobe")
+
+Vectors = Union[np.ndarray, torch.Tensor]
 
 
 def faiss_available() -> bool:
@@ -48,18 +76,59 @@ def faiss_gpu_available() -> bool:
     return faiss is not None and hasattr(faiss, "get_num_gpus") and faiss.get_num_gpus() > 0
 
 
+def default_ivf_nlist(num_labels: int) -> int:
+    """``4 sqrt(L)`` inverted lists (4,560 at 1.3M labels), at most one per ``IVF_TRAIN_POINTS_PER_LIST`` labels, at
+    least 1."""
+    return max(1, min(int(4 * math.sqrt(num_labels)), num_labels // IVF_TRAIN_POINTS_PER_LIST))
+
+
+def as_label_blocks(embeddings: Vectors | Sequence[Vectors]) -> list[torch.Tensor]:
+    """The label vectors as a list of CPU row blocks ``(rows, d)``, float32 or float16, without copying them when
+    they already are (a memory-mapped safetensors tensor stays mapped). ``embeddings`` is one ``(L, d)`` array or
+    tensor, or a sequence of them (e.g. the shards of a saved store), in label-id order."""
+    parts = [embeddings] if isinstance(embeddings, (np.ndarray, torch.Tensor)) else list(embeddings)
+    blocks = []
+    for part in parts:
+        block = torch.from_numpy(part) if isinstance(part, np.ndarray) and part.dtype in (np.float32, np.float16) else torch.as_tensor(part)
+        block = block.detach().cpu()
+        if block.dtype not in (torch.float32, torch.float16):
+            block = block.float()
+        blocks.append(block.contiguous())
+    if not blocks or any(b.ndim != 2 for b in blocks) or sum(b.shape[0] for b in blocks) == 0:
+        raise ValueError(f"label embeddings must be a non-empty 2-D array, got shapes {[tuple(b.shape) for b in blocks]}")
+    if len({b.shape[1] for b in blocks}) > 1 or len({b.dtype for b in blocks}) > 1:
+        raise ValueError(f"label blocks differ in width or dtype: {[(tuple(b.shape), b.dtype) for b in blocks]}")
+    return blocks
+
+
+def vectors_fingerprint(blocks: Sequence[torch.Tensor]) -> str:
+    """A cheap fingerprint of the label vectors (shape, dtype and 16 evenly spaced rows): a saved faiss file is reused
+    only for the vectors it was built from. Reads 16 rows, so a memory-mapped store stays almost untouched."""
+    num_labels = sum(b.shape[0] for b in blocks)
+    digest = hashlib.sha256(f"{num_labels}x{blocks[0].shape[1]}:{blocks[0].dtype}".encode())
+    offsets = np.cumsum([0] + [b.shape[0] for b in blocks])
+    for row in np.unique(np.linspace(0, num_labels - 1, 16).astype(np.int64)):
+        which = int(np.searchsorted(offsets, row, side="right")) - 1
+        digest.update(blocks[which][row - offsets[which]].numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
 class LabelIndex:
     """Inner-product top-k search over a fixed set of label vectors.
 
     Args:
-        embeddings: ``(num_labels, dim)`` float array of label vectors.
-        kind: ``"exact"``, ``"hnsw"`` or ``"torch"``. Faiss kinds fall back to ``"torch"`` (exact) with a
-            warning when faiss is not installed.
-        use_gpu: put a faiss ``exact`` index (or torch search) on GPU; ``None`` means "when available".
+        embeddings: ``(num_labels, dim)`` float32 or float16 array/tensor of label vectors, or a list of such row
+            blocks (the shards of a saved store). Used in place, never copied (other dtypes are converted to float32).
+        kind: ``"exact"``, ``"hnsw"``, ``"ivf"`` or ``"torch"``. ``hnsw`` and ``ivf`` fall back to ``"torch"`` (exact)
+            with a warning when faiss is not installed; ``exact`` needs faiss only on GPU.
+        use_gpu: search on GPU (a faiss GPU flat index for ``exact``, torch for ``torch``); ``None`` = when available.
         hnsw_m: HNSW graph degree (faiss ``M``).
         hnsw_ef_construction / hnsw_ef_search: HNSW build and query beam widths.
-        chunk_size: number of labels scored at once by the torch backend (bounds memory to
-            ``batch x chunk_size`` scores).
+        ivf_nlist: number of IVF lists; ``None`` = :func:`default_ivf_nlist` (``4 sqrt(L)``).
+        ivf_nprobe: IVF lists scanned per query (more: higher recall, slower); 64 of the 4,560 default lists at 1.3M
+            labels find 96% of the exact top-100 (benchmarks/bench_index.py).
+        chunk_size: most label rows scored at once by the chunked exact search (it also keeps the score block within
+            ``SCORE_BLOCK_VALUES``) and added to faiss at once.
 
     Example:
         >>> index = LabelIndex(np.random.randn(1000, 32).astype("float32"), kind="exact")
@@ -68,73 +137,111 @@ class LabelIndex:
 
     def __init__(
         self,
-        embeddings: np.ndarray | torch.Tensor,
+        embeddings: Vectors | Sequence[Vectors],
         kind: str = "exact",
         use_gpu: Optional[bool] = None,
         hnsw_m: int = 32,
         hnsw_ef_construction: int = 200,
         hnsw_ef_search: int = 128,
+        ivf_nlist: Optional[int] = None,
+        ivf_nprobe: int = 64,
         chunk_size: int = 65536,
         _faiss_index=None,
     ):
         if kind not in INDEX_KINDS:
             raise ValueError(f"unknown index kind {kind!r}; choose one of {INDEX_KINDS}")
-        if isinstance(embeddings, torch.Tensor):
-            embeddings = embeddings.detach().float().cpu().numpy()
-        embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
-        if embeddings.ndim != 2 or embeddings.shape[0] == 0:
-            raise ValueError(f"label embeddings must be a non-empty 2-D array, got shape {embeddings.shape}")
-        if kind != "torch" and faiss is None:
+        self.blocks = as_label_blocks(embeddings)
+        if kind in ("hnsw", "ivf") and faiss is None:
             logger.warning("faiss is not installed: LabelIndex(kind=%r) falls back to exact torch search", kind)
             kind = "torch"
         self.kind = kind
-        self.embeddings = embeddings
         self.hnsw_m = hnsw_m
         self.hnsw_ef_construction = hnsw_ef_construction
         self.hnsw_ef_search = hnsw_ef_search
+        self.ivf_nlist = (ivf_nlist or default_ivf_nlist(self.num_labels)) if kind == "ivf" else ivf_nlist
+        self.ivf_nprobe = ivf_nprobe
         self.chunk_size = chunk_size
-        self.use_gpu = (torch.cuda.is_available() if kind == "torch" else faiss_gpu_available()) if use_gpu is None else use_gpu
+        if use_gpu is None:
+            use_gpu = faiss_gpu_available() if kind == "exact" else torch.cuda.is_available() if kind == "torch" else False
+        self.use_gpu = use_gpu
         self._index = _faiss_index
-        if self.kind != "torch" and self._index is None:
+        if self._index is None and self._uses_faiss():
             self._index = self._build_faiss()
-        self._gpu_index = None
         self._torch_labels: Optional[torch.Tensor] = None
 
     @property
     def num_labels(self) -> int:
         """Number of indexed labels."""
-        return self.embeddings.shape[0]
+        return sum(b.shape[0] for b in self.blocks)
 
     @property
     def dim(self) -> int:
         """Dimension of the label vectors."""
-        return self.embeddings.shape[1]
+        return self.blocks[0].shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Precision the label vectors are held in (float32 or float16)."""
+        return self.blocks[0].dtype
+
+    def _uses_faiss(self) -> bool:
+        return self.kind in ("hnsw", "ivf") or (self.kind == "exact" and self.use_gpu and faiss_gpu_available())
+
+    def _chunks(self, rows: int, blocks: Optional[Sequence[torch.Tensor]] = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(first label id, float32 rows)`` over the label vectors, ``rows`` at a time; fp32 blocks are sliced in
+        place, fp16 ones widened one chunk at a time."""
+        offset = 0
+        for block in self.blocks if blocks is None else blocks:
+            for start in range(0, block.shape[0], rows):
+                yield offset + start, block[start : start + rows].float()
+            offset += block.shape[0]
 
     def _build_faiss(self):
-        d = self.dim
-        if self.kind == "exact":
-            index = faiss.IndexFlatIP(d)
-        else:
-            index = faiss.IndexHNSWFlat(d, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        d, fp16 = self.dim, self.dtype == torch.float16
+        if self.kind == "hnsw":
+            if fp16:  # fp16 codes: faiss holds the vectors at the precision they are stored in
+                index = faiss.IndexHNSWSQ(d, faiss.ScalarQuantizer.QT_fp16, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+            else:
+                index = faiss.IndexHNSWFlat(d, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
             index.hnsw.efConstruction = self.hnsw_ef_construction
-        index.add(self.embeddings)
+        elif self.kind == "ivf":
+            quantizer = faiss.IndexFlatIP(d)  # the IVF constructor sets spherical k-means for inner product
+            if fp16:
+                index = faiss.IndexIVFScalarQuantizer(quantizer, d, self.ivf_nlist, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+                index.by_residual = False  # fp16 of the vectors themselves is precise enough, and cheaper to scan
+            else:
+                index = faiss.IndexIVFFlat(quantizer, d, self.ivf_nlist, faiss.METRIC_INNER_PRODUCT)
+            index.train(self._training_sample())
+        else:  # exact on GPU: an empty flat index put on the GPUs, filled chunk by chunk (no CPU copy)
+            index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatIP(d))
+        for _, chunk in self._chunks(self.chunk_size):
+            index.add(chunk.numpy())
         return index
 
-    def _search_index(self):
-        """The index to query: a GPU copy of an exact index when asked for and possible."""
-        if self.kind == "exact" and self.use_gpu and faiss_gpu_available():
-            if self._gpu_index is None:
-                self._gpu_index = faiss.index_cpu_to_all_gpus(self._index)
-            return self._gpu_index
+    def _training_sample(self) -> np.ndarray:
+        """Up to ``IVF_TRAIN_POINTS_PER_LIST * nlist`` label vectors (fixed seed, float32) to train the IVF lists on."""
+        n = min(self.num_labels, IVF_TRAIN_POINTS_PER_LIST * self.ivf_nlist)
+        rows = np.sort(np.random.default_rng(0).choice(self.num_labels, n, replace=False))
+        parts, offset = [], 0
+        for block in self.blocks:
+            local = rows[(rows >= offset) & (rows < offset + block.shape[0])] - offset
+            parts.append(block[torch.from_numpy(local)].float())
+            offset += block.shape[0]
+        return torch.cat(parts).numpy()
+
+    def _faiss_search_index(self):
         if self.kind == "hnsw":
             self._index.hnsw.efSearch = max(self.hnsw_ef_search, 1)
+        elif self.kind == "ivf":
+            self._index.nprobe = max(1, min(self.ivf_nprobe, self.ivf_nlist))
         return self._index
 
-    def search(self, queries: np.ndarray | torch.Tensor, k: int = 10, batch_size: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, queries: Vectors, k: int = 10, batch_size: int = 4096) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` labels per query by inner product, best first.
 
         Returns ``(scores, ids)``: float32 and int64 arrays of shape ``(num_queries, k)``. When ``k``
-        exceeds the number of labels, the missing slots hold id ``-1`` and score ``-inf``.
+        exceeds the number of labels (or an approximate index finds fewer), the missing slots hold id ``-1`` and
+        score ``-inf``.
         """
         if isinstance(queries, torch.Tensor):
             queries = queries.detach().float().cpu().numpy()
@@ -147,25 +254,33 @@ class LabelIndex:
         kk = min(k, self.num_labels)
         for start in range(0, n, batch_size):
             q = queries[start : start + batch_size]
-            if self.kind == "torch":
-                s, i = self._torch_search(q, kk)
+            if self._index is not None:
+                s, i = self._faiss_search_index().search(q, kk)
+                s = np.where(i < 0, -np.inf, s)  # HNSW / IVF may return fewer than k hits
             else:
-                s, i = self._search_index().search(q, kk)
-                s = np.where(i < 0, -np.inf, s)  # HNSW may return fewer than k hits
+                s, i = self._exact_search(q, kk)
             scores[start : start + len(q), :kk] = s
             ids[start : start + len(q), :kk] = i
         return scores, ids
 
-    def _torch_search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def _exact_search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Chunked ``queries @ labels.T`` with a running top-k: the score block never exceeds ``SCORE_BLOCK_VALUES``."""
         device = torch.device("cuda") if self.use_gpu and torch.cuda.is_available() else torch.device("cpu")
-        if self._torch_labels is None or self._torch_labels.device != device:
-            self._torch_labels = torch.from_numpy(self.embeddings).to(device)
-        labels = self._torch_labels
+        blocks = None
+        if device.type == "cuda":  # one copy of the vectors in GPU memory (their precision), kept between searches
+            if self._torch_labels is None:
+                self._torch_labels = torch.empty((self.num_labels, self.dim), dtype=self.dtype, device=device)
+                offset = 0
+                for block in self.blocks:
+                    self._torch_labels[offset : offset + block.shape[0]].copy_(block)
+                    offset += block.shape[0]
+            blocks = [self._torch_labels]
         q = torch.from_numpy(queries).to(device)
+        rows = max(1, min(self.chunk_size, SCORE_BLOCK_VALUES // max(1, q.shape[0])))
         best_s = torch.full((q.shape[0], k), -float("inf"), device=device)
         best_i = torch.full((q.shape[0], k), -1, dtype=torch.long, device=device)
-        for start in range(0, labels.shape[0], self.chunk_size):
-            block = q @ labels[start : start + self.chunk_size].T
+        for start, chunk in self._chunks(rows, blocks):
+            block = q @ chunk.T
             s, i = torch.topk(block, min(k, block.shape[1]), dim=1)
             merged_s = torch.cat([best_s, s], dim=1)
             merged_i = torch.cat([best_i, i + start], dim=1)
@@ -173,72 +288,96 @@ class LabelIndex:
             best_i = torch.gather(merged_i, 1, order)
         return best_s.cpu().numpy(), best_i.cpu().numpy()
 
-    def save(self, directory: str) -> None:
-        """Write the faiss index (if any) and its metadata atomically into ``directory``."""
-        os.makedirs(directory, exist_ok=True)
-        meta = {
+    def metadata(self) -> dict:
+        """What :meth:`save` writes to ``label_index.json``: kind, shape, precision, parameters, faiss version and the
+        fingerprint of the vectors the index was built from."""
+        return {
             "kind": self.kind,
             "num_labels": self.num_labels,
             "dim": self.dim,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "fingerprint": vectors_fingerprint(self.blocks),
             "hnsw_m": self.hnsw_m,
             "hnsw_ef_construction": self.hnsw_ef_construction,
             "hnsw_ef_search": self.hnsw_ef_search,
+            "ivf_nlist": self.ivf_nlist,
+            "ivf_nprobe": self.ivf_nprobe,
             "faiss_version": getattr(faiss, "__version__", None) if faiss is not None else None,
         }
-        if self.kind != "torch":
-            atomic_write(os.path.join(directory, INDEX_FILE), lambda p: faiss.write_index(self._index, p))
-        atomic_write(os.path.join(directory, INDEX_META_FILE), lambda p: _write_json(p, meta))
+
+    def save(self, directory: str) -> None:
+        """Write the faiss index (``hnsw`` / ``ivf``; exact search needs none) and its metadata atomically into
+        ``directory``; a faiss file left there by an earlier save of another kind is removed."""
+        os.makedirs(directory, exist_ok=True)
+        index_path = os.path.join(directory, INDEX_FILE)
+        if self.kind in ("hnsw", "ivf"):
+            atomic_write(index_path, lambda p: faiss.write_index(self._index, p))
+        elif os.path.exists(index_path):
+            os.remove(index_path)
+        atomic_write(os.path.join(directory, INDEX_META_FILE), lambda p: write_json(p, self.metadata()))
 
     @classmethod
     def load(
         cls,
-        embeddings: np.ndarray | torch.Tensor,
+        embeddings: Vectors | Sequence[Vectors],
         meta_path: Optional[str] = None,
         index_path: Optional[str] = None,
         kind: Optional[str] = None,
         use_gpu: Optional[bool] = None,
+        **params,
     ) -> LabelIndex:
         """Restore an index for ``embeddings`` from saved files, rebuilding it when they are stale.
 
         ``meta_path`` / ``index_path`` are local paths to the files written by :meth:`save` (either may be
-        ``None``). The saved faiss file is reused only if it matches the embeddings' shape and was written
-        by the installed faiss version; otherwise the index is rebuilt from the embeddings.
+        ``None``). The saved parameters are restored; ``params`` (``hnsw_ef_search=...``, ``ivf_nprobe=...``,
+        ``chunk_size=...``) override them. The saved faiss file is reused only if it was written by the installed
+        faiss version for these vectors (shape, dtype, fingerprint) with the same build parameters; otherwise the
+        index is rebuilt from the embeddings. Exact kinds read no faiss file.
         """
         meta = {}
         if meta_path and os.path.exists(meta_path):
             with open(meta_path, encoding="utf-8") as f:
                 meta = json.load(f)
         kind = kind or meta.get("kind", "exact")
-        params = {k: meta[k] for k in ("hnsw_m", "hnsw_ef_construction", "hnsw_ef_search") if k in meta}
-        emb = embeddings.detach().float().cpu().numpy() if isinstance(embeddings, torch.Tensor) else embeddings
+        blocks = as_label_blocks(embeddings)
+        fingerprint = vectors_fingerprint(blocks)
+        same_store = (
+            meta.get("kind") == kind
+            and meta.get("num_labels") == sum(b.shape[0] for b in blocks)
+            and meta.get("dim") == blocks[0].shape[1]
+            and meta.get("dtype", "float32") == str(blocks[0].dtype).replace("torch.", "")
+            and meta.get("fingerprint", fingerprint) == fingerprint  # files from before fingerprints are trusted
+        )
+        restored = {k: meta[k] for k in (*BUILD_PARAMS, *SEARCH_PARAMS) if meta.get(k) is not None}
+        if meta.get("num_labels") != sum(b.shape[0] for b in blocks):
+            restored.pop("ivf_nlist", None)  # sized for another label count
+        params = {**restored, **params}
         saved = None
         if (
-            kind != "torch"
+            kind in ("hnsw", "ivf")
+            and same_store
             and faiss is not None
             and index_path
             and os.path.exists(index_path)
-            and meta.get("kind") == kind
             and meta.get("faiss_version") == getattr(faiss, "__version__", None)
-            and meta.get("num_labels") == emb.shape[0]
-            and meta.get("dim") == emb.shape[1]
+            and all(params[k] == meta.get(k) for k in BUILD_PARAMS if k in params and k.startswith(kind))
         ):
             try:
                 saved = faiss.read_index(index_path)
             except RuntimeError as err:  # a corrupt cache is rebuilt, never trusted
                 logger.warning("could not read %s (%s); rebuilding the label index", index_path, err)
-        return cls(emb, kind=kind, use_gpu=use_gpu, _faiss_index=saved, **params)
+        return cls(blocks, kind=kind, use_gpu=use_gpu, _faiss_index=saved, **params)
 
 
-def _write_json(path: str, obj) -> None:
+def write_json(path: str, obj) -> None:
+    """Write ``obj`` as indented JSON (UTF-8)."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
 
 
 def atomic_write(path: str, write_fn) -> None:
     """Write through ``write_fn(tmp_path)`` into a temp file beside ``path`` and rename it into place."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
-    os.close(fd)
+    tmp = temp_path_for(path)
     try:
         write_fn(tmp)
         os.replace(tmp, path)
@@ -246,3 +385,11 @@ def atomic_write(path: str, write_fn) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def temp_path_for(path: str) -> str:
+    """A fresh ``.tmp-*`` file beside ``path`` (same filesystem, so ``os.replace`` moves it into place atomically)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
+    os.close(fd)
+    return tmp

@@ -26,7 +26,8 @@ Label store (artifacts beside ``model.safetensors``, read back through ``cached_
 * ``mufin_label_centroids.safetensors``: ``mu_l`` and the number of training positives behind each;
 * ``mufin_label_images.safetensors``: the label images as their file bytes (``config.save_label_images``), so a
   reloaded model can re-encode its labels from texts and images;
-* ``label_index.faiss`` + ``label_index.json``: the shortlist index, a cache rebuilt from the bags and centroids;
+* ``label_index.json`` (+ ``label_index.faiss`` for HNSW / IVF): the shortlist index, a cache rebuilt from the bags
+  and centroids;
 * ``preprocessor_config.json`` (the image processor), the tokenizer files and ``labels.jsonl`` (label texts).
 
 Implementation spec: ``shared/specs/mufin.md``. Where the paper and the official code differ the paper is the
@@ -57,7 +58,13 @@ from transformers.utils import ModelOutput, logging
 from .classifier_head import ExtremeClassifier
 from .configuration_mufin import MUFIN_SEARCH_MODES, OPEN_CLIP_PREFIX, MUFINConfig
 from .label_index import INDEX_FILE, INDEX_META_FILE, LabelIndex, atomic_write
-from .modeling_xmc import LABEL_EMBEDDINGS_FILE, XMCPrediction, XMCPreTrainedModel, _repair_tokenizer
+from .modeling_xmc import (
+    LABEL_EMBEDDINGS_FILE,
+    LABEL_EMBEDDINGS_INDEX_FILE,
+    XMCPrediction,
+    XMCPreTrainedModel,
+    _repair_tokenizer,
+)
 from .xmc_losses import mufin_ranker_loss, mufin_triplet_loss
 
 try:  # Pillow is only needed to read image paths; PIL images passed in work as they are
@@ -1185,7 +1192,7 @@ class MUFINModel(MUFINPreTrainedModel):
         """The base class's files without ``label_embeddings.safetensors`` (MUFIN's label store is its bags), plus the
         image processor, the label bags (needed), the centroids and the label images (optional)."""
         files = super().model_files()
-        del files[LABEL_EMBEDDINGS_FILE]
+        del files[LABEL_EMBEDDINGS_FILE], files[LABEL_EMBEDDINGS_INDEX_FILE]
         files.update({IMAGE_PROCESSOR_FILE: True, LABEL_BAGS_FILE: True, LABEL_CENTROIDS_FILE: False, LABEL_IMAGES_FILE: False})
         return files
 

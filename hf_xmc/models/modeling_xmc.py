@@ -5,8 +5,11 @@ texts, plus a *label store* that rides with the checkpoint:
 
 * ``tokenizer``: saved with the model (``tokenizer.json`` ...);
 * ``labels.jsonl``: one ``{"uid", "text"}`` per label, in label-id order;
-* ``label_embeddings.safetensors``: the label vectors used for search (the source of truth);
-* ``label_index.faiss`` + ``label_index.json``: the search index, a rebuildable cache;
+* ``label_embeddings.safetensors``: the label vectors used for search (the source of truth), float32 or float16
+  (``config.label_embeddings_dtype``); a store larger than the shard size (1 GB by default) is saved as
+  ``label_embeddings-00001-of-0000N.safetensors`` shards named by ``label_embeddings.safetensors.index.json``, and
+  loaded memory-mapped, shard by shard, never joined (see :func:`save_label_store`);
+* ``label_index.json`` (+ ``label_index.faiss`` for HNSW / IVF): the search index, a rebuildable cache;
 * ``README.md`` + ``xmc_metrics.png``: the model card, when the model has one (``hf_xmc.cards`` generates it
   from a training run; a loaded model keeps the card it was loaded with).
 
@@ -20,9 +23,11 @@ safetensors, tqdm and its siblings.
 
 
 import json
+import math
 import os
+import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,20 +35,33 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from huggingface_hub import HfApi, ModelCardData
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel
 from transformers.utils import ModelOutput, logging
-from transformers.utils.hub import cached_file
+from transformers.utils.hub import cached_file, convert_file_size_to_int
 
 from .configuration_xmc import XMCConfig
-from .label_index import INDEX_FILE, INDEX_META_FILE, LabelIndex, atomic_write
+from .label_index import (
+    INDEX_FILE,
+    INDEX_META_FILE,
+    LabelIndex,
+    as_label_blocks,
+    atomic_write,
+    temp_path_for,
+    write_json,
+)
 
 logger = logging.get_logger(__name__)
 
 LABELS_FILE = "labels.jsonl"
 LABEL_EMBEDDINGS_FILE = "label_embeddings.safetensors"
+LABEL_EMBEDDINGS_INDEX_FILE = "label_embeddings.safetensors.index.json"
+LABEL_EMBEDDINGS_KEY = "label_embeddings"  # the tensor's name in the single file and in every shard
+LABEL_SHARD_SIZE = "1GB"  # default most bytes per label-vector file: small retries and parallel parts on a Hub upload
+LABEL_SHARD_PATTERN = re.compile(r"label_embeddings-\d{5}-of-\d{5}\.safetensors")
 MODEL_CARD_FILE = "README.md"
 MODEL_CARD_ASSETS = ("xmc_metrics.png",)  # files the card shows; they travel with it
 EVAL_RESULTS_FILE = "eval_results.json"  # a training run's metrics (the training script contract); pushed with the card
@@ -145,10 +163,124 @@ def upload_model_folder(
     return str(getattr(commit, "commit_url", commit))
 
 
+def read_label_store_index(index_path: str) -> dict:
+    """A ``label_embeddings.safetensors.index.json``: ``{"metadata": {num_labels, dim, dtype, total_size}, "shards":
+    [{"file", "rows"}, ...]}`` with the shards in label-id order. Raises ``ValueError`` naming the fault (shard names
+    must match ``label_embeddings-0000i-of-0000N.safetensors``: no path leaves the model directory)."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+        shards = [(str(shard["file"]), int(shard["rows"])) for shard in index["shards"]]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{index_path}: not a label store index ({type(err).__name__}: {err})") from err
+    bad = [name for name, _ in shards if not LABEL_SHARD_PATTERN.fullmatch(name)]
+    if bad or not shards:
+        raise ValueError(f"{index_path}: shard names must look like label_embeddings-00001-of-00002.safetensors, got {bad or 'none'}")
+    return index
+
+
+def _row_range(blocks: Sequence[torch.Tensor], start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of the row blocks: a view when they lie in one block, else the joined pieces."""
+    pieces, offset = [], 0
+    for block in blocks:
+        lo, hi = max(start, offset), min(stop, offset + block.shape[0])
+        if lo < hi:
+            pieces.append(block[lo - offset : hi - offset])
+        offset += block.shape[0]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def save_label_store(
+    directory: str,
+    vectors: torch.Tensor | Sequence[torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: int | str = LABEL_SHARD_SIZE,
+) -> list[str]:
+    """Write label vectors (one ``(L, d)`` tensor or its row blocks) into ``directory`` in ``dtype``: as
+    ``label_embeddings.safetensors``, or, past ``max_shard_size`` bytes (an int or ``"1GB"``-style string), as row
+    shards ``label_embeddings-0000i-of-0000N.safetensors`` named by ``label_embeddings.safetensors.index.json``.
+    Returns the files written.
+
+    Never a half store: every file goes to a temp file first (a failure removes them and leaves the old store as it
+    was); then the old index JSON is removed, the files are renamed into place and the new index JSON comes last, so
+    the directory never names a mix of two stores (a crash in between leaves no store: the labels are then re-encoded
+    on first use). Files of the old store that the new one does not overwrite are removed.
+
+    Memory: one shard at a time (safetensors serialises a shard to bytes before writing it; a dtype change or a shard
+    spanning two blocks copies it once more).
+    """
+    blocks = as_label_blocks(vectors)
+    num_labels, dim = sum(b.shape[0] for b in blocks), blocks[0].shape[1]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows_per_shard = max(1, convert_file_size_to_int(max_shard_size) // (dim * itemsize))
+    num_shards = math.ceil(num_labels / rows_per_shard)
+    if num_shards == 1:
+        names = [LABEL_EMBEDDINGS_FILE]
+    else:
+        names = [f"label_embeddings-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
+    old = [n for n in os.listdir(directory) if n == LABEL_EMBEDDINGS_FILE or LABEL_SHARD_PATTERN.fullmatch(n)]
+    temps, rows = [], []
+    try:
+        for i, name in enumerate(names):
+            shard = _row_range(blocks, i * rows_per_shard, min(num_labels, (i + 1) * rows_per_shard)).to(dtype).contiguous()
+            temps.append(temp_path_for(os.path.join(directory, name)))
+            save_file({LABEL_EMBEDDINGS_KEY: shard}, temps[-1], metadata={"format": "pt"})
+            rows.append(shard.shape[0])
+            del shard
+    except BaseException:
+        for tmp in temps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        raise
+    index_path = os.path.join(directory, LABEL_EMBEDDINGS_INDEX_FILE)
+    if os.path.exists(index_path):  # the old store stops being named before its files are replaced
+        os.remove(index_path)
+    for tmp, name in zip(temps, names):
+        os.replace(tmp, os.path.join(directory, name))
+    written = list(names)
+    if num_shards > 1:
+        index = {
+            "metadata": {"num_labels": num_labels, "dim": dim, "dtype": str(dtype).replace("torch.", ""), "total_size": num_labels * dim * itemsize},
+            "shards": [{"file": name, "rows": n} for name, n in zip(names, rows)],
+        }
+        atomic_write(index_path, lambda p: write_json(p, index))
+        written.append(LABEL_EMBEDDINGS_INDEX_FILE)
+    for name in old:
+        if name not in written:
+            os.remove(os.path.join(directory, name))
+    return written
+
+
+def load_label_store(fetch: Callable[[str], Optional[str]]) -> Optional[list[torch.Tensor]]:
+    """The saved label vectors as memory-mapped row blocks, one per file and never joined (a page costs memory once
+    search touches it), in the precision they were saved in; ``None`` when the model has none. ``fetch(name)`` gives
+    the local path of a file of the model directory or Hub repo, ``None`` when it has no such file."""
+    index_path = fetch(LABEL_EMBEDDINGS_INDEX_FILE)
+    if index_path is None:
+        path = fetch(LABEL_EMBEDDINGS_FILE)
+        return None if path is None else [_mmap_label_vectors(path)]
+    blocks = []
+    for name, rows in ((shard["file"], shard["rows"]) for shard in read_label_store_index(index_path)["shards"]):
+        path = fetch(name)
+        if path is None:
+            raise ValueError(f"{index_path} names {name}, which the model does not hold")
+        blocks.append(_mmap_label_vectors(path))
+        if blocks[-1].shape[0] != rows:
+            raise ValueError(f"{path} holds {blocks[-1].shape[0]} label vectors but {index_path} says {rows}")
+    return as_label_blocks(blocks)  # refuses shards of different widths or precisions
+
+
+def _mmap_label_vectors(path: str) -> torch.Tensor:
+    # safetensors maps the file: no bytes are read until search touches them
+    with safe_open(path, framework="pt") as f:
+        return f.get_tensor(LABEL_EMBEDDINGS_KEY)
+
+
 def model_directory_files(directory: str | os.PathLike, model_class: type["XMCPreTrainedModel"], complete: bool = True) -> list[str]:
     """The files of a saved model directory that make up the model, in upload order: ``config.json``, the weights (one
     file, or the index and the shards it names), the remote-code files that ``auto_map`` names with the siblings they
-    import, the files of ``model_class.model_files()`` that are present, and ``eval_results.json`` when present.
+    import, the files of ``model_class.model_files()`` that are present (a sharded label store: its index and the
+    shards it names), and ``eval_results.json`` when present.
 
     Everything else (``checkpoint-*``, ``module1/``, ``runs/``, ``training_args.bin``, optimizer state, temp files)
     stays out: a push uploads exactly this list. Raises ``ValueError`` naming what a reload needs that is missing;
@@ -164,7 +296,16 @@ def model_directory_files(directory: str | os.PathLike, model_class: type["XMCPr
     def present(name: str) -> bool:
         return os.path.isfile(os.path.join(directory, name))
 
-    missing = [name for name, required in model_class.model_files().items() if complete and required and not present(name)]
+    files = model_class.model_files()
+    label_shards = []
+    if LABEL_EMBEDDINGS_INDEX_FILE in files and present(LABEL_EMBEDDINGS_INDEX_FILE):  # a sharded label store
+        label_shards = [shard["file"] for shard in read_label_store_index(os.path.join(directory, LABEL_EMBEDDINGS_INDEX_FILE))["shards"]]
+    # a sharded store stands in for the single label-vector file
+    missing = [
+        name for name, required in files.items()
+        if complete and required and not present(name) and not (name == LABEL_EMBEDDINGS_FILE and label_shards)
+    ]
+    missing += [name for name in label_shards if not present(name)]
     weights = [WEIGHTS_FILE] if present(WEIGHTS_FILE) else []
     if not weights and present(WEIGHTS_INDEX_FILE):
         with open(os.path.join(directory, WEIGHTS_INDEX_FILE), encoding="utf-8") as f:
@@ -195,7 +336,7 @@ def model_directory_files(directory: str | os.PathLike, model_class: type["XMCPr
     absent = sorted(name for name in code if not present(name))
     if absent:
         raise ValueError(f"{directory}: the remote code imports {', '.join(absent)}, which the directory does not hold")
-    artifacts = [name for name in model_class.model_files() if present(name)]
+    artifacts = [name for name in files if present(name)] + label_shards
     return [CONFIG_FILE, *weights, *sorted(code), *artifacts, *([EVAL_RESULTS_FILE] if present(EVAL_RESULTS_FILE) else [])]
 
 
@@ -385,7 +526,7 @@ class XMCPreTrainedModel(PreTrainedModel):
         self.tokenizer = None
         self.label_texts: Optional[list[str]] = None
         self.label_uids: Optional[list[str]] = None
-        self.label_embeddings: Optional[torch.Tensor] = None
+        self.label_embedding_blocks: Optional[list[torch.Tensor]] = None  # the label vectors, as row blocks
         self.label_index: Optional[LabelIndex] = None
         self.model_card: Optional[ModelCardFiles] = None
 
@@ -494,6 +635,21 @@ class XMCPreTrainedModel(PreTrainedModel):
         )
 
     # ------------------------------------------------------------------ label store and index
+    @property
+    def label_embeddings(self) -> Optional[torch.Tensor]:
+        """``(num_labels, dim)`` label vectors searched by :meth:`predict` (float32, or float16 with
+        ``config.label_embeddings_dtype="float16"``), or None. A sharded store loaded from disk is held as its
+        memory-mapped shards (``label_embedding_blocks``, which search and save use as they are); reading this
+        property joins them into one tensor, a copy, once."""
+        blocks = self.label_embedding_blocks
+        if blocks is not None and len(blocks) > 1:
+            self.label_embedding_blocks = blocks = [torch.cat(blocks)]
+        return None if blocks is None else blocks[0]
+
+    @label_embeddings.setter
+    def label_embeddings(self, value: Optional[torch.Tensor]) -> None:
+        self.label_embedding_blocks = None if value is None else [value]
+
     def set_labels(self, texts: Sequence[str], uids: Optional[Sequence[str]] = None) -> None:
         """Attach the label space (texts in label-id order); drops any stale embeddings and index."""
         if uids is not None and len(uids) != len(texts):
@@ -532,15 +688,16 @@ class XMCPreTrainedModel(PreTrainedModel):
         if label_texts is not None:
             self.set_labels(label_texts, label_uids)
         self._require_labels()
-        self.label_embeddings = self.label_search_vectors(batch_size=batch_size, show_progress_bar=show_progress_bar)
-        self.label_index = LabelIndex(self.label_embeddings, kind=kind or self.config.index_kind)
+        vectors = self.label_search_vectors(batch_size=batch_size, show_progress_bar=show_progress_bar)
+        self.label_embeddings = vectors.to(getattr(torch, self.config.label_embeddings_dtype))
+        self.label_index = LabelIndex(self.label_embedding_blocks, kind=kind or self.config.index_kind)
         return self.label_index
 
     def search(self, query_vectors: torch.Tensor | np.ndarray, k: int = 5) -> tuple[np.ndarray, np.ndarray]:
         """Top-k label ids and scores for precomputed query vectors (builds the index on first use)."""
         if self.label_index is None:
-            if self.label_embeddings is not None:
-                self.label_index = LabelIndex(self.label_embeddings, kind=self.config.index_kind)
+            if self.label_embedding_blocks is not None:
+                self.label_index = LabelIndex(self.label_embedding_blocks, kind=self.config.index_kind)
             else:
                 self.build_label_index()
         return self.label_index.search(query_vectors, k)
@@ -579,15 +736,25 @@ class XMCPreTrainedModel(PreTrainedModel):
         """The files :meth:`save_pretrained` writes beside ``config.json``, the weights and the remote code, each mapped
         to whether a reload needs it (``True``) or it is optional (another tokenizer's file, the index cache, the card).
         The directory check and every push read this one list (:func:`model_directory_files`), so a method that saves
-        another file names it here."""
+        another file names it here. A sharded label store is named by ``label_embeddings.safetensors.index.json``, which
+        stands in for ``label_embeddings.safetensors``; its shards are read from it."""
         files = dict.fromkeys(TOKENIZER_FILES, False)
-        files.update({"tokenizer_config.json": True, LABELS_FILE: True, LABEL_EMBEDDINGS_FILE: True, INDEX_FILE: False, INDEX_META_FILE: False})
+        files.update({"tokenizer_config.json": True, LABELS_FILE: True, LABEL_EMBEDDINGS_FILE: True, LABEL_EMBEDDINGS_INDEX_FILE: False})
+        files.update({INDEX_FILE: False, INDEX_META_FILE: False})
         files.update(dict.fromkeys((MODEL_CARD_FILE, *MODEL_CARD_ASSETS), False))
         return files
 
-    def save_pretrained(self, save_directory: str | os.PathLike, *args, is_main_process: bool = True, **kwargs) -> None:
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        *args,
+        is_main_process: bool = True,
+        label_shard_size: int | str = LABEL_SHARD_SIZE,
+        **kwargs,
+    ) -> None:
         """Save weights and config (``PreTrainedModel.save_pretrained``) plus tokenizer, labels, label vectors and index
-        (the files of :meth:`model_files`)."""
+        (the files of :meth:`model_files`). The label vectors are written in ``config.label_embeddings_dtype``, in
+        shards of at most ``label_shard_size`` bytes (:func:`save_label_store`)."""
         super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
         if not is_main_process:
             return
@@ -596,12 +763,9 @@ class XMCPreTrainedModel(PreTrainedModel):
             self.tokenizer.save_pretrained(save_directory)
         if self.label_texts is not None:
             atomic_write(os.path.join(save_directory, LABELS_FILE), self._write_labels)
-        if self.label_embeddings is not None:
-            emb = self.label_embeddings.detach().float().cpu().contiguous()
-            atomic_write(
-                os.path.join(save_directory, LABEL_EMBEDDINGS_FILE),
-                lambda p: save_file({"label_embeddings": emb}, p, metadata={"format": "pt"}),
-            )
+        if self.label_embedding_blocks is not None:
+            dtype = getattr(torch, self.config.label_embeddings_dtype)
+            save_label_store(save_directory, self.label_embedding_blocks, dtype, label_shard_size)
             if self.label_index is not None:
                 self.label_index.save(save_directory)
         if self.model_card is not None:
@@ -677,14 +841,14 @@ class XMCPreTrainedModel(PreTrainedModel):
                     except (ValueError, KeyError, TypeError) as err:
                         raise ValueError(f"{labels_path}, line {line_no}: not a {{'uid', 'text'}} JSON object ({err})") from err
             self.label_uids, self.label_texts = uids, texts
-        emb_path = fetch(LABEL_EMBEDDINGS_FILE)
-        if emb_path is not None:
-            emb = load_file(emb_path)["label_embeddings"]
-            if self.label_texts is not None and emb.shape[0] != len(self.label_texts):
-                raise ValueError(f"{emb_path} holds {emb.shape[0]} label vectors but {LABELS_FILE} lists {len(self.label_texts)} labels")
-            self.label_embeddings = emb
+        blocks = load_label_store(fetch)  # memory-mapped, in the precision they were saved in
+        if blocks is not None:
+            num_vectors = sum(b.shape[0] for b in blocks)
+            if self.label_texts is not None and num_vectors != len(self.label_texts):
+                raise ValueError(f"{path}: the label store holds {num_vectors} label vectors but {LABELS_FILE} lists {len(self.label_texts)} labels")
+            self.label_embedding_blocks = blocks
             self.label_index = LabelIndex.load(
-                emb, meta_path=fetch(INDEX_META_FILE), index_path=fetch(INDEX_FILE), kind=self.config.index_kind
+                blocks, meta_path=fetch(INDEX_META_FILE), index_path=fetch(INDEX_FILE), kind=self.config.index_kind
             )
         card_path = fetch(MODEL_CARD_FILE)
         if card_path is not None:
