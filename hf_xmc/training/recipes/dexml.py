@@ -44,7 +44,7 @@ class DEXMLModelArguments:
     topk_k: int = field(default=5, metadata={"help": "k of the SoftTop-k loss."})
     topk_alpha: float = field(default=2.0, metadata={"help": "Sigmoid slope of SoftTop-k."})
     embedding_dropout: float = field(default=0.0, metadata={"help": "Dropout on pooled embeddings during training."})
-    index_kind: str = field(default="exact", metadata={"help": "Label index saved with the model: exact | hnsw | torch."})
+    index_kind: str = field(default="exact", metadata={"help": "Label index saved with the model: exact | ivf | hnsw | torch (ivf or hnsw for fast CPU search at a million labels)."})
 
 
 @dataclass

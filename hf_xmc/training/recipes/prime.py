@@ -56,7 +56,7 @@ class PRIMEModelArguments:
     label_to_query_weight: float = field(default=1.0, metadata={"help": "Weight of the label-text->query term."})
     regularizer_weight: float = field(default=0.1, metadata={"help": "lambda of the regulariser R."})
     regularizer_margin: float = field(default=0.1, metadata={"help": "Margin m' of the regulariser R."})
-    index_kind: str = field(default="exact", metadata={"help": "Label index saved with the model: exact | hnsw | torch."})
+    index_kind: str = field(default="exact", metadata={"help": "Label index saved with the model: exact | ivf | hnsw | torch (ivf or hnsw for fast CPU search at a million labels)."})
 
 
 @dataclass

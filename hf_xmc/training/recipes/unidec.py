@@ -60,7 +60,7 @@ class UniDECModelArguments:
     classifier_init: str = field(default="xavier", metadata={"help": "xavier (official code) | label_text (Psi_l from the label's text; for very short training)."})
     head_learning_rate_multiplier: float = field(default=2.0, metadata={"help": "Head learning rate / encoder learning rate."})
     classifier_learning_rate: Optional[float] = field(default=1e-3, metadata={"help": "Learning rate of the classifier vectors."})
-    index_kind: str = field(default="exact", metadata={"help": "Label index saved with the model: exact | hnsw | torch."})
+    index_kind: str = field(default="exact", metadata={"help": "Label index saved with the model: exact | ivf | hnsw | torch (ivf or hnsw for fast CPU search at a million labels)."})
 
 
 @dataclass
