@@ -4,6 +4,8 @@ Each streaming or sorted path is checked against the dense computation it replac
 dense one, with chunk sizes small enough that the bounded path really runs in several pieces.
 """
 
+import json
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -128,3 +130,28 @@ def test_prime_training_does_not_broadcast_the_centroid_bank(tiny_encoder_dir, t
     assert trainer.args.ddp_broadcast_buffers is False
     dexml = XMCTrainer(model=DEXMLModel.from_encoder_pretrained(tiny_encoder_dir), args=XMCTrainingArguments(output_dir=str(tmp_path)), train_dataset=data.train, label_texts=data.label_texts)
     assert dexml.args.ddp_broadcast_buffers is None  # models with nothing to gain keep transformers' default
+
+
+def test_bench_scale_small_runs_every_stage(tmp_path):
+    """The scale benchmark at 50K labels: every variant completes every stage in fresh processes (the streaming
+    paths of mining, centroids, clustering and evaluation run over several chunks), reloads through remote code and
+    ranks for real."""
+    from benchmarks import bench_scale
+
+    out = tmp_path / "scale.json"
+    rows = bench_scale.main([
+        "--methods", "dexml:hard_neg,prime,unidec", "--num_labels", "50000", "--num_train", "2000",
+        "--num_test", "200", "--steps", "2", "--batch_size", "32", "--data_dir", str(tmp_path / "task"), "--out", str(out),
+    ])
+    assert [(r["method"], r["variant"]) for r in rows] == [("dexml", "hard_neg"), ("prime", "default"), ("unidec", "default")]
+    for row in rows:
+        assert row["completed"], row.get("error")
+        stages = row["stages"]
+        for stage in ("train:data_load", "train:train.steps", "train:evaluate.index_build", "train:save", "reload:reload", "reload:predict"):
+            assert stages[stage]["seconds"] >= 0, (row["method"], stage)
+        assert 0 < row["peak_rss_gib"] < 6 and row["saved_bytes"] > 50000 * 4 * 16  # the label vectors at least
+        assert row["R@100"] > 0 and row["latency_ms"]["batch_1_ms"] > 0
+    by_name = {f"{r['method']}:{r['variant']}": r["stages"] for r in rows}
+    assert "train:train.label_state" in by_name["prime:default"] and "train:train.clustering" in by_name["prime:default"]
+    assert "train:train.hard_negative_mining" in by_name["dexml:hard_neg"] and "train:train.hard_negative_mining" in by_name["unidec:default"]
+    assert json.loads(out.read_text()) == rows
