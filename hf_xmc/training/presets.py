@@ -87,10 +87,12 @@ PRIME_PRESETS: dict[str, dict[str, Any]] = {  # prime.md 6.3, Table 10 (one A100
 # ------------------------------------------------------------------------------------------------------------- DEXML
 #: DEXML (dexml.md), the main method: DecoupledSoftmax over all labels with the gradient cache. Per dataset: Table 7
 #: (section 5; "treat Table 7 as the paper's preset", its batch sizes as global ones) and the normalisation the code
-#: ties to the temperature (section 2: cosine with tau 0.05, raw dot product with tau 1). Not given, so the recipe's
-#: defaults stay: the positives per query (one per query is the code's loss_sample), the index kind. LF-Amazon-131K,
-#: the Wiki titles sets and LF-WikiSeeAlso-320K have no DEXML configuration in the paper; EURLex-4K (Table 7) is not
-#: an LF dataset and has no preset.
+#: ties to the temperature (section 2: cosine with tau 0.05, raw dot product with tau 1); labels get the queries'
+#: token budget (section 10). Not given, so the recipe's defaults stay: the positives per query (the code samples
+#: one per query and step), the index kind. LF-Amazon-131K, the Wiki titles sets and LF-WikiSeeAlso-320K have no
+#: DEXML configuration in the paper; EURLex-4K (Table 7) is not an LF dataset and has no preset. Cost: every step
+#: re-encodes all L labels and scores each process's queries against all of them (per process 4 bytes x batch / G x
+#: L of logits, ~2.7 GB at 1.3M labels on the paper's 16 GPUs): the paper's hardware, not a 2-core machine's.
 DEXML_COMMON: dict[str, Any] = {
     "model_name_or_path": "distilbert/distilbert-base-uncased",  # 2 [CODE]: tf distilbert-base-uncased
     "pooling": "cls",  # 2 [CODE]: tf_pooler cls
