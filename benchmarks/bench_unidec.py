@@ -7,7 +7,8 @@ epochs, batch size, learning rate and seed, every run through its ``training_scr
 ``unidec_*`` modes are train_unidec.py (search over [DE ; classifier]) with the classifier's initialisation and loss
 named explicitly (the rows stay valid whatever the defaults); ``depsl`` is the same recipe with
 ``--use_classifier false`` (no classifier head, no Psi: the DE-only ablation); ``unidec_de`` / ``unidec_clf`` train
-UniDEC and search one head only (the paper's UniDEC-de / UniDEC-clf rows). Debtags is the bundled dataset (defaults
+UniDEC and search one head only (the paper's UniDEC-de / UniDEC-clf rows); ``batches_*`` compare the two cluster
+batchings (``--epochs 3``: clustering starts at the second epoch). Debtags is the bundled dataset (defaults
 chosen on it); Reuters-21578 (``benchmarks/make_reuters.py``) is the check on data they were not tuned on. Writes
 benchmarks/results/unidec.json and, with --update_readme, the table between the README's ``<!-- bench:unidec -->``
 markers (``--marker`` picks another pair).
@@ -43,6 +44,16 @@ MODES = {
     "unidec_de": ("UniDEC-de: UniDEC defaults trained, DE head searched", "unidec", ["--search_mode", "de"]),
     "unidec_clf": ("UniDEC-clf: UniDEC defaults trained, classifier searched", "unidec", ["--search_mode", "classifier"]),
     "dexml": ("DEXML, in-batch negatives (train_dexml.py defaults)", "dexml", []),
+    "batches_concat": (
+        "UniDEC defaults, NGAME batches: clusters of 16 concatenated and cut into batches of 64 (--cluster_batch_mode concat)",
+        "unidec",
+        ["--cluster_batch_mode", "concat"],
+    ),
+    "batches_one_per_batch": (
+        "UniDEC defaults, one cluster per batch: 512 leaves of 46-47 queries (--cluster_batch_mode one_per_batch)",
+        "unidec",
+        ["--cluster_batch_mode", "one_per_batch"],
+    ),
 }
 DEFAULT_MODES = ["depsl", "unidec_text_bce", "unidec_xavier_bce", "unidec_text_ds", "unidec_xavier_ds"]
 

@@ -65,8 +65,15 @@ def run_modes(modes: dict, args, title: str) -> list[dict]:
     scripts; print a markdown table, write ``args.results`` and, with ``args.update_readme``, the README block
     ``<!-- bench:args.marker -->``. Returns the result rows."""
     rows = []
+    if getattr(args, "from_results", None):  # runs made apart (e.g. side by side): merge their rows, run nothing
+        for path in args.from_results:
+            with open(path) as f:
+                part = json.load(f)
+            if str(part["epochs"]) != str(args.epochs):
+                raise SystemExit(f"{path} holds {part['epochs']} epoch(s), not {args.epochs}")
+            rows += part["rows"]
     with tempfile.TemporaryDirectory() as work:
-        for dataset in args.datasets:
+        for dataset in args.datasets if not rows else ():
             data_dir, encoder, extra_data = prepare(dataset, work)
             batch = extra_data[extra_data.index("--per_device_train_batch_size") + 1]
             common = ["--num_train_epochs", args.epochs, "--per_device_train_batch_size", batch, "--max_seq_length", "32", "--seed", "42"]
@@ -88,7 +95,7 @@ def run_modes(modes: dict, args, title: str) -> list[dict]:
 
 def modes_main(doc: str, modes: dict, default_modes: list[str], results_name: str, marker: str, title: str = "MiniLM-L6, lr 3e-4") -> None:
     """Command line of a modes benchmark (bench_prime, bench_unidec): ``--datasets --epochs --modes --results
-    --update_readme --marker``, then :func:`run_modes`."""
+    --update_readme --marker [--from_results A.json B.json]``, then :func:`run_modes`."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters"])
     ap.add_argument("--epochs", default="1")
@@ -96,6 +103,7 @@ def modes_main(doc: str, modes: dict, default_modes: list[str], results_name: st
     ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", results_name))
     ap.add_argument("--update_readme", action="store_true")
     ap.add_argument("--marker", default=marker, help="README marker to fill: <!-- bench:MARKER -->")
+    ap.add_argument("--from_results", nargs="+", help="results files of earlier runs (same epochs): merge their rows, run nothing")
     run_modes(modes, ap.parse_args(), title)
 
 

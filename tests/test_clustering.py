@@ -190,3 +190,74 @@ def test_feature_and_gram_iterations_agree():
     x, _ = blobs(num_blobs=16, per_blob=32, dim=16, spread=0.8, seed=5)
     a = balanced_2means_tree(x, 64, seed=2, gram_threshold=0)
     assert np.array_equal(a, balanced_2means_tree(x, 64, seed=2, gram_threshold=10**6))
+
+
+# --------------------------------------------------------------------------- one cluster per batch (UniDEC)
+
+
+def test_one_per_batch_each_batch_is_one_leaf_and_epochs_cover_every_query():
+    x, labels = blobs(num_blobs=8, per_blob=25, dim=16)  # 200 queries, batch 32: 2^ceil(log2(6.25)) = 8 leaves of 25
+    s = ClusterBatchSampler(200, 32, curriculum_epochs=(1,), refresh_interval=1, seed=0, mode="one_per_batch")
+    assert len(s) == s.num_leaves() == 8 and s.cluster_size() == 32
+    before = list(s)  # epoch 0: random leaves, already leaf-sized, so the Trainer's step count holds
+    assert len(before) == 8 and sorted(len(b) for b in before) == [25] * 8
+    assert sorted(i for b in before for i in b) == list(range(200)) and any(len(set(labels[b])) > 1 for b in before)
+    s.set_epoch(1)
+    assert s.needs_refresh()
+    assign = s.update_clusters(x)
+    batches = list(s)
+    assert len(batches) == len(s) == 8
+    assert sorted(i for b in batches for i in b) == list(range(200))  # every query once per epoch
+    members = {c: set(np.flatnonzero(assign == c).tolist()) for c in range(assign.max() + 1)}
+    for b in batches:  # every batch is exactly one cluster's members
+        assert set(b) == members[int(assign[b[0]])] and len(b) == len(set(b))
+        assert len(set(labels[b])) == 1  # here a leaf is one blob
+    assert not s.needs_refresh(1) and s.needs_refresh(2)
+    s.set_epoch(2)  # same assignment, next epoch: the leaves come in another order, members reshuffled
+    again = list(s)
+    assert again != batches and sorted(map(sorted, again)) == sorted(map(sorted, batches))
+
+
+def test_one_per_batch_leaves_never_exceed_the_batch_and_differ_by_one():
+    x = np.random.default_rng(3).standard_normal((1003, 8)).astype(np.float32)
+    for batch in (17, 64, 125, 2000):
+        s = ClusterBatchSampler(1003, batch, curriculum_epochs=(0,), seed=1, mode="one_per_batch")
+        s.update_clusters(x)
+        sizes = [len(b) for b in s]
+        assert len(sizes) == len(s) and sum(sizes) == 1003
+        assert max(sizes) <= batch and max(sizes) - min(sizes) <= 1 and (max(sizes) > batch // 2 or len(sizes) == 1)
+    # the paper's |Q_B| are N / 2^k: leaves equal the batch (LF-AmazonTitles-1.3M, UniDEC: 2,248,619 / 2048 = 1098)
+    big = ClusterBatchSampler(2_248_619, 1098, mode="one_per_batch")
+    assert big.num_leaves() == 2048
+
+
+def test_one_per_batch_replicas_split_one_leaf():
+    x, _ = blobs(num_blobs=4, per_blob=25, dim=8)  # 100 queries; global batch 2 x 16 = 32 -> 4 leaves of 25
+    ranks = [ClusterBatchSampler(100, 16, num_replicas=2, rank=r, seed=2, mode="one_per_batch") for r in range(2)]
+    single = ClusterBatchSampler(100, 32, seed=2, mode="one_per_batch")
+    assign = balanced_2means_tree(x, 4)
+    for s in ranks + [single]:
+        s.set_assignment(assign, epoch=0)
+    b0, b1 = list(ranks[0]), list(ranks[1])
+    ref = list(single)
+    assert len(b0) == len(b1) == len(ranks[0]) == len(ref) == 4
+    for g, leaf in enumerate(ref):
+        assert len(b0[g]) == len(b1[g]) == 13  # ceil(25 / 2): same batch size on every rank
+        assert b0[g] + b1[g][:-1] == leaf and b1[g][-1] == leaf[0]  # contiguous slices; the odd one repeats a member
+    assert set(i for b in b0 + b1 for i in b) == set(range(100))
+
+
+def test_one_per_batch_state_dict_round_trip():
+    x, _ = blobs(num_blobs=4, per_blob=32, dim=8)
+    s = ClusterBatchSampler(128, 40, curriculum_epochs=(2,), seed=3, mode="one_per_batch")
+    s.set_epoch(2)
+    s.update_clusters(torch.from_numpy(x))
+    buf = io.BytesIO()
+    torch.save(s.state_dict(), buf)
+    buf.seek(0)
+    r = ClusterBatchSampler(128, 40, curriculum_epochs=(2,), seed=0, mode="one_per_batch")
+    r.load_state_dict(torch.load(buf, weights_only=True))
+    assert r.epoch == 2 and not r.needs_refresh() and len(r) == len(s) == 4
+    assert list(r) == list(s)
+    with pytest.raises(ValueError, match="mode"):
+        ClusterBatchSampler(128, 40, mode="leaves")

@@ -166,3 +166,23 @@ def test_train_script_under_accelerate_two_processes(tiny_task, tiny_encoder_dir
     results = json.load(open(out / "eval_results.json"))
     assert all(0 <= results[k] <= 100 for k in CONTRACT_KEYS)
     assert results["test_P@1"] > 20
+
+
+@pytest.mark.slow
+def test_unidec_one_cluster_per_batch_under_accelerate_two_processes(tiny_task, tiny_encoder_dir, tmp_path):
+    # 480 queries, global batch 2 x 8 = 16: 32 leaves of 15, each split into two slices of 8 (the odd leaf repeats a
+    # member), so both ranks step with the same batch size, as the gathers of pools and memory bank need
+    _, task_dir = tiny_task
+    out = tmp_path / "out"
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29532"]
+    engine = ["--per_device_train_batch_size", "8", "--cluster_batching", "true", "--cluster_batch_mode", "one_per_batch",
+              "--cluster_curriculum_epochs", "1", "--cluster_refresh_interval", "1", "--hard_negatives", "0"]
+    proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(out), epochs="2") + engine, launcher=launcher,
+                      script="train_unidec.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert "Total optimization steps = 64" in log  # 32 leaves per epoch, before and after the clustering
+    assert "clustered 480 queries into clusters of 16" in log
+    results = json.load(open(out / "eval_results.json"))
+    assert all(0 <= results[k] <= 100 for k in CONTRACT_KEYS)

@@ -66,6 +66,25 @@ def test_cluster_batching_groups_similar_queries(tiny_encoder_dir, tiny_task, tm
     assert shared_label_rate(clusters) > 2 * shared_label_rate(random_groups)
 
 
+def test_one_cluster_per_batch_keeps_the_step_count(tiny_encoder_dir, tiny_task, tmp_path):
+    # UniDEC batching: leaves of at most 32 queries, one leaf per step, random leaves before the first clustering;
+    # every epoch has the same number of steps, so the Trainer's schedule (computed from epoch 0) holds to the end
+    data = tiny_task[0]
+    trainer = make_trainer(tiny_encoder_dir, data, tmp_path, num_train_epochs=2, cluster_batching=True,
+                           cluster_batch_mode="one_per_batch", cluster_curriculum_epochs=[1], cluster_refresh_interval=1)
+    sampler = trainer.cluster_sampler
+    leaves = sampler.num_leaves()
+    assert sampler.mode == "one_per_batch" and leaves * 32 >= len(data.train) > leaves * 16
+    trainer.train()
+    assert trainer.state.global_step == 2 * leaves and sampler.clustered_epoch == 1
+    assign = sampler.assignment
+    assert np.bincount(assign).size == leaves and np.bincount(assign).max() <= 32
+    for batch in sampler:  # epoch 1's batches: each one whole cluster
+        assert sorted(batch) == np.flatnonzero(assign == assign[batch[0]]).tolist()
+    with pytest.raises(ValueError, match="cluster_batch_mode"):
+        XMCTrainingArguments(output_dir=str(tmp_path), cluster_batch_mode="leaf")
+
+
 def test_hard_negatives_enter_the_pool(tiny_encoder_dir, tiny_task, tmp_path):
     data = tiny_task[0]
     trainer = make_trainer(tiny_encoder_dir, data, tmp_path, hard_negatives=3, hard_negative_start_epoch=0, hard_negative_top_k=10)

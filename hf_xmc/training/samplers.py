@@ -19,6 +19,17 @@ whole clusters of similar training queries. The schedule (facts of the official 
 With several processes the sampler cuts *global* batches of ``batch_size * num_replicas`` and gives each rank a
 contiguous slice, so the similar queries of one global batch are spread over the ranks and an all-gather of the
 query / label embeddings reconstructs the whole cluster batch on every rank.
+
+``mode="one_per_batch"`` is UniDEC's batching (official code: the tree is grown to leaves of about the batch size and
+each batch is one leaf): the queries are split into ``2^ceil(log2(N / global_batch))`` balanced leaves, so a leaf holds
+between half a global batch and a global batch (sizes differ by at most one; exactly the batch size when ``N / batch``
+is a power of two, as for the paper's |Q_B|), and every batch is one whole leaf; the curriculum does not apply
+(clustering starts at ``min(curriculum_epochs)``, before that the leaves are random). Never above the batch size the
+user chose (the official code rounds the other way, leaves of 1-2 batch sizes), as that is the memory budget.
+
+Memory: the assignment is 8 bytes per query (int64), an epoch's order another 8 bytes per query; the memory bank
+(:class:`EmbeddingMemoryBank`) 4 d bytes per query in float32 (2 d in float16) plus one byte. Batches are index
+lists of at most ``batch_size`` entries.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from .clustering import balanced_2means_tree
+from .clustering import balanced_2means_tree, num_tree_levels
 
 __all__ = ["ClusterBatchSampler", "EmbeddingMemoryBank"]
 
@@ -117,7 +128,15 @@ class ClusterBatchSampler(Sampler[list[int]]):
         num_replicas / rank: data-parallel world size and this process's rank.
         memory_bank: optional :class:`EmbeddingMemoryBank`; when set, ``__iter__`` re-clusters from it whenever
             :meth:`needs_refresh` says so.
+        mode: ``"concat"`` (NGAME: shuffled clusters concatenated and cut into fixed-size batches; clusters grow by
+            the curriculum) or ``"one_per_batch"`` (UniDEC: leaves of at most ``batch_size * num_replicas`` queries,
+            one leaf per global batch; ``init_cluster_size`` and the later curriculum epochs are not used). In
+            ``one_per_batch`` each rank takes a contiguous slice of ``ceil(leaf / num_replicas)`` queries of the leaf
+            (a leaf that ``num_replicas`` does not divide repeats its first members to fill the last slice, so that
+            every rank steps with the same batch size) and ``drop_last`` does not apply (leaves are nearly equal).
     """
+
+    MODES = ("concat", "one_per_batch")
 
     def __init__(
         self,
@@ -131,7 +150,10 @@ class ClusterBatchSampler(Sampler[list[int]]):
         num_replicas: int = 1,
         rank: int = 0,
         memory_bank: Optional[EmbeddingMemoryBank] = None,
+        mode: str = "concat",
     ) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
         if num_samples <= 0 or batch_size <= 0 or init_cluster_size <= 0 or refresh_interval <= 0:
             raise ValueError("num_samples, batch_size, init_cluster_size and refresh_interval must be positive")
         if num_replicas <= 0 or not 0 <= rank < num_replicas:
@@ -148,6 +170,7 @@ class ClusterBatchSampler(Sampler[list[int]]):
         self.num_replicas = int(num_replicas)
         self.rank = int(rank)
         self.memory_bank = memory_bank
+        self.mode = mode
         self.epoch = 0
         self.assignment: Optional[np.ndarray] = None  # cluster id per query; None = every query its own cluster
         self.assigned_cluster_size: Optional[int] = None  # target cluster size the assignment was made for
@@ -164,7 +187,10 @@ class ClusterBatchSampler(Sampler[list[int]]):
         self.epoch = int(epoch)
 
     def cluster_size(self, epoch: Optional[int] = None) -> int:
-        """Target cluster size at ``epoch``: ``init_cluster_size`` doubled at every curriculum epoch reached."""
+        """Target cluster size at ``epoch``: ``init_cluster_size`` doubled at every curriculum epoch reached
+        (``one_per_batch``: the global batch size, at every epoch)."""
+        if self.mode == "one_per_batch":
+            return self.global_batch_size
         epoch = self.epoch if epoch is None else int(epoch)
         return self.init_cluster_size * 2 ** sum(epoch >= c for c in self.curriculum_epochs)
 
@@ -225,8 +251,29 @@ class ClusterBatchSampler(Sampler[list[int]]):
         within = rng.random(self.num_samples)
         return np.lexsort((within, cluster_pos[self.assignment]))
 
+    def num_leaves(self) -> int:
+        """``one_per_batch``: batches per epoch, the number of leaves of the tree (the same at every epoch, so the
+        Trainer's step count holds; an assignment installed with :meth:`set_assignment` counts its clusters)."""
+        if self.assignment is not None:
+            return int(np.count_nonzero(np.bincount(self.assignment)))
+        return 2 ** num_tree_levels(self.num_samples, self.num_clusters())
+
+    def leaf_batches(self, epoch: Optional[int] = None) -> list[np.ndarray]:
+        """``one_per_batch``: the epoch's global batches, one leaf each, in shuffled order with shuffled members
+        (before the first clustering: a random permutation split into :meth:`num_leaves` near-equal parts)."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        order = self.epoch_order(epoch)
+        if self.assignment is None:
+            return np.array_split(order, self.num_leaves())
+        # epoch_order groups the members of each cluster; cut it at the cluster boundaries
+        ids = self.assignment[order]
+        cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+        return np.split(order, cuts)
+
     def __len__(self) -> int:
         """Batches per epoch for this rank (the same on every rank)."""
+        if self.mode == "one_per_batch":
+            return self.num_leaves()
         full, rest = divmod(self.num_samples, self.global_batch_size)
         return full if self.drop_last or rest == 0 else full + 1
 
@@ -234,6 +281,13 @@ class ClusterBatchSampler(Sampler[list[int]]):
         """Yield this rank's slice of every global batch of the current epoch."""
         if self.memory_bank is not None and self.needs_refresh(self.epoch):
             self.update_clusters(self.memory_bank, self.epoch)
+        if self.mode == "one_per_batch":
+            for leaf in self.leaf_batches(self.epoch):
+                per_rank = -(-leaf.size // self.num_replicas)
+                if per_rank * self.num_replicas > leaf.size:
+                    leaf = np.resize(leaf, per_rank * self.num_replicas)  # repeats the leaf's first members
+                yield leaf[self.rank * per_rank : (self.rank + 1) * per_rank].tolist()
+            return
         order = self.epoch_order(self.epoch)
         num_batches, gbs = len(self), self.global_batch_size
         if self.num_replicas > 1 and num_batches * gbs > order.size:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -17,6 +18,7 @@ from transformers import HfArgumentParser, set_seed
 from ..data import XCData, load_xc_dataset, read_filter_file
 from ..models.label_index import atomic_write
 from .evaluation import XMCEvaluator
+from .presets import known_presets, preset_values
 from .trainer import XMCTrainer, XMCTrainingArguments
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,10 @@ class XMCDataArguments:
     dataset_name: Optional[str] = field(
         default=None, metadata={"help": "Dataset name for the model card (default: the train file's folder name)."}
     )
+    preset: Optional[str] = field(
+        default=None,
+        metadata={"help": "The paper's configuration for a dataset (e.g. lf-amazontitles-1.3m; 'list' names them): its values become the defaults, explicit flags win."},
+    )
 
 
 def setup_logging(training_args: XMCTrainingArguments) -> None:
@@ -53,18 +59,50 @@ def setup_logging(training_args: XMCTrainingArguments) -> None:
     transformers.utils.logging.set_verbosity(level)
 
 
-def parse_script_args(model_arguments: type, training_arguments: type, argv: Optional[list[str]] = None) -> tuple:
-    """Parse ``(model, XMCDataArguments, training)`` arguments from the command line (or one ``.json`` file), then
-    set up logging and seed everything: the seed comes before the model, whose fresh weights must not depend on
-    chance."""
+def parse_script_args(model_arguments: type, training_arguments: type, argv: Optional[list[str]] = None, method: Optional[str] = None) -> tuple:
+    """Parse ``(model, XMCDataArguments, training)`` arguments from the command line (``argv``, default
+    ``sys.argv[1:]``) or one ``.json`` file, then set up logging and seed everything: the seed comes before the
+    model, whose fresh weights must not depend on chance.
+
+    ``--preset NAME`` (or a ``"preset"`` key of the JSON file) applies ``method``'s preset
+    (:mod:`hf_xmc.training.presets`): its values become the parser's defaults, so flags given explicitly (or keys of
+    the JSON file) win. An unknown name, or ``list``, prints the known presets on one line and exits with status 2.
+    """
     parser = HfArgumentParser((model_arguments, XMCDataArguments, training_arguments))
-    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        model_args, data_args, training_args = parser.parse_json_file(os.path.abspath(sys.argv[1]))
+    args = sys.argv[1:] if argv is None else list(argv)
+    if len(args) == 1 and args[0].endswith(".json"):
+        with open(os.path.abspath(args[0]), encoding="utf-8") as f:
+            config = json.load(f)
+        preset = _resolve_preset(parser, method, config.get("preset"))
+        model_args, data_args, training_args = parser.parse_dict({**preset, **config})
     else:
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--preset", default=None)
+        preset = _resolve_preset(parser, method, pre.parse_known_args(args)[0].preset)
+        for action in parser._actions:  # a preset may name what is otherwise required (the encoder)
+            if action.dest in preset:
+                action.required = False
+        parser.set_defaults(**preset)
+        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=args)
     setup_logging(training_args)
+    if preset:
+        logger.info("preset %s: %s", data_args.preset, ", ".join(f"{k}={v}" for k, v in preset.items()))
     set_seed(training_args.seed)
     return model_args, data_args, training_args
+
+
+def _resolve_preset(parser: HfArgumentParser, method: Optional[str], name: Optional[str]) -> dict:
+    """The values of ``method``'s preset ``name`` ({} for no preset); exits with status 2 and one line naming the
+    known presets when ``name`` is unknown or ``list``."""
+    if name is None:
+        return {}
+    try:
+        return preset_values(method or "", name)
+    except KeyError:
+        known = ", ".join(known_presets(method or "")) or "none"
+        what = "known presets" if name == "list" else f"unknown preset {name!r}"
+        print(f"{parser.prog}: error: --preset: {what} for {method or 'this script'}: {known}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def model_config_kwargs(model_args, data_args: XMCDataArguments) -> dict:

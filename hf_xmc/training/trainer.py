@@ -61,6 +61,7 @@ class XMCTrainingArguments(TrainingArguments):
     cluster_init_size: int = field(default=4, metadata={"help": "Cluster size of the first clustering (doubles at each curriculum epoch)."})
     cluster_curriculum_epochs: list[int] = field(default_factory=lambda: [10, 25, 50, 75, 100, 125, 150, 200], metadata={"help": "Epochs at which the cluster size doubles; clustering starts at the first."})
     cluster_refresh_interval: int = field(default=5, metadata={"help": "Re-cluster every N epochs."})
+    cluster_batch_mode: str = field(default="concat", metadata={"help": "'concat' (NGAME, PRIME: shuffled clusters concatenated and cut into batches; clusters grow by the curriculum) or 'one_per_batch' (UniDEC: clusters of at most the global batch size, each batch one cluster; the curriculum does not apply)."})
     hard_negatives: int = field(default=0, metadata={"help": "Hard negatives per query drawn from a mined shortlist (0 = in-batch only)."})
     hard_negative_top_k: int = field(default=100, metadata={"help": "Shortlist size per query (known positives removed)."})
     hard_negative_start_epoch: int = field(default=5, metadata={"help": "First epoch that uses the shortlist (in-batch negatives before)."})
@@ -76,6 +77,8 @@ class XMCTrainingArguments(TrainingArguments):
             raise ValueError(f"label_pool must be 'in_batch', 'psl' or 'all', got {self.label_pool!r}")
         if self.max_label_pool < 0:
             raise ValueError(f"max_label_pool must be >= 0, got {self.max_label_pool}")
+        if self.cluster_batch_mode not in ClusterBatchSampler.MODES:
+            raise ValueError(f"cluster_batch_mode must be one of {ClusterBatchSampler.MODES}, got {self.cluster_batch_mode!r}")
         if self.positive_sampling not in ("uniform", "propensity"):
             raise ValueError(f"positive_sampling must be 'uniform' or 'propensity', got {self.positive_sampling!r}")
         for name in ("num_positives", "cluster_init_size", "cluster_refresh_interval", "hard_negative_top_k", "hard_negative_refresh_interval"):
@@ -198,6 +201,7 @@ class XMCTrainer(Trainer):
                     drop_last=xmc_args.dataloader_drop_last,
                     num_replicas=xmc_args.world_size,
                     rank=xmc_args.process_index,
+                    mode=xmc_args.cluster_batch_mode,
                 )
             self.add_callback(XMCEpochCallback(self))
 

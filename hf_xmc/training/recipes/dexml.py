@@ -13,6 +13,10 @@ included) and OUT/eval_results.json (test_P@k, test_nDCG@k, test_PSP@k, test_R@1
 test_samples_per_second). Every TrainingArguments flag works (--learning_rate, --num_train_epochs, --seed, ...), and
 so do the training-engine flags of XMCTrainingArguments: --cluster_batching, --hard_negatives, --positive_sampling,
 --gradient_cache_chunk_size, --label_pool all (DEXML's brute-force all-label mode), --resume_from_checkpoint.
+
+--preset lf-amazontitles-1.3m (or another dataset of hf_xmc.training.presets; --preset list names them) turns the paper's
+configuration for that dataset into the defaults, encoder included; flags given explicitly, or keys of a .json config,
+win over it.
 """
 
 import logging
@@ -59,7 +63,7 @@ class DEXMLTrainingArguments(XMCTrainingArguments):
 def main(argv: Optional[list[str]] = None) -> dict:
     """Parse the recipe's arguments (``argv``, default ``sys.argv[1:]``; or one ``.json`` file), train, evaluate
     on the test file, save the model to ``--output_dir`` and write ``eval_results.json``; returns the metrics."""
-    model_args, data_args, training_args = parse_script_args(DEXMLModelArguments, DEXMLTrainingArguments, argv)
+    model_args, data_args, training_args = parse_script_args(DEXMLModelArguments, DEXMLTrainingArguments, argv, method="dexml")
     data = load_data(data_args)
     model = DEXMLModel.from_encoder_pretrained(
         model_args.model_name_or_path,

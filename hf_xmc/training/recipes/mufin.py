@@ -201,7 +201,7 @@ def pretrain_and_mine(model: MUFINModel, data: XCData, args: MUFINTrainingArgume
 
 def main(argv: Optional[list[str]] = None) -> dict:
     """Parse the arguments, run Modules I-IV, evaluate, save; returns the metrics of ``eval_results.json``."""
-    model_args, data_args, training_args = parse_script_args(MUFINModelArguments, MUFINTrainingArguments, argv)
+    model_args, data_args, training_args = parse_script_args(MUFINModelArguments, MUFINTrainingArguments, argv, method="mufin")
     data = load_data(data_args)
     config = model_config_kwargs(model_args, data_args)  # + token budgets and propensity constants
     vision_encoder = config.pop("vision_model_name_or_path")

@@ -16,6 +16,10 @@ OUT/eval_results.json (test_P@k, test_nDCG@k, test_PSP@k, test_R@10/100, train_r
 Defaults are PRIME's recipe at a short budget: 2 positives per query drawn by inverse propensity (--num_positives 1
 gives PRIME-lite), NGAME cluster batching from the second epoch (--cluster_batching false for random batches), the
 spec's loss constants. Every TrainingArguments flag works, and so do the engine flags of XMCTrainingArguments.
+
+--preset lf-amazontitles-1.3m (or another dataset of hf_xmc.training.presets; --preset list names them) turns the paper's
+configuration for that dataset into the defaults, encoder included; flags given explicitly, or keys of a .json config,
+win over it.
 """
 
 import logging
@@ -77,7 +81,7 @@ class PRIMETrainingArguments(XMCTrainingArguments):
 def main(argv: Optional[list[str]] = None) -> dict:
     """Parse the recipe's arguments (``argv``, default ``sys.argv[1:]``; or one ``.json`` file), train, evaluate
     on the test file, save the model to ``--output_dir`` and write ``eval_results.json``; returns the metrics."""
-    model_args, data_args, training_args = parse_script_args(PRIMEModelArguments, PRIMETrainingArguments, argv)
+    model_args, data_args, training_args = parse_script_args(PRIMEModelArguments, PRIMETrainingArguments, argv, method="prime")
     data = load_data(data_args)
     model = PRIMEModel.from_encoder_pretrained(
         model_args.model_name_or_path,

@@ -20,6 +20,10 @@ batch's other positives, a pool capped at 256 labels per process; learning rates
 lr / 2 lr / 1e-3, cosine schedule with warm-up; NGAME cluster batching from the second epoch; query->label terms only
 (--de_query_to_label_weight 0.5 --clf_query_to_label_weight 0.5 adds the paper's symmetric label->query terms, which
 lost on both datasets at this budget, see README). --use_classifier false trains DePSL (the DE-only ablation). Every TrainingArguments flag and every engine flag of XMCTrainingArguments works.
+
+--preset lf-amazontitles-1.3m (or another dataset of hf_xmc.training.presets; --preset list names them) turns the paper's
+configuration for that dataset into the defaults, encoder included; flags given explicitly, or keys of a .json config,
+win over it.
 """
 
 import logging
@@ -88,7 +92,7 @@ class UniDECTrainingArguments(XMCTrainingArguments):
 def main(argv: Optional[list[str]] = None) -> dict:
     """Parse the recipe's arguments (``argv``, default ``sys.argv[1:]``; or one ``.json`` file), train, evaluate
     on the test file, save the model to ``--output_dir`` and write ``eval_results.json``; returns the metrics."""
-    model_args, data_args, training_args = parse_script_args(UniDECModelArguments, UniDECTrainingArguments, argv)
+    model_args, data_args, training_args = parse_script_args(UniDECModelArguments, UniDECTrainingArguments, argv, method="unidec")
     data = load_data(data_args)
     model = UniDECModel.from_encoder_pretrained(
         model_args.model_name_or_path,
