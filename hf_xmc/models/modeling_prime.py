@@ -218,15 +218,15 @@ class PRIMEModel(PRIMEPreTrainedModel):
         """L2-normalised prototypes of all labels (eval mode) from their raw label-text embeddings; ``(L, hidden)`` on CPU."""
         was_training = self.training
         self.eval()
-        out = []
+        out = torch.empty(label_embeds.shape, dtype=torch.float32)  # filled in place: no second (L, hidden) copy
         try:
             for start in range(0, label_embeds.shape[0], batch_size):
                 ids = torch.arange(start, min(start + batch_size, label_embeds.shape[0]), device=self.device)
                 chunk = label_embeds[start : start + batch_size].to(self.device)
-                out.append(F.normalize(self.prototypes(chunk, ids).float(), dim=-1).cpu())
+                out[start : start + len(ids)] = F.normalize(self.prototypes(chunk, ids).float(), dim=-1).cpu()
         finally:
             self.train(was_training)
-        return torch.cat(out)
+        return out
 
     def label_search_vectors(self, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
         """Indexed vectors: the normalised prototypes of all labels."""
