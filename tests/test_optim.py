@@ -3,6 +3,7 @@
 import copy
 import logging
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,11 +144,13 @@ def _unidec_trainer(encoder_dir, data, out_dir, sparse: bool, **kwargs):
 
 
 def test_trainer_sparse_path_matches_the_dense_path_when_every_row_is_touched(tiny_encoder_dir, tiny_task, tmp_path):
-    # label_pool="all": every classifier row is in every pool, so lazy row-wise AdamW is AdamW step for step
+    # an uncapped PSL pool that every label joins as a "negative": every classifier row is in every pool, so lazy
+    # row-wise AdamW is AdamW step for step
     data = tiny_task[0]
     runs = {}
     for sparse in (True, False):
-        trainer = _unidec_trainer(tiny_encoder_dir, data, tmp_path / str(sparse), sparse, max_steps=4, label_pool="all")
+        trainer = _unidec_trainer(tiny_encoder_dir, data, tmp_path / str(sparse), sparse, max_steps=4, label_pool="psl", max_label_pool=0)
+        trainer.data_collator.sample_negatives = lambda rows, rng: np.arange(len(data.label_texts))
         initial = trainer.model.classifier.weight.detach().clone()
         trainer.train()
         runs[sparse] = trainer
