@@ -22,8 +22,8 @@ query / label embeddings reconstructs the whole cluster batch on every rank.
 
 ``mode="one_per_batch"`` is UniDEC's batching (official code: the tree is grown to leaves of about the batch size and
 each batch is one leaf): the queries are split into ``2^ceil(log2(N / global_batch))`` balanced leaves, so a leaf holds
-between half a global batch and a global batch (sizes differ by at most one; exactly the batch size when ``N / batch``
-is a power of two, as for the paper's |Q_B|), and every batch is one whole leaf; the curriculum does not apply
+between half a global batch and a global batch (sizes differ by at most one; the batch size itself when the batch is
+``N / 2^k``, as the paper's |Q_B| are), and every batch is one whole leaf; the curriculum does not apply
 (clustering starts at ``min(curriculum_epochs)``, before that the leaves are random). Never above the batch size the
 user chose (the official code rounds the other way, leaves of 1-2 batch sizes), as that is the memory budget.
 

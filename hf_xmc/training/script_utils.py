@@ -86,7 +86,7 @@ def parse_script_args(model_arguments: type, training_arguments: type, argv: Opt
         model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=args)
     setup_logging(training_args)
     if preset:
-        logger.info("preset %s: %s", data_args.preset, ", ".join(f"{k}={v}" for k, v in preset.items()))
+        logger.info("preset %s sets the defaults (flags given explicitly win): %s", data_args.preset, ", ".join(f"{k}={v}" for k, v in preset.items()))
     set_seed(training_args.seed)
     return model_args, data_args, training_args
 
