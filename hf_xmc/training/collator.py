@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..data import XMCDataset
+from ..models.modeling_xmc import tokenize_texts
 
 
 class XMCTrainDataset(Dataset):
@@ -89,7 +90,7 @@ def tokenize_labels(
     lengths = np.zeros(stop - start, dtype=np.int32)
     for a in range(start, stop, batch_size):
         b = min(a + batch_size, stop)
-        rows = tokenizer([label_texts[i] for i in range(a, b)], truncation=True, max_length=max_length)["input_ids"]
+        rows = tokenize_texts(tokenizer, [label_texts[i] for i in range(a, b)], max_length)["input_ids"]
         n = np.fromiter(map(len, rows), dtype=np.int32, count=b - a)
         flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=int(n.sum()))
         ids[a - start : b - start][np.arange(max_length) < n[:, None]] = flat  # row-major fill: row i gets its n_i ids
@@ -222,7 +223,7 @@ class XMCDataCollator:
 
     def __call__(self, features: list[dict[str, int]]) -> dict[str, torch.Tensor]:
         rows = np.array([f["index"] for f in features], dtype=np.int64)
-        q = self.tokenizer([self.texts[r] for r in rows], padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt")
+        q = tokenize_texts(self.tokenizer, [self.texts[r] for r in rows], self.max_seq_length, padding=True, return_tensors="pt")
         if self.all_labels:  # the pool is every label: no pool tokens, no (batch, L) targets, only id lists
             return {
                 "input_ids": q["input_ids"],
@@ -233,7 +234,7 @@ class XMCDataCollator:
         rng = self.batch_rng(rows)
         sampled = self.sample_positives(rows, rng)
         pool, targets, positive_index = self.build_pool(rows, sampled, self.sample_negatives(rows, rng), rng)
-        lab = self.tokenizer([self.label_texts[i] for i in pool], padding=True, truncation=True, max_length=self.label_max_seq_length, return_tensors="pt")
+        lab = tokenize_texts(self.tokenizer, [self.label_texts[i] for i in pool], self.label_max_seq_length, padding=True, return_tensors="pt")
         return {
             "input_ids": q["input_ids"],
             "attention_mask": q["attention_mask"],
