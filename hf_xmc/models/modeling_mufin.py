@@ -918,7 +918,7 @@ class MUFINModel(MUFINPreTrainedModel):
         if self.label_vectors is None:
             raise ValueError("no label bags are cached: call build_label_index(label_texts, label_images=...) first")
         vectors, self.shortlist_row_labels = self.shortlist_vectors()
-        self.label_index = LabelIndex(vectors, kind=kind or self.config.index_kind)
+        self.label_index = LabelIndex(vectors, kind=kind or self.config.index_kind, ivf_nprobe=self.config.ivf_nprobe)
         return self.label_index
 
     def _require_shortlist_index(self) -> LabelIndex:

@@ -780,14 +780,14 @@ class XMCPreTrainedModel(PreTrainedModel):
         self._require_labels()
         vectors = self.label_search_vectors(batch_size=batch_size, show_progress_bar=show_progress_bar)
         self.label_embeddings = vectors.to(getattr(torch, self.config.label_embeddings_dtype))
-        self.label_index = LabelIndex(self.label_embedding_blocks, kind=kind or self.config.index_kind)
+        self.label_index = LabelIndex(self.label_embedding_blocks, kind=kind or self.config.index_kind, ivf_nprobe=self.config.ivf_nprobe)
         return self.label_index
 
     def search(self, query_vectors: torch.Tensor | np.ndarray, k: int = 5) -> tuple[np.ndarray, np.ndarray]:
         """Top-k label ids and scores for precomputed query vectors (builds the index on first use)."""
         if self.label_index is None:
             if self.label_embedding_blocks is not None:
-                self.label_index = LabelIndex(self.label_embedding_blocks, kind=self.config.index_kind)
+                self.label_index = LabelIndex(self.label_embedding_blocks, kind=self.config.index_kind, ivf_nprobe=self.config.ivf_nprobe)
             else:
                 self.build_label_index()
         return self.label_index.search(query_vectors, k)

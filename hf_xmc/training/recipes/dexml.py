@@ -49,6 +49,7 @@ class DEXMLModelArguments:
     topk_alpha: float = field(default=2.0, metadata={"help": "Sigmoid slope of SoftTop-k."})
     embedding_dropout: float = field(default=0.0, metadata={"help": "Dropout on pooled embeddings during training."})
     index_kind: str = field(default="exact", metadata={"help": "Label index saved with the model: exact | ivf | hnsw | torch (ivf or hnsw for fast CPU search at a million labels)."})
+    ivf_nprobe: int = field(default=64, metadata={"help": "Lists an ivf index scans per query (mining, evaluation and the saved index; recall@100 at 1.3M labels: ~0.90 at 16, 0.96 at 64)."})
 
 
 @dataclass

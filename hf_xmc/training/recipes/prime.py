@@ -61,6 +61,7 @@ class PRIMEModelArguments:
     regularizer_weight: float = field(default=0.1, metadata={"help": "lambda of the regulariser R."})
     regularizer_margin: float = field(default=0.1, metadata={"help": "Margin m' of the regulariser R."})
     index_kind: str = field(default="exact", metadata={"help": "Label index saved with the model: exact | ivf | hnsw | torch (ivf or hnsw for fast CPU search at a million labels)."})
+    ivf_nprobe: int = field(default=64, metadata={"help": "Lists an ivf index scans per query (mining, evaluation and the saved index; recall@100 at 1.3M labels: ~0.90 at 16, 0.96 at 64)."})
 
 
 @dataclass

@@ -65,6 +65,7 @@ class UniDECModelArguments:
     head_learning_rate_multiplier: float = field(default=2.0, metadata={"help": "Head learning rate / encoder learning rate."})
     classifier_learning_rate: Optional[float] = field(default=1e-3, metadata={"help": "Learning rate of the classifier vectors."})
     index_kind: str = field(default="exact", metadata={"help": "Label index saved with the model: exact | ivf | hnsw | torch (ivf or hnsw for fast CPU search at a million labels)."})
+    ivf_nprobe: int = field(default=64, metadata={"help": "Lists an ivf index scans per query (mining, evaluation and the saved index; recall@100 at 1.3M labels: ~0.90 at 16, 0.96 at 64)."})
 
 
 @dataclass
