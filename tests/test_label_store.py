@@ -184,3 +184,17 @@ def test_bench_index_runs_small(tmp_path):
     assert rows["hnsw ef_search=512"]["recall@100"] > 0.98 and rows["hnsw ef_search=512"]["num_labels"] == 1000
     assert rows["ivf fp16 nprobe=16"]["store_bytes"] < 0.6 * rows["exact"]["store_bytes"]
     assert json.load(open(out))["results"] == json.loads(json.dumps(report["results"]))
+
+
+def test_config_ivf_nprobe_reaches_every_index_the_model_builds(tiny_encoder_dir, tiny_task, tmp_path):
+    pytest.importorskip("faiss")
+    with pytest.raises(ValueError, match="ivf_nprobe"):
+        make_model(tiny_encoder_dir, tiny_task[0], index_kind="ivf", ivf_nprobe=0)
+    model = make_model(tiny_encoder_dir, tiny_task[0], index_kind="ivf", ivf_nprobe=5)
+    assert model.label_index.ivf_nprobe == 5  # build_label_index (training-time mining and evaluation build this way)
+    model.label_index = None
+    model.search(model.encode_queries(list(tiny_task[0].test.texts[:2])), k=3)  # index built lazily from the store
+    assert model.label_index.ivf_nprobe == 5
+    model.save_pretrained(tmp_path / "model")
+    reloaded = DEXMLModel.from_pretrained(tmp_path / "model")
+    assert reloaded.config.ivf_nprobe == 5 and reloaded.label_index.ivf_nprobe == 5
