@@ -357,7 +357,7 @@ STAGE_COLUMNS = [
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table: per variant the seconds (peak GiB) of each stage, size on disk, quality and latency."""
-    head = "| method | labels | train q | steps x batch | data | label state | clustering | mining | steps | eval | save | reload | predict k=100 | peak RSS GiB | saved GB | P@1 | R@100 | ms/query b=1 | ms/batch b=256 |"
+    head = "| method | labels | train q | steps x batch | index | data | label state | clustering | mining | steps | eval | save | reload | predict k=100 | peak RSS GiB | saved GB | P@1 | R@100 | ms/query b=1 | ms/batch b=256 |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def cell(row, key):
@@ -375,8 +375,10 @@ def format_table(rows: list[dict]) -> str:
             cluster = f"{enc['seconds']:.0f}+{cl['seconds']:.0f}s ({max(cl['peak_rss_gib'], enc.get('peak_rss_gib') or 0):.1f})"
         lat = r.get("latency_ms", {})
         name = f"{r['method']}:{r['variant']}" + ("" if r["completed"] else " (failed)")
+        kind = r.get("index_kind", "exact")  # rows from before --index_kind searched exactly
+        index = f"{kind} nprobe={r['ivf_nprobe']}" if kind == "ivf" and r.get("ivf_nprobe") else kind
         lines.append(
-            f"| {name} | {r['num_labels']:,} | {r['num_train']:,} | {r['steps']} x {r['batch_size']} | {cell(r, 'train:data_load')} | "
+            f"| {name} | {r['num_labels']:,} | {r['num_train']:,} | {r['steps']} x {r['batch_size']} | {index} | {cell(r, 'train:data_load')} | "
             f"{cell(r, 'train:train.label_state')} | {cluster} | {cell(r, 'train:train.hard_negative_mining')} | {cell(r, 'train:train.steps')} | "
             f"{cell(r, 'train:evaluate')} | {cell(r, 'train:save')} | {cell(r, 'reload:reload')} | {cell(r, 'reload:predict')} | "
             f"{r['peak_rss_gib'] if r['peak_rss_gib'] is not None else '-'} | {(r['saved_bytes'] or 0) / 1e9:.2f} | "

@@ -151,6 +151,9 @@ def test_bench_scale_small_runs_every_stage(tmp_path):
             assert stages[stage]["seconds"] >= 0, (row["method"], stage)
         assert 0 < row["peak_rss_gib"] < 6 and row["saved_bytes"] > 50000 * 4 * 16  # the label vectors at least
         assert row["R@100"] > 0 and row["latency_ms"]["batch_1_ms"] > 0
+        # --index_kind ivf --ivf_nprobe 16 (the defaults) reach the saved model through the recipe's flags
+        meta = json.loads((tmp_path / "task" / "runs" / f"{row['method']}-{row['variant']}" / "label_index.json").read_text())
+        assert (row["index_kind"], row["ivf_nprobe"], meta["kind"], meta["ivf_nprobe"]) == ("ivf", 16, "ivf", 16)
     by_name = {f"{r['method']}:{r['variant']}": r["stages"] for r in rows}
     assert "train:train.label_state" in by_name["prime:default"] and "train:train.clustering" in by_name["prime:default"]
     assert "train:train.hard_negative_mining" in by_name["dexml:hard_neg"] and "train:train.hard_negative_mining" in by_name["unidec:default"]
