@@ -11,6 +11,7 @@ from .classifier_head import ExtremeClassifier
 from .configuration_dexml import DEXMLConfig
 from .configuration_mufin import MUFINConfig
 from .configuration_prime import PRIMEConfig
+from .configuration_siamesexml import SiameseXMLConfig
 from .configuration_unidec import UniDECConfig
 from .configuration_xmc import XMCConfig
 from .label_index import LabelIndex, faiss_available, faiss_gpu_available
@@ -24,6 +25,7 @@ from .modeling_mufin import (
     label_centroids_from_embeddings,
 )
 from .modeling_prime import LabelPrototypeNetwork, PRIMEModel, PRIMEPreTrainedModel
+from .modeling_siamesexml import BagOfEmbeddingsEncoder, ResidualBlock, SiameseXMLModel, SiameseXMLPreTrainedModel
 from .modeling_unidec import UniDECModel, UniDECPreTrainedModel
 from .modeling_xmc import XMCModelOutput, XMCPrediction, XMCPreTrainedModel
 from .xmc_losses import (
@@ -48,6 +50,7 @@ MODEL_CLASSES = {
     "dexml": (DEXMLConfig, DEXMLModel),
     "mufin": (MUFINConfig, MUFINModel),
     "prime": (PRIMEConfig, PRIMEModel),
+    "siamesexml": (SiameseXMLConfig, SiameseXMLModel),
     "unidec": (UniDECConfig, UniDECModel),
 }
 
@@ -59,6 +62,7 @@ for _config_cls, _model_cls in MODEL_CLASSES.values():
 
 __all__ = [
     "BCELoss",
+    "BagOfEmbeddingsEncoder",
     "DEXMLConfig",
     "DEXMLModel",
     "DEXMLPreTrainedModel",
@@ -78,6 +82,10 @@ __all__ = [
     "PRIMELoss",
     "PRIMEModel",
     "PRIMEPreTrainedModel",
+    "ResidualBlock",
+    "SiameseXMLConfig",
+    "SiameseXMLModel",
+    "SiameseXMLPreTrainedModel",
     "SoftmaxLoss",
     "UniDECConfig",
     "UniDECLoss",

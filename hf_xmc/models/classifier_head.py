@@ -17,6 +17,7 @@ This file is part of the remote-code bundle (torch only).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,4 +71,49 @@ class ExtremeClassifier(nn.Embedding):
         return f"num_labels={self.num_labels}, dim={self.embedding_dim}, sparse_gradients={self.sparse}"
 
 
-__all__ = ["ExtremeClassifier"]
+def merge_label_scores(
+    query_of: np.ndarray, label_of: np.ndarray, values: np.ndarray, num_queries: int, num_labels: int, size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sum the ``values`` of every ``(query, label)`` pair (hits of several searches over label representations, votes
+    of neighbours) and keep each query's ``size`` best labels: the shortlist of a classifier stage.
+
+    ``query_of`` / ``label_of`` / ``values``: parallel 1-d arrays, one entry per hit (a label missing from a search adds
+    nothing for it). Returns ``(ids, scores)``, ``(num_queries, size)`` int64 / float32, best first, ``-1`` / ``-inf``
+    padded. Memory: a few arrays of the hits' length; nothing per label.
+    """
+    ids = np.full((num_queries, size), -1, dtype=np.int64)
+    scores = np.full((num_queries, size), -np.inf, dtype=np.float32)
+    if query_of.size == 0:
+        return ids, scores
+    keys = query_of.astype(np.int64) * num_labels + label_of.astype(np.int64)
+    unique, inverse = np.unique(keys, return_inverse=True)
+    sums = np.zeros(unique.size, dtype=np.float64)
+    np.add.at(sums, inverse, values.astype(np.float64))
+    queries, labels = unique // num_labels, unique % num_labels
+    order = np.lexsort((-sums, queries))  # by query, best first
+    queries, labels, sums = queries[order], labels[order], sums[order]
+    rank = np.arange(queries.size) - np.searchsorted(queries, queries)  # position within its query
+    keep = rank < size
+    ids[queries[keep], rank[keep]] = labels[keep]
+    scores[queries[keep], rank[keep]] = sums[keep]
+    return ids, scores
+
+
+def fuse_shortlist_scores(classifier: np.ndarray, shortlist: np.ndarray, weight: float, fusion: str = "code", label_side: np.ndarray | None = None) -> np.ndarray:
+    """Fused score of shortlisted labels (SiameseXML; the classifier stage's ranking).
+
+    ``fusion="code"`` (the official evaluation): ``weight * exp(5 (classifier - 1)) + (1 - weight) * sigmoid(shortlist)``
+    with ``classifier`` the cosine ``cos(w_l, E(x))`` and ``shortlist`` the summed similarity of the shortlist search.
+    ``fusion="paper"``: ``weight * classifier + (1 - weight) * label_side`` where ``label_side`` is the paper's
+    ``(z_l + v_l)^T E(x)``.
+    """
+    if fusion == "code":
+        return (weight * np.exp(5.0 * (classifier - 1.0)) + (1.0 - weight) / (1.0 + np.exp(-shortlist))).astype(np.float32)
+    if fusion == "paper":
+        if label_side is None:
+            raise ValueError("fusion='paper' needs the label-side scores (z_l + v_l)^T E(x)")
+        return (weight * classifier + (1.0 - weight) * label_side).astype(np.float32)
+    raise ValueError(f"fusion must be 'code' or 'paper', got {fusion!r}")
+
+
+__all__ = ["ExtremeClassifier", "fuse_shortlist_scores", "merge_label_scores"]

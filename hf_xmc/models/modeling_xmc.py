@@ -608,11 +608,13 @@ class XMCPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     input_modalities = ("text",)
     supports_gradient_checkpointing = True
+    # rows of the label store (and index) per label: 2 for SiameseXML, whose index holds label-text vectors and centroids
+    label_store_rows_per_label = 1
 
     def __init__(self, config: XMCConfig):
         super().__init__(config)
         config.validate_xmc()
-        self.encoder = AutoModel.from_config(config.encoder_config)
+        self.encoder = self.build_encoder(config)
         self.embedding_dropout = nn.Dropout(config.embedding_dropout)
         self.tokenizer = None
         self.label_texts: Optional[list[str]] = None
@@ -622,6 +624,11 @@ class XMCPreTrainedModel(PreTrainedModel):
         self.model_card: Optional[ModelCardFiles] = None
 
     # ------------------------------------------------------------------ construction
+    def build_encoder(self, config: XMCConfig) -> nn.Module:
+        """The text encoder: a Hugging Face ``AutoModel`` built from ``config.encoder_config`` (a method with its own
+        encoder, e.g. SiameseXML's bag of embeddings, overrides this)."""
+        return AutoModel.from_config(config.encoder_config)
+
     @classmethod
     def from_encoder_pretrained(cls, encoder_name_or_path: str, **config_kwargs) -> "XMCPreTrainedModel":
         """Build a fresh model whose encoder (and tokenizer) start from a pretrained checkpoint.
@@ -785,12 +792,16 @@ class XMCPreTrainedModel(PreTrainedModel):
 
     def search(self, query_vectors: torch.Tensor | np.ndarray, k: int = 5) -> tuple[np.ndarray, np.ndarray]:
         """Top-k label ids and scores for precomputed query vectors (builds the index on first use)."""
+        return self.ensure_label_index().search(query_vectors, k)
+
+    def ensure_label_index(self) -> LabelIndex:
+        """The label index: built over the stored label vectors, or over freshly encoded labels, on first use."""
         if self.label_index is None:
             if self.label_embedding_blocks is not None:
                 self.label_index = LabelIndex(self.label_embedding_blocks, kind=self.config.index_kind, ivf_nprobe=self.config.ivf_nprobe)
             else:
                 self.build_label_index()
-        return self.label_index.search(query_vectors, k)
+        return self.label_index
 
     def predict(self, texts: Sequence[str] | str, k: int = 5, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> XMCPrediction:
         """Rank the model's labels for each text and return the top ``k`` (ids, scores and label texts)."""
@@ -934,8 +945,12 @@ class XMCPreTrainedModel(PreTrainedModel):
         blocks = load_label_store(fetch)  # memory-mapped, in the precision they were saved in
         if blocks is not None:
             num_vectors = sum(b.shape[0] for b in blocks)
-            if self.label_texts is not None and num_vectors != len(self.label_texts):
-                raise ValueError(f"{path}: the label store holds {num_vectors} label vectors but {LABELS_FILE} lists {len(self.label_texts)} labels")
+            per_label = self.label_store_rows_per_label
+            if self.label_texts is not None and num_vectors != per_label * len(self.label_texts):
+                raise ValueError(
+                    f"{path}: the label store holds {num_vectors} label vectors but {LABELS_FILE} lists {len(self.label_texts)} labels"
+                    + (f" ({per_label} vectors per label expected)" if per_label != 1 else "")
+                )
             self.label_embedding_blocks = blocks
             self.label_index = LabelIndex.load(
                 blocks, meta_path=fetch(INDEX_META_FILE), index_path=fetch(INDEX_FILE), kind=self.config.index_kind

@@ -15,6 +15,7 @@ This file is part of the remote-code bundle of every hf_xmc model (torch only).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -846,3 +847,71 @@ def mufin_ranker_loss(
     pos_valid, neg_valid = _full_mask(pos_scores, pos_mask), _full_mask(neg_scores, neg_mask)
     per_pair = torch.cat([1.0 - pos_scores, (neg_scores - margin).clamp(min=0)], dim=1)
     return _reduce_pairs(per_pair, torch.cat([pos_valid, neg_valid], dim=1), reduction)
+
+
+# ---------------------------------------------------------------------------------------------------- SiameseXML
+def point_likelihood_nll(scores: torch.Tensor, targets: torch.Tensor, c: float, d: float) -> torch.Tensor:
+    """SiameseXML's per-pair negative log-likelihood (paper Eq. 5): with ``p(+1, v) = c exp(d (v - 1))``,
+    a positive costs ``-ln c + d (1 - v)`` and a negative ``-ln(1 - c exp(d (v - 1)))``. ``scores`` are cosines
+    ``v`` in ``[-1, 1]``, ``targets`` a boolean matrix of the same shape. Example: ``c = 0.75, d = 3`` costs 0.2877 for a
+    positive at ``v = 1`` and 0.03806 for a negative at ``v = 0``."""
+    if not 0.0 < c < 1.0 or d <= 0:
+        raise ValueError(f"the point likelihood needs 0 < c < 1 and d > 0, got c={c}, d={d}")
+    positive = -math.log(c) + d * (1.0 - scores)
+    negative = -torch.log1p(-c * torch.exp(d * (scores.clamp(max=1.0) - 1.0)))
+    return torch.where(targets, positive, negative)
+
+
+def _keep_hardest(per_pair: torch.Tensor, candidates: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
+    """Boolean mask of the ``k`` highest ``per_pair`` entries among ``candidates`` per row (``k`` an int or a per-row
+    tensor)."""
+    masked = per_pair.detach().masked_fill(~candidates, float("-inf"))
+    order = masked.argsort(dim=1, descending=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(per_pair.shape[1], device=per_pair.device).expand_as(order))
+    k = torch.as_tensor(k, device=per_pair.device).reshape(-1, 1) if not isinstance(k, int) else k
+    return candidates & (rank < k)
+
+
+def siamese_pair_loss(scores: torch.Tensor, targets: torch.Tensor, c: float = 0.9, d: float = 1.5, num_hard_negatives: int = 1) -> torch.Tensor:
+    """SiameseXML Module I over a batch of labels (spec Sec. 5, [C] ``kprob_contrastive``).
+
+    ``scores`` ``(B, P)``: cosine of each query row with each batch label; ``targets`` marks every true pair (repeated
+    labels and shared positives included). Every positive entry costs :func:`point_likelihood_nll`; per row only the
+    ``num_hard_negatives`` negatives with the highest loss are kept (kappa; positives are never negatives); the
+    loss sums each row and averages over rows.
+    """
+    per_pair = point_likelihood_nll(scores, targets, c, d)
+    keep = targets | _keep_hardest(per_pair, ~targets, num_hard_negatives)
+    return torch.where(keep, per_pair, torch.zeros_like(per_pair)).sum(dim=1).mean()
+
+
+def siamese_classifier_loss(
+    scores: torch.Tensor,
+    targets: torch.Tensor,
+    valid: Optional[torch.Tensor] = None,
+    c: float = 0.75,
+    d: float = 3.0,
+    negatives: str = "threshold",
+    threshold: float = 0.05,
+    hard_negative_factor: int = 3,
+) -> torch.Tensor:
+    """SiameseXML Module IV over each query's positives and shortlist negatives (spec Sec. 5).
+
+    ``scores`` ``(B, S)``: ``cos(w_l, E(x_i))`` of each query's candidate slots; ``targets`` marks positives and
+    ``valid`` the filled slots. Each term is :func:`point_likelihood_nll` divided by ``d`` ([C] ``prob_contrastive``).
+    ``negatives="threshold"`` ([C]) drops negatives whose scaled loss is below ``threshold`` (cos < ~0.439 at the
+    defaults); ``"hardest"`` ([P]) keeps the ``hard_negative_factor x |P_i|`` negatives with the highest loss. The loss
+    sums the kept slots and divides by the batch size.
+    """
+    valid = _full_mask(scores, valid)
+    per_pair = point_likelihood_nll(scores, targets, c, d) / d
+    negative = valid & ~targets
+    if negatives == "threshold":
+        keep_negative = negative & (per_pair.detach() >= threshold)
+    elif negatives == "hardest":
+        keep_negative = _keep_hardest(per_pair, negative, hard_negative_factor * (targets & valid).sum(dim=1))
+    else:
+        raise ValueError(f"negatives must be 'threshold' or 'hardest', got {negatives!r}")
+    keep = (valid & targets) | keep_negative
+    return torch.where(keep, per_pair, torch.zeros_like(per_pair)).sum() / scores.shape[0]

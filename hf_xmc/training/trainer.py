@@ -177,7 +177,8 @@ class XMCTrainer(Trainer):
         super().__init__(
             model=model,
             args=args,
-            train_dataset=XMCTrainDataset(train_dataset) if train_dataset is not None else None,
+            # an XMCDataset is served as {"index": i} items; any other dataset (SiameseXML's label draws) as it is
+            train_dataset=XMCTrainDataset(train_dataset) if isinstance(train_dataset, XMCDataset) else train_dataset,
             data_collator=data_collator,
             processing_class=model.tokenizer,
             **kwargs,
@@ -185,12 +186,12 @@ class XMCTrainer(Trainer):
         self.evaluator = evaluator
         self._loss_term_sums: dict[str, torch.Tensor] = {}
         self._loss_term_count = 0
-        self.xmc_train_data = train_dataset
+        self.xmc_train_data = train_dataset if isinstance(train_dataset, XMCDataset) else None
         self.cluster_sampler: Optional[ClusterBatchSampler] = None
         self.memory_bank: Optional[EmbeddingMemoryBank] = None
         self._label_tokens: Optional[LabelTokens] = None  # label_pool="all": this process's label shard, tokenised once
         if xmc_args is not None and train_dataset is not None:
-            if xmc_args.cluster_batching:
+            if xmc_args.cluster_batching and self.xmc_train_data is not None:
                 self.cluster_sampler = ClusterBatchSampler(
                     num_samples=len(train_dataset),
                     batch_size=xmc_args.per_device_train_batch_size,

@@ -18,6 +18,7 @@ RECIPES: dict[str, str] = {
     "prime": "hf_xmc.training.recipes.prime",
     "unidec": "hf_xmc.training.recipes.unidec",
     "mufin": "hf_xmc.training.recipes.mufin",
+    "siamesexml": "hf_xmc.training.recipes.siamesexml",
 }
 
 

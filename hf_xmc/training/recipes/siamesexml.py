@@ -1,0 +1,178 @@
+"""Train SiameseXML (siamese encoder, label-text / centroid shortlist, one re-parameterised classifier per label) on
+Extreme Classification Repository files.
+
+    accelerate launch --config_file training_scripts/accelerate/single_process.yaml training_scripts/train_siamesexml.py \
+        --train_file trn.json.gz --test_file tst.json.gz --label_file lbl.json.gz \
+        --model_name_or_path sentence-transformers/all-MiniLM-L6-v2 --output_dir out/siamesexml
+
+    python training_scripts/train_siamesexml.py ... --encoder_type boe      # the paper's bag-of-embeddings encoder
+    hf-xmc train siamesexml ...                                            # the same recipe as a console command
+
+Writes OUT/ (a model directory loadable with AutoModel.from_pretrained(OUT, trust_remote_code=True): encoder, residual
+block, label-text vectors, centroids, refinement vectors and the shortlist index over [label texts ; centroids]) and
+OUT/eval_results.json (test_P@k, test_nDCG@k, test_PSP@k, test_R@10/100, train_runtime, test_samples_per_second).
+
+The four modules run in order. Module I (--num_train_epochs epochs at --learning_rate, --per_device_train_batch_size
+labels per batch): batches over labels drawn with probability freq^0.45, one positive point per label and a second one
+for the centroid estimate, the point-likelihood loss (c 0.9, d 1.5) with the hardest in-batch negative per row.
+Module II: the encoder is frozen; label-text vectors smoothed by the label random walk (400 hops, restart 0.8, top
+10), label centroids, and a shortlist per training point from the index over both plus its 50 nearest training
+points' votes. Module III: w_l = N(z~_l + eta_l), eta = 0. Module IV (--classifier_epochs at
+--classifier_learning_rate, --classifier_batch_size points per batch): eta and the residual block on each point's
+positives (at most 10) and shortlist negatives, point-likelihood loss (c 0.75, d 3, 1/d, negatives with loss < 0.05
+ignored). Prediction fuses 0.5 exp(5 (cos - 1)) + 0.5 sigmoid(shortlist similarity) over a 500-label shortlist.
+Every TrainingArguments flag works (it applies to Module I; Module IV takes its own epochs, rate and batch size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import scipy.sparse as sp
+
+from hf_xmc.models import SiameseXMLModel
+from hf_xmc.training import XMCTrainer, XMCTrainingArguments
+from hf_xmc.training.classifier_stage import ClassifierStageCollator
+from hf_xmc.training.script_utils import build_evaluator, load_data, model_config_kwargs, parse_script_args, train_and_evaluate
+from hf_xmc.training.siamesexml import (
+    LabelDrawDataset,
+    SiameseLabelCollator,
+    bag_of_embeddings_document_frequency,
+    build_label_state,
+    label_correlation_matrix,
+    mine_classifier_shortlist,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SiameseXMLModelArguments:
+    """Model arguments of SiameseXML (see SiameseXMLConfig for the meaning of each field)."""
+
+    model_name_or_path: str = field(metadata={"help": "Encoder to start from (Hub id or local directory); with --encoder_type boe its tokenizer and token embeddings."})
+    encoder_type: str = field(default="transformer", metadata={"help": "transformer (any HF encoder, mean-pooled) | boe (the paper's TF-IDF bag of token embeddings + GELU)."})
+    boe_embedding_dim: int = field(default=0, metadata={"help": "D of the boe encoder (0 = the encoder's hidden size, whose token embeddings then start the table)."})
+    pooling: str = field(default="mean", metadata={"help": "'mean' or 'cls' pooling (transformer)."})
+    residual_dropout: float = field(default=0.5, metadata={"help": "Dropout in the residual block ([C] 0.5)."})
+    siamese_c: float = field(default=0.9, metadata={"help": "Module I likelihood constant c ([C] 0.9)."})
+    siamese_d: float = field(default=1.5, metadata={"help": "Module I likelihood constant d ([C] 1.5)."})
+    siamese_hard_negatives: int = field(default=1, metadata={"help": "Module I in-batch hard negatives per row ([C] 1, [P] 1-5)."})
+    siamese_centroid_weight: float = field(default=0.3, metadata={"help": "Weight of the centroid term (1 - beta, [P] beta 0.7)."})
+    classifier_c: float = field(default=0.75, metadata={"help": "Module IV likelihood constant c ([C] 0.75)."})
+    classifier_d: float = field(default=3.0, metadata={"help": "Module IV likelihood constant d ([C] 3)."})
+    classifier_negatives: str = field(default="threshold", metadata={"help": "threshold ([C]: negatives with loss >= 0.05) | hardest ([P]: kappa x |P_i| hardest)."})
+    classifier_negative_threshold: float = field(default=0.05, metadata={"help": "[C]'s negative-loss threshold."})
+    classifier_hard_negative_factor: int = field(default=3, metadata={"help": "kappa of --classifier_negatives hardest ([P] 2-5)."})
+    shortlist_size: int = field(default=500, metadata={"help": "Labels scored per query at prediction ([C] 500)."})
+    shortlist_per_source: int = field(default=300, metadata={"help": "Neighbours per label representation ([C] 300)."})
+    fusion: str = field(default="code", metadata={"help": "code: beta exp(5(cos-1)) + (1-beta) sigmoid(sim) | paper: alpha cos + (1-alpha)(z+v).E(x)."})
+    fusion_weight: float = field(default=0.5, metadata={"help": "beta (code fusion) or alpha (paper fusion)."})
+    search_mode: str = field(default="fusion", metadata={"help": "Saved ranking: fusion | classifier | shortlist | label_text (Module I alone)."})
+    index_kind: str = field(default="exact", metadata={"help": "Shortlist index saved with the model: exact | ivf | hnsw | torch."})
+    ivf_nprobe: int = field(default=64, metadata={"help": "Lists an ivf index scans per query."})
+
+
+@dataclass
+class SiameseXMLTrainingArguments(XMCTrainingArguments):
+    """Training defaults for SiameseXML (see README: tuned on Debtags, checked on Reuters-21578). The TrainingArguments
+    learning rate, epochs and batch size are Module I's (the encoder's); Module IV has its own."""
+
+    learning_rate: float = field(default=1e-4, metadata={"help": "Module I learning rate of a transformer encoder (boe table: x50, [C] 0.01)."})
+    num_train_epochs: float = field(default=2.0, metadata={"help": "Module I epochs (each --label_draws_per_epoch label draws)."})
+    per_device_train_batch_size: int = field(default=64, metadata={"help": "Module I labels per batch and process ([C] 4095)."})
+    weight_decay: float = field(default=0.0, metadata={"help": "Weight decay ([C]: none)."})
+    label_sampling_power: float = field(default=0.45, metadata={"help": "Module I draws labels with probability freq^power ([P] 0.45)."})
+    label_draws_per_epoch: int = field(default=0, metadata={"help": "Label draws per Module I epoch (0 = max(labels, training points); [C]: the number of labels)."})
+    label_correlation: bool = field(default=True, metadata={"help": "Smooth label-text vectors with the label random walk M ([C])."})
+    walk_length: int = field(default=400, metadata={"help": "Hops of the random walk per label ([C] 400)."})
+    walk_restart: float = field(default=0.8, metadata={"help": "Restart probability before each hop ([C] 0.8)."})
+    walk_top_k: int = field(default=10, metadata={"help": "Most-visited labels kept per row of M ([C] 10)."})
+    knn_neighbors: int = field(default=50, metadata={"help": "Training-point neighbours voting in Module II's shortlists (0 = off)."})
+    knn_weight: float = field(default=0.025, metadata={"help": "gamma: weight of the neighbour votes ([C] 0.025)."})
+    train_shortlist_size: int = field(default=100, metadata={"help": "Shortlist negatives per training point in Module IV ([C] 500)."})
+    classifier_epochs: float = field(default=10.0, metadata={"help": "Module IV epochs ([C] 20)."})
+    classifier_learning_rate: float = field(default=2e-3, metadata={"help": "Module IV learning rate of eta and the residual block ([C] 2e-4 to 5e-4 over 20 epochs)."})
+    classifier_batch_size: int = field(default=256, metadata={"help": "Module IV points per batch and process ([C] 255)."})
+    classifier_max_positives: int = field(default=10, metadata={"help": "Most positives per point and step in Module IV ([C] 10)."})
+    train_encoder_in_classifier_stage: bool = field(default=False, metadata={"help": "SiameseXML++: train the encoder in Module IV too (tokens per batch instead of frozen vectors)."})
+
+
+def _module_args(args: SiameseXMLTrainingArguments, module: str) -> SiameseXMLTrainingArguments:
+    """Per-module copy of the arguments: Module I keeps the TrainingArguments values (checkpoints under OUT/module1);
+    Module IV takes the classifier epochs, rate and batch size. The engine's own mining and clustering stay off."""
+    changes = {"hard_negatives": 0, "cluster_batching": False, "label_pool": "in_batch"}
+    if module == "siamese":
+        changes.update(output_dir=os.path.join(args.output_dir, "module1"), push_to_hub=False)
+    else:
+        changes.update(
+            num_train_epochs=args.classifier_epochs,
+            learning_rate=args.classifier_learning_rate,
+            per_device_train_batch_size=args.classifier_batch_size,
+            gradient_cache_chunk_size=0,
+        )
+    return dataclasses.replace(args, **changes)
+
+
+def train_siamese(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments) -> None:
+    """Module I: siamese training of the encoder on label batches."""
+    if args.num_train_epochs <= 0:
+        return
+    draws = args.label_draws_per_epoch or max(len(data.label_texts), len(data.train))
+    collator = SiameseLabelCollator(
+        tokenizer=model.tokenizer,
+        texts=data.train.texts,
+        targets=sp.csr_matrix(data.train.targets),
+        label_texts=data.label_texts,
+        max_seq_length=model.config.max_seq_length,
+        label_max_seq_length=model.config.label_max_seq_length,
+        seed=args.seed,
+        power=args.label_sampling_power,
+        draws_per_epoch=draws,
+    )
+    logger.info("SiameseXML Module I: %d label draws per epoch, %g epochs", draws, args.num_train_epochs)
+    XMCTrainer(model=model, args=_module_args(args, "siamese"), train_dataset=LabelDrawDataset(draws), data_collator=collator).train()
+
+
+def mine(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments):
+    """Module II (and III): label state and static shortlists from the frozen encoder; returns Module IV's collator."""
+    targets = sp.csr_matrix(data.train.targets)
+    correlation = None
+    if args.label_correlation:
+        correlation = label_correlation_matrix(targets, args.walk_length, args.walk_restart, args.walk_top_k, seed=args.seed)
+    show = not args.disable_tqdm
+    points = build_label_state(model, data.train.texts, targets, correlation, show_progress_bar=show)
+    shortlist = mine_classifier_shortlist(model, points, targets, args.train_shortlist_size, args.knn_neighbors, args.knn_weight, show_progress_bar=show)
+    logger.info("SiameseXML Module II: shortlists of %d negatives for %d training points", shortlist.shape[1], shortlist.shape[0])
+    frozen = not args.train_encoder_in_classifier_stage
+    for p in model.encoder.parameters():
+        p.requires_grad_(not frozen)
+    return ClassifierStageCollator(
+        targets=targets,
+        shortlist=shortlist,
+        query_vectors=points if frozen else None,
+        texts=None if frozen else data.train.texts,
+        tokenizer=model.tokenizer,
+        max_seq_length=model.config.max_seq_length,
+        max_positives=args.classifier_max_positives,
+        seed=args.seed,
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    """Parse the arguments, run Modules I-IV, evaluate, save; returns the metrics of ``eval_results.json``."""
+    model_args, data_args, training_args = parse_script_args(SiameseXMLModelArguments, SiameseXMLTrainingArguments, argv, method="siamesexml")
+    data = load_data(data_args)
+    model = SiameseXMLModel.from_encoder_pretrained(model_args.model_name_or_path, label_space_size=len(data.label_texts), **model_config_kwargs(model_args, data_args))
+    model.set_labels(data.label_texts, data.label_uids)
+    if model.config.encoder_type == "boe":
+        texts = list(data.train.texts) + list(data.label_texts)
+        df = bag_of_embeddings_document_frequency(model.tokenizer, texts, model.config.max_seq_length, model.config.boe_vocab_size)
+        model.set_idf(df, len(texts))
+    train_siamese(model, data, training_args)
+    collator = mine(model, data, training_args)
+    return train_and_evaluate(model, data, build_evaluator(data, data_args), _module_args(training_args, "classifier"), data_collator=collator)

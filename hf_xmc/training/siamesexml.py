@@ -1,0 +1,280 @@
+"""SiameseXML's training pieces on the shared engine (spec ``shared/specs/siamesexml.md``).
+
+- Module I batches over labels: :class:`SiameseLabelCollator` draws labels with probability ``freq^power``
+  (with replacement, ``draws_per_epoch`` per epoch), one positive point per drawn label and a second one for the
+  label's centroid estimate; the targets mark every true (point, label) pair of the batch.
+- Module II: :func:`label_correlation_matrix` (the random walk with restart that smooths label-text vectors over
+  correlated labels), :func:`build_label_state` (``z~ = N(M f(Z))`` and the centroids ``v_l``) and
+  :func:`mine_classifier_shortlist` (per training point, its shortlist from the index over ``[z~ ; v]`` plus the
+  votes of its nearest training points, positives removed).
+- Module III is the model's initialisation (``eta = 0``); Module IV trains on
+  :class:`~hf_xmc.training.classifier_stage.ClassifierStageCollator` batches.
+- :func:`bag_of_embeddings_idf`: document frequencies of the tokenizer's tokens for the bag-of-embeddings encoder.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
+from ..data import filter_predictions
+from ..models.modeling_xmc import tokenize_texts
+from .collator import XMCDataCollator
+
+logger = logging.getLogger(__name__)
+
+
+def label_sampling_probabilities(targets: sp.spmatrix, power: float = 0.45) -> np.ndarray:
+    """``freq_l^power / sum`` over labels (0 for labels without training points): Module I's label distribution
+    ([P]: power 0.45; 0 = uniform over labels with points, 1 = the natural, document-batch distribution)."""
+    freq = np.asarray(sp.csc_matrix(targets).getnnz(axis=0), dtype=np.float64)
+    weights = np.where(freq > 0, np.power(np.maximum(freq, 1.0), power), 0.0)
+    if weights.sum() <= 0:
+        raise ValueError("no label has a training point: Module I has nothing to draw")
+    return weights / weights.sum()
+
+
+class LabelDrawDataset(Dataset):
+    """``num_draws`` items ``{"index": i}``: the i-th label draw of the epoch (the collator maps it to a label)."""
+
+    def __init__(self, num_draws: int):
+        if num_draws < 1:
+            raise ValueError(f"num_draws must be >= 1, got {num_draws}")
+        self.num_draws = int(num_draws)
+
+    def __len__(self) -> int:
+        return self.num_draws
+
+    def __getitem__(self, i: int) -> dict[str, int]:
+        return {"index": int(i)}
+
+
+@dataclass
+class SiameseLabelCollator(XMCDataCollator):
+    """Module I batches over labels (spec Sec. 5).
+
+    Item ``i`` of :class:`LabelDrawDataset` is the i-th draw of the epoch's label sequence (``draws_per_epoch`` labels
+    drawn with replacement from :func:`label_sampling_probabilities`, seeded by ``(seed, epoch)``). Per drawn label
+    the batch holds one positive point (uniform over the label's points), the label text and a second positive for
+    the centroid estimate ``N(f(x'_l) + f(z_l))``; ``targets[b, j]`` is True when point ``b`` is relevant to batch label
+    ``j`` (repeated labels and shared positives included).
+
+    Args (besides :class:`~hf_xmc.training.collator.XMCDataCollator`'s): ``power`` (0.45), ``draws_per_epoch``.
+    Memory: the epoch's draws (8 bytes each) and the CSC copy of the targets.
+    """
+
+    power: float = 0.45
+    draws_per_epoch: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._label_points = self.targets.tocsc()
+        self.probabilities = label_sampling_probabilities(self._label_points, self.power)
+        if self.draws_per_epoch < 1:
+            raise ValueError(f"draws_per_epoch must be >= 1, got {self.draws_per_epoch}")
+        self._draws: Optional[np.ndarray] = None
+        self._draws_epoch: Optional[int] = None
+
+    def epoch_draws(self) -> np.ndarray:
+        """The epoch's label draws (int64, ``draws_per_epoch``)."""
+        if self._draws is None or self._draws_epoch != self.epoch:
+            rng = np.random.default_rng([self.seed, self.epoch, 4539])
+            self._draws = rng.choice(len(self.probabilities), self.draws_per_epoch, replace=True, p=self.probabilities)
+            self._draws_epoch = self.epoch
+        return self._draws
+
+    def _random_points(self, labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        start, stop = self._label_points.indptr[labels], self._label_points.indptr[labels + 1]
+        return self._label_points.indices[start + (rng.random(len(labels)) * (stop - start)).astype(np.int64)].astype(np.int64)
+
+    def __call__(self, features: list[dict[str, int]]) -> dict[str, torch.Tensor]:
+        draws = np.array([f["index"] for f in features], dtype=np.int64)
+        labels = self.epoch_draws()[draws]
+        rng = self.batch_rng(draws)
+        points, second = self._random_points(labels, rng), self._random_points(labels, rng)
+        targets = torch.from_numpy(self.targets[points][:, labels].toarray() > 0)
+        q = tokenize_texts(self.tokenizer, [self.texts[r] for r in points], self.max_seq_length, padding=True, return_tensors="pt")
+        c = tokenize_texts(self.tokenizer, [self.texts[r] for r in second], self.max_seq_length, padding=True, return_tensors="pt")
+        lab = tokenize_texts(self.tokenizer, [self.label_texts[i] for i in labels], self.label_max_seq_length, padding=True, return_tensors="pt")
+        return {
+            "input_ids": q["input_ids"],
+            "attention_mask": q["attention_mask"],
+            "label_input_ids": lab["input_ids"],
+            "label_attention_mask": lab["attention_mask"],
+            "centroid_input_ids": c["input_ids"],
+            "centroid_attention_mask": c["attention_mask"],
+            "targets": targets,
+            "label_ids": torch.from_numpy(labels),
+            "indices": torch.from_numpy(points),
+        }
+
+
+def label_correlation_matrix(
+    targets: sp.spmatrix, walk_length: int = 400, restart: float = 0.8, top_k: int = 10, seed: int = 0, chunk_size: int = 20000
+) -> sp.csr_matrix:
+    """SiameseXML's label-correlation operator ``M`` (spec Sec. 4.2, [C] pyxclib ``RandomWalk.simulate(400, 0.8, 10)``).
+
+    From every label with training points a walk of ``walk_length`` hops on the label-point graph (label -> a random
+    positive point -> a random label of that point), restarting at its start label with probability ``restart``
+    before each hop; visits are counted, the ``top_k`` most visited labels kept per row and the diagonal always kept
+    (its count, or 1 if never visited); then ``M = D_r^-1/2 A D_c^-1/2``. Labels without training points keep only
+    ``M_ll = 1``. Vectorised over ``chunk_size`` start labels at a time: memory ``walk_length x chunk_size`` visits
+    (8 bytes each) per chunk plus ``top_k + 1`` entries per label.
+    """
+    y = sp.csr_matrix(targets)
+    y.eliminate_zeros()
+    by_label = y.tocsc()
+    num_labels = y.shape[1]
+    label_degree = np.diff(by_label.indptr)
+    point_degree = np.diff(y.indptr)
+    rng = np.random.default_rng(seed)
+    rows, cols, vals = [], [], []
+    starts = np.flatnonzero(label_degree > 0)
+    for chunk_start in range(0, len(starts), chunk_size):
+        start = starts[chunk_start : chunk_start + chunk_size]
+        current = start.copy()
+        visits = np.empty((walk_length, len(start)), dtype=np.int64)
+        for step in range(walk_length):
+            back = rng.random(len(start)) < restart
+            current[back] = start[back]
+            deg = label_degree[current]
+            points = by_label.indices[by_label.indptr[current] + (rng.random(len(start)) * deg).astype(np.int64)]
+            pdeg = point_degree[points]
+            current = y.indices[y.indptr[points] + (rng.random(len(start)) * pdeg).astype(np.int64)]
+            visits[step] = current
+        local = np.broadcast_to(np.arange(len(start)), visits.shape).ravel()
+        counts = sp.csr_matrix((np.ones(visits.size, dtype=np.float32), (local, visits.ravel())), shape=(len(start), num_labels))
+        counts.sum_duplicates()
+        for i in range(len(start)):
+            lo, hi = counts.indptr[i], counts.indptr[i + 1]
+            ids, c = counts.indices[lo:hi], counts.data[lo:hi]
+            diagonal = float(c[ids == start[i]][0]) if (ids == start[i]).any() else 1.0
+            order = np.argsort(-c, kind="stable")[:top_k]
+            keep = {int(ids[j]): float(c[j]) for j in order}
+            keep[int(start[i])] = diagonal
+            rows.extend([int(start[i])] * len(keep))
+            cols.extend(keep.keys())
+            vals.extend(keep.values())
+    isolated = np.flatnonzero(label_degree == 0)
+    rows.extend(isolated.tolist())
+    cols.extend(isolated.tolist())
+    vals.extend([1.0] * len(isolated))
+    a = sp.csr_matrix((np.asarray(vals, dtype=np.float64), (np.asarray(rows), np.asarray(cols))), shape=(num_labels, num_labels))
+    row_sum, col_sum = np.asarray(a.sum(axis=1)).ravel(), np.asarray(a.sum(axis=0)).ravel()
+    d_r = sp.diags(1.0 / np.sqrt(np.maximum(row_sum, 1e-12)))
+    d_c = sp.diags(1.0 / np.sqrt(np.maximum(col_sum, 1e-12)))
+    return sp.csr_matrix(d_r @ a @ d_c, dtype=np.float32)
+
+
+@torch.no_grad()
+def build_label_state(
+    model,
+    train_texts: Sequence[str],
+    train_targets: sp.spmatrix,
+    correlation: Optional[sp.spmatrix] = None,
+    batch_size: int = 128,
+    show_progress_bar: Optional[bool] = None,
+) -> torch.Tensor:
+    """Module II's label state from the frozen encoder: ``z~ = N(M f(Z))`` (``f(Z)`` when ``correlation`` is None) and
+    ``v_l = N(mean of f(x_i), i in R_l)``, set on the model (:meth:`SiameseXMLModel.set_label_state`). Returns the
+    training points' intermediate embeddings ``(N, D)`` (Module IV's inputs and the neighbour index).
+
+    Memory: ``4 D`` bytes per training point and ``8 D`` per label (plus ``M``'s ``top_k + 1`` entries per label).
+    """
+    from .label_state import label_centroids
+
+    labels = model.encode_labels(batch_size=batch_size, show_progress_bar=show_progress_bar)
+    if correlation is not None:
+        labels = torch.from_numpy(np.asarray(sp.csr_matrix(correlation) @ labels.numpy(), dtype=np.float32))
+    points = model.encode_queries(train_texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
+    model.set_label_state(labels, label_centroids(points, train_targets))
+    return points
+
+
+@torch.no_grad()
+def mine_classifier_shortlist(
+    model,
+    point_vectors: torch.Tensor,
+    train_targets: sp.spmatrix,
+    size: int = 100,
+    knn_neighbors: int = 50,
+    knn_weight: float = 0.025,
+    chunk_size: int = 8192,
+    show_progress_bar: Optional[bool] = None,
+) -> np.ndarray:
+    """Module II's static shortlist of every training point: ``(1 - gamma) (cos_z + cos_v)`` from the model's index over
+    ``[z~ ; v]`` plus ``gamma`` times the votes of its ``knn_neighbors`` nearest training points (each neighbour adds
+    its cosine to each of its labels, divided by the point's largest vote; ``gamma = knn_weight``, [C] 0.025), best
+    ``size`` negatives kept (positives removed). Returns ``(N, size)`` int32 label ids, ``-1``-padded.
+
+    Memory: ``4 x size`` bytes per point, plus one chunk of hits (the neighbour index holds ``4 D`` bytes per point).
+    """
+    from ..models.label_index import LabelIndex
+
+    targets = sp.csr_matrix(train_targets)
+    n = point_vectors.shape[0]
+    if targets.shape[0] != n:
+        raise ValueError(f"{n} point vectors for {targets.shape[0]} target rows")
+    neighbours = None
+    if knn_neighbors > 0 and knn_weight > 0:
+        neighbours = LabelIndex(point_vectors, kind=model.config.index_kind, ivf_nprobe=model.config.ivf_nprobe)
+    max_positives = int(np.diff(targets.indptr).max()) if targets.nnz else 0
+    out = np.full((n, size), -1, dtype=np.int32)
+    show = n > chunk_size if show_progress_bar is None else show_progress_bar
+    for start in tqdm(range(0, n, chunk_size), desc="Module II shortlists", disable=not show, unit="chunk"):
+        stop = min(start + chunk_size, n)
+        queries = point_vectors[start:stop]
+        extra = None
+        weights = (1.0, 1.0)
+        if neighbours is not None:
+            weights = (1.0 - knn_weight, 1.0 - knn_weight)
+            sims, rows = neighbours.search(queries, min(knn_neighbors, n))
+            valid = rows >= 0
+            query_of = np.repeat(np.arange(stop - start), valid.sum(axis=1))
+            hit_rows, hit_sims = rows[valid], sims[valid]
+            counts = np.diff(targets.indptr)[hit_rows]
+            vote_query = np.repeat(query_of, counts)
+            vote_label = np.concatenate([targets.indices[targets.indptr[r] : targets.indptr[r + 1]] for r in hit_rows]) if hit_rows.size else np.zeros(0, np.int64)
+            vote_value = np.repeat(hit_sims, counts).astype(np.float64)
+            # normalise by each point's largest summed vote
+            keys = vote_query.astype(np.int64) * targets.shape[1] + vote_label
+            unique, inverse = np.unique(keys, return_inverse=True)
+            summed = np.zeros(unique.size)
+            np.add.at(summed, inverse, vote_value)
+            best = np.zeros(stop - start)
+            np.maximum.at(best, unique // targets.shape[1], summed)
+            scale = knn_weight / np.maximum(best[unique // targets.shape[1]], 1e-12)
+            extra = (unique // targets.shape[1], unique % targets.shape[1], summed * scale)
+        ids, scores = model.shortlist(queries, size + max_positives, source_weights=weights, extra_hits=extra)
+        ids, _ = filter_predictions(ids, scores, targets[start:stop], size)
+        out[start:stop] = ids
+    return out
+
+
+def bag_of_embeddings_document_frequency(tokenizer, texts: Sequence[str], max_length: int, vocab_size: int, batch_size: int = 4096) -> np.ndarray:
+    """How many of ``texts`` contain each token id (the texts cut to ``max_length`` tokens as the encoder sees them).
+    Memory: ``8 x vocab_size`` bytes plus one batch of token ids."""
+    df = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, len(texts), batch_size):
+        encoded = tokenize_texts(tokenizer, list(texts[start : start + batch_size]), max_length)["input_ids"]
+        ids = np.concatenate([np.unique(np.asarray(row, dtype=np.int64)) for row in encoded]) if encoded else np.zeros(0, np.int64)
+        df += np.bincount(ids[ids < vocab_size], minlength=vocab_size)
+    return df
+
+
+__all__ = [
+    "LabelDrawDataset",
+    "SiameseLabelCollator",
+    "bag_of_embeddings_document_frequency",
+    "build_label_state",
+    "label_correlation_matrix",
+    "label_sampling_probabilities",
+    "mine_classifier_shortlist",
+]

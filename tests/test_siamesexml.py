@@ -1,0 +1,216 @@
+"""SiameseXML training pieces: the two point-likelihood losses pinned to hand-computed values, Module I's label
+sampler and batches, the label random walk M, Module II's label state and shortlists, Module IV's batches, the
+shortlist merge, and the training script end to end."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from scipy.stats import chisquare
+from transformers import AutoModel
+
+from hf_xmc.models.classifier_head import merge_label_scores
+from hf_xmc.models.xmc_losses import point_likelihood_nll, siamese_classifier_loss, siamese_pair_loss
+from hf_xmc.training.classifier_stage import ClassifierStageCollator
+from hf_xmc.training.siamesexml import (
+    SiameseLabelCollator,
+    build_label_state,
+    label_correlation_matrix,
+    label_sampling_probabilities,
+    mine_classifier_shortlist,
+)
+from tests.models.test_modeling_siamesexml import make_siamesexml
+
+
+def nll(v: float, positive: bool, c: float, d: float) -> float:
+    return -math.log(c) + d * (1 - v) if positive else -math.log(1 - c * math.exp(d * (v - 1)))
+
+
+def test_point_likelihood_spec_values():
+    scores = torch.tensor([[1.0, 0.0]])
+    out = point_likelihood_nll(scores, torch.tensor([[True, False]]), 0.75, 3.0)
+    torch.testing.assert_close(out, torch.tensor([[0.2877, 0.03806]]), atol=1e-4, rtol=0)
+    # p(+1, v) + p(-1, v) = 1: exp(-loss_pos) + exp(-loss_neg) = 1
+    v = torch.linspace(-1, 1, 9).unsqueeze(0)
+    pos = point_likelihood_nll(v, torch.ones_like(v, dtype=torch.bool), 0.75, 3.0)
+    neg = point_likelihood_nll(v, torch.zeros_like(v, dtype=torch.bool), 0.75, 3.0)
+    torch.testing.assert_close(torch.exp(-pos) + torch.exp(-neg), torch.ones_like(v))
+    with pytest.raises(ValueError, match="0 < c < 1"):
+        point_likelihood_nll(v, v > 0, 1.0, 3.0)
+
+
+def test_siamese_pair_loss_by_hand():
+    scores = torch.tensor([[0.9, 0.2, 0.5], [0.1, 0.8, 0.6]])
+    targets = torch.tensor([[True, False, False], [False, True, True]])
+    c, d = 0.9, 1.5
+    row0 = nll(0.9, True, c, d) + nll(0.5, False, c, d)  # the hardest of the two negatives only
+    row1 = nll(0.8, True, c, d) + nll(0.6, True, c, d) + nll(0.1, False, c, d)
+    torch.testing.assert_close(siamese_pair_loss(scores, targets, c, d, 1), torch.tensor((row0 + row1) / 2))
+    row0_k2 = row0 + nll(0.2, False, c, d)
+    torch.testing.assert_close(siamese_pair_loss(scores, targets, c, d, 2), torch.tensor((row0_k2 + row1) / 2))
+
+
+def test_hardest_negatives_never_pick_a_positive():
+    # the positive (score -0.9) has by far the highest loss: it must not take a negative's place
+    scores = torch.tensor([[-0.9, 0.1, 0.3, -0.5]])
+    targets = torch.tensor([[True, False, False, False]])
+    expected = nll(-0.9, True, 0.9, 1.5) + nll(0.3, False, 0.9, 1.5)
+    torch.testing.assert_close(siamese_pair_loss(scores, targets, num_hard_negatives=1), torch.tensor(expected))
+
+
+def test_siamese_classifier_loss_by_hand():
+    scores = torch.tensor([[0.9, 0.3, 0.7, 0.6, 0.0], [0.5, 0.95, 0.2, 0.0, 0.0]])
+    targets = torch.tensor([[True, False, False, False, False], [True, False, False, False, False]])
+    valid = torch.tensor([[True, True, True, True, False], [True, True, True, False, False]])
+    c, d = 0.75, 3.0
+
+    def term(v, positive):
+        return nll(v, positive, c, d) / d
+
+    # threshold: negatives whose scaled loss is under 0.05 (cos < 0.4388) are dropped
+    assert term(0.43, False) < 0.05 < term(0.45, False)
+    kept = term(0.9, True) + term(0.7, False) + term(0.6, False) + term(0.5, True) + term(0.95, False)
+    torch.testing.assert_close(siamese_classifier_loss(scores, targets, valid, c, d, "threshold", 0.05), torch.tensor(kept / 2))
+    # hardest (paper): kappa x |P_i| = 1 negative per point
+    hardest = term(0.9, True) + term(0.7, False) + term(0.5, True) + term(0.95, False)
+    torch.testing.assert_close(siamese_classifier_loss(scores, targets, valid, c, d, "hardest", hard_negative_factor=1), torch.tensor(hardest / 2))
+
+
+def heavy_tail_targets(num_labels=8, seed=0):
+    rng = np.random.default_rng(seed)
+    rows, cols = [], []
+    point = 0
+    for label in range(num_labels):
+        for _ in range(2 ** label):  # label l has 2^l points
+            rows.append(point)
+            cols.append(label)
+            if rng.random() < 0.3:
+                rows.append(point)
+                cols.append((label + 1) % num_labels)
+            point += 1
+    return sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(point, num_labels))
+
+
+@pytest.mark.parametrize("power", [0.45, 0.0])
+def test_label_sampler_follows_frequency_power(power):
+    targets = heavy_tail_targets()
+    collator = SiameseLabelCollator(None, [""] * targets.shape[0], targets, [f"l{i}" for i in range(8)], power=power, draws_per_epoch=100_000, seed=3)
+    draws = collator.epoch_draws()
+    freq = np.asarray((targets > 0).sum(axis=0)).ravel()
+    expected = freq**power / (freq**power).sum()
+    np.testing.assert_allclose(label_sampling_probabilities(targets, power), expected)
+    observed = np.bincount(draws, minlength=8)
+    assert chisquare(observed, expected * len(draws)).pvalue > 0.01
+    assert not np.array_equal(draws[:50], (collator.set_epoch(1), collator.epoch_draws())[1][:50])  # new draws per epoch
+
+
+def test_label_batch_marks_shared_positives(tiny_encoder_dir, tiny_task):
+    from transformers import AutoTokenizer
+
+    # labels 0 and 1 share their only point; label 2 has its own
+    targets = sp.csr_matrix(np.array([[1, 1, 0], [0, 0, 1], [0, 0, 1]]))
+    collator = SiameseLabelCollator(
+        AutoTokenizer.from_pretrained(tiny_encoder_dir), ["a b", "c d", "e f"], targets, ["x", "y", "z"], max_seq_length=8, label_max_seq_length=8, draws_per_epoch=6
+    )
+    collator._draws, collator._draws_epoch = np.array([0, 1, 2, 0, 1, 2]), 0
+    batch = collator([{"index": i} for i in range(6)])
+    assert batch["label_ids"].tolist() == [0, 1, 2, 0, 1, 2]
+    points = batch["indices"].tolist()
+    assert points[0] == points[1] == 0 and points[2] in (1, 2)
+    expected = torch.from_numpy(targets[points][:, [0, 1, 2, 0, 1, 2]].toarray() > 0)
+    assert torch.equal(batch["targets"], expected)
+    assert batch["targets"][0, 1] and batch["targets"][1, 0]  # the shared positive counts for both labels
+    assert batch["centroid_input_ids"].shape[0] == 6
+
+
+def test_label_correlation_walk():
+    rng = np.random.default_rng(0)
+    rows, cols = [], []
+    for point in range(400):  # labels 0..39 co-occur in pairs; 40..44 alone; 45..49 have no point
+        a = int(rng.integers(0, 40))
+        rows += [point, point]
+        cols += [a, (a + int(rng.integers(1, 4))) % 40]
+    for point, label in enumerate(range(40, 45), start=400):
+        rows.append(point)
+        cols.append(label)
+    targets = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(405, 50))
+    m = label_correlation_matrix(targets, walk_length=100, restart=0.8, top_k=10, seed=0)
+    assert m.shape == (50, 50)
+    nnz = np.diff(m.indptr)
+    assert nnz.max() <= 11 and (m.diagonal() > 0).all()
+    for label in range(40, 50):  # never co-occurring or no point: only M_ll, which normalises to 1
+        assert nnz[label] == 1 and m[label, label] == pytest.approx(1.0)
+    assert (nnz[:40] > 1).all()
+    # symmetric normalisation of a symmetric count pattern keeps the weights in (0, 1]
+    assert m.data.max() <= 1.0 + 1e-6 and m.data.min() > 0
+
+
+def test_module2_label_state_and_shortlists(tiny_encoder_dir, tiny_task):
+    data = tiny_task[0]
+    model = make_siamesexml(tiny_encoder_dir, data)
+    targets = sp.csr_matrix(data.train.targets)
+    points = build_label_state(model, data.train.texts, targets, None)
+    assert points.shape == (len(data.train), model.config.embedding_dim)
+    torch.testing.assert_close(model.label_text_vectors, model.encode_labels())
+    first = targets[:, 0].nonzero()[0]
+    torch.testing.assert_close(model.label_centroids[0], torch.nn.functional.normalize(points[first].mean(0), dim=0))
+    shortlist = mine_classifier_shortlist(model, points, targets, size=10, knn_neighbors=0)
+    assert shortlist.shape == (len(data.train), 10) and shortlist.dtype == np.int32
+    for r in range(len(data.train)):
+        assert not set(shortlist[r].tolist()) & set(targets[r].indices.tolist())  # positives removed
+    # neighbour votes alone (gamma = 1): every shortlisted label is a label of one of the 3 nearest training points
+    voted = mine_classifier_shortlist(model, points, targets, size=10, knn_neighbors=3, knn_weight=1.0)
+    nearest = (points @ points.T).topk(3, dim=1).indices.numpy()
+    for r in range(0, len(data.train), 37):
+        allowed = set(np.concatenate([targets[j].indices for j in nearest[r]]).tolist())
+        assert set(voted[r][voted[r] >= 0].tolist()) <= allowed
+
+
+def test_classifier_stage_collator():
+    targets = sp.csr_matrix(np.array([[1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 0, 0]]))
+    shortlist = np.array([[3, 4, -1], [0, 5, 2]], dtype=np.int32)
+    vectors = torch.randn(2, 4)
+    collator = ClassifierStageCollator(targets, shortlist, query_vectors=vectors, max_positives=2, seed=0)
+    batch = collator([{"index": 0}, {"index": 1}])
+    ids, pos = batch["candidate_ids"], batch["candidate_targets"]
+    assert ids.shape == (2, 4)
+    assert set(ids[0, :2].tolist()) <= {0, 1, 2} and pos[0, :2].all() and ids[0, 2:].tolist() == [3, 4]
+    assert ids[1].tolist() == [3, 0, 5, 2] and pos[1].tolist() == [True, False, False, False]
+    torch.testing.assert_close(batch["query_vectors"], vectors)
+    with pytest.raises(ValueError, match="one row per training point"):
+        ClassifierStageCollator(targets, shortlist[:1], query_vectors=vectors)
+
+
+def test_merge_label_scores():
+    # query 0: label 2 from both searches (0.5 + 0.25), label 1 from one; query 1: nothing
+    ids, scores = merge_label_scores(np.array([0, 0, 0]), np.array([2, 1, 2]), np.array([0.5, 0.6, 0.25]), 2, 5, 3)
+    assert ids.tolist() == [[2, 1, -1], [-1, -1, -1]]
+    np.testing.assert_allclose(scores[0, :2], [0.75, 0.6])
+    assert np.isneginf(scores[0, 2]) and np.isneginf(scores[1]).all()
+
+
+@pytest.mark.parametrize("encoder_type", ["boe"])
+def test_training_script_end_to_end(tiny_encoder_dir, tiny_task, tmp_path, encoder_type):
+    from hf_xmc.training.recipes.siamesexml import main
+
+    data, directory = tiny_task
+    out = tmp_path / "out"
+    metrics = main([
+        "--train_file", f"{directory}/trn.json.gz", "--test_file", f"{directory}/tst.json.gz", "--label_file", f"{directory}/lbl.json.gz",
+        "--model_name_or_path", tiny_encoder_dir, "--output_dir", str(out), "--encoder_type", encoder_type,
+        "--num_train_epochs", "1", "--classifier_epochs", "2", "--max_seq_length", "16", "--save_strategy", "no",
+        "--disable_tqdm", "true", "--report_to", "none",
+    ])
+    saved = json.load(open(out / "eval_results.json"))
+    for key in ("test_P@1", "test_P@5", "test_PSP@5", "test_R@100", "train_runtime", "test_samples_per_second"):
+        assert key in saved and saved[key] == pytest.approx(metrics[key])
+    model = AutoModel.from_pretrained(out)
+    assert model.config.encoder_type == encoder_type and bool(model.label_state_initialized)
+    assert torch.count_nonzero(model.classifier.weight) > 0  # Module IV moved the refinement vectors
+    assert (model.encoder.idf > 0).any() and model.encoder.idf[model.tokenizer.cls_token_id] == 0
+    pred = model.predict(data.test.texts[:5], k=5)
+    assert (pred.label_ids >= 0).all()
