@@ -18,6 +18,9 @@ def default_num_free_vectors(num_labels: int) -> int:
     return min(131072, 1 << ((num_labels // 2).bit_length() - 1))
 
 
+PRIME_SEARCH_MODES = ("prototype", "classifier")
+
+
 class PRIMEConfig(XMCConfig):
     r"""
     Configuration of [`PRIMEModel`], "Prototypical Extreme Multi-label Classification with a Dynamic Margin Loss"
@@ -61,7 +64,17 @@ class PRIMEConfig(XMCConfig):
         sparse_label_gradients (`bool`, *optional*, defaults to `True`):
             Gather the pool's free vectors with sparse gradients: the bank's gradient holds only the rows the pool
             reads and [`XMCTrainer`] trains with `SparseAdamW` (lazy row-wise AdamW), so a step touches only those
-            rows. `False`: a dense F x hidden gradient and a dense AdamW update of the whole bank.
+            rows. `False`: a dense F x hidden gradient and a dense AdamW update of the whole bank. The same holds for
+            the PRIME (W) classifier table.
+        use_classifier (`bool`, *optional*, defaults to `False`):
+            PRIME (W) (paper Sec. 4, spec Sec. 6.6): one one-vs-all classifier vector per label (``L x hidden``),
+            trained after PRIME with the encoder and prototype network frozen, initialised from the normalised
+            prototypes (see `PRIMEModel.add_classifier`).
+        search_mode (`str`, *optional*, defaults to `"prototype"`):
+            What `predict` searches: `"prototype"` (PRIME) or `"classifier"` (PRIME (W): the classifier vectors alone,
+            not an ensemble, as the paper's Tables 4 and 8).
+        classifier_margin (`float`, *optional*, defaults to 0.2), classifier_dropout (`float`, *optional*, defaults to 0.5):
+            PRIME (W)'s fixed triplet margin and the dropout on the (cached) query embedding ([C]).
         kwargs: the shared fields of [`XMCConfig`] (encoder sub-config, pooling, index, ...). `normalize` must stay
             True: PRIME scores are cosines.
     """
@@ -87,6 +100,10 @@ class PRIMEConfig(XMCConfig):
     regularizer_weight: float = 0.1
     regularizer_margin: float = 0.1
     sparse_label_gradients: bool = True
+    use_classifier: bool = False
+    search_mode: str = "prototype"
+    classifier_margin: float = 0.2
+    classifier_dropout: float = 0.5
 
     def validate_xmc(self) -> None:
         super().validate_xmc()
@@ -110,3 +127,9 @@ class PRIMEConfig(XMCConfig):
             raise ValueError(f"positive_selection must be one of {POSITIVE_SELECTIONS}, got {self.positive_selection!r}")
         if self.lpn_num_heads < 1 or self.lpn_intermediate_size < 1 or not 0.0 <= self.lpn_dropout < 1.0:
             raise ValueError("lpn_num_heads and lpn_intermediate_size must be >= 1 and lpn_dropout in [0, 1)")
+        if self.search_mode not in PRIME_SEARCH_MODES:
+            raise ValueError(f"search_mode must be one of {PRIME_SEARCH_MODES}, got {self.search_mode!r}")
+        if self.search_mode == "classifier" and not self.use_classifier:
+            raise ValueError("search_mode='classifier' needs use_classifier=True (the PRIME (W) classifier table)")
+        if self.classifier_margin < 0 or not 0.0 <= self.classifier_dropout < 1.0:
+            raise ValueError("classifier_margin must be >= 0 and classifier_dropout in [0, 1)")

@@ -22,7 +22,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .classifier_head import ExtremeClassifier
-from .configuration_prime import PRIMEConfig, default_num_free_vectors
+from .configuration_prime import PRIME_SEARCH_MODES, PRIMEConfig, default_num_free_vectors
 from .modeling_xmc import (
     XMCModelOutput,
     XMCPreTrainedModel,
@@ -32,7 +32,7 @@ from .modeling_xmc import (
     gather_label_pool,
     targets_from_positive_ids,
 )
-from .xmc_losses import PRIMELoss
+from .xmc_losses import PRIMELoss, dynamic_margin_triplet_loss
 
 
 class LabelPrototypeNetwork(nn.Module):
@@ -110,6 +110,9 @@ class PRIMEModel(PRIMEPreTrainedModel):
             self.free_vectors = ExtremeClassifier(config.num_free_vectors, hidden, sparse_gradients=config.sparse_label_gradients)
         else:
             self.free_vectors = None
+        # PRIME (W): one-vs-all classifiers, trained after PRIME with everything else frozen (add_classifier)
+        self.classifier = ExtremeClassifier(config.label_space_size, hidden, sparse_gradients=config.sparse_label_gradients) if config.use_classifier else None
+        self.classifier_dropout = nn.Dropout(config.classifier_dropout)
         self.register_buffer("free_vector_map", torch.zeros(config.label_space_size, dtype=torch.long))
         self.register_buffer("label_centroids", torch.zeros(config.label_space_size, hidden))
         self.register_buffer("label_state_initialized", torch.zeros((), dtype=torch.bool))
@@ -229,21 +232,59 @@ class PRIMEModel(PRIMEPreTrainedModel):
         return out
 
     def label_search_vectors(self, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
-        """Indexed vectors: the normalised prototypes of all labels."""
+        """Indexed vectors: the normalised prototypes of all labels, or with ``search_mode="classifier"`` the normalised
+        PRIME (W) classifier vectors."""
+        if self.config.search_mode == "classifier":
+            return self.classifier.normalized_weights()
         raw = self.encode_labels(batch_size=batch_size, show_progress_bar=show_progress_bar, normalize=False)
         return self.compute_prototypes(raw)
+
+    # ------------------------------------------------------------------ PRIME (W)
+    @property
+    def search_mode(self) -> str:
+        return self.config.search_mode
+
+    def set_search_mode(self, mode: str) -> None:
+        """Search the ``"prototype"`` index (PRIME) or the ``"classifier"`` vectors (PRIME (W)); the index is rebuilt."""
+        if mode not in PRIME_SEARCH_MODES:
+            raise ValueError(f"search mode must be one of {PRIME_SEARCH_MODES}, got {mode!r}")
+        if mode == "classifier" and self.classifier is None:
+            raise ValueError("this PRIME model has no classifier stage: call add_classifier() (or train with --classifier_stage)")
+        if mode != self.config.search_mode:
+            self.config.search_mode = mode
+            self.invalidate_label_index()
+
+    @torch.no_grad()
+    def add_classifier(self, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> None:
+        """Start PRIME (W) (spec Sec. 6.6): a classifier vector per label initialised from the normalised prototypes of
+        the current model; the search switches to the classifiers. Memory: ``4 x hidden`` bytes per label (plus
+        AdamW's moments, row-wise, while training)."""
+        prototypes = self.label_search_vectors(batch_size, show_progress_bar) if self.config.search_mode == "prototype" else None
+        if self.classifier is None:
+            self.config.use_classifier = True
+            hidden = self.config.encoder_config.hidden_size
+            self.classifier = ExtremeClassifier(self.config.label_space_size, hidden, sparse_gradients=self.config.sparse_label_gradients).to(self.device)
+        if prototypes is None:  # already searching classifiers: re-initialise from the prototypes
+            self.config.search_mode = "prototype"
+            prototypes = self.label_search_vectors(batch_size, show_progress_bar)
+        self.classifier.weight.copy_(prototypes.to(self.classifier.weight))
+        self.config.search_mode = "classifier"
+        self.invalidate_label_index()
 
     # ------------------------------------------------------------------ training
     def forward(
         self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
         label_input_ids: Optional[torch.Tensor] = None,
         label_attention_mask: Optional[torch.Tensor] = None,
         targets: Optional[torch.Tensor] = None,
         positive_index: Optional[torch.Tensor] = None,
         label_ids: Optional[torch.Tensor] = None,
         query_positive_ids: Optional[torch.Tensor] = None,
+        query_vectors: Optional[torch.Tensor] = None,
+        candidate_ids: Optional[torch.Tensor] = None,
+        candidate_targets: Optional[torch.Tensor] = None,
         **kwargs,
     ) -> XMCModelOutput:
         r"""
@@ -261,7 +302,14 @@ class PRIMEModel(PRIMEPreTrainedModel):
             [`XMCModelOutput`] with ``loss`` (given ``targets``), ``logits`` (query/prototype cosines, batch x pool),
             and the raw (un-normalised) ``query_embeds`` / ``label_embeds``. In training mode with ``targets``, the
             centroids of the pool labels take one EMA step after the loss is computed.
+
+        PRIME (W) (``candidate_ids`` given, the shared classifier stage): ``query_vectors`` ``(B, hidden)`` cached query
+        embeddings (or ``input_ids``), ``candidate_ids`` ``(B, S)`` each query's positives and shortlist negatives
+        (``-1``-padded), ``candidate_targets`` its positives; the loss is the triplet of :func:`dynamic_margin_triplet_loss`
+        with the fixed margin ``classifier_margin`` over ``cos(dropout(h_q), w_l)``.
         """
+        if candidate_ids is not None:
+            return self._classifier_forward(input_ids, attention_mask, query_vectors, candidate_ids, candidate_targets)
         query_embeds = self.embed(input_ids, attention_mask, normalize=False)
         if label_input_ids is None:
             return XMCModelOutput(query_embeds=query_embeds)
@@ -296,6 +344,26 @@ class PRIMEModel(PRIMEPreTrainedModel):
                 # after the loss: this step's prototypes used the old centroids (official code order)
                 self.update_centroids(query_embeds, label_ids, targets, query_positive_ids)
         return loss, prototype_scores
+
+    def _classifier_forward(self, input_ids, attention_mask, query_vectors, candidate_ids, candidate_targets) -> XMCModelOutput:
+        if self.classifier is None:
+            raise ValueError("this PRIME model has no classifier stage: call add_classifier() first")
+        if query_vectors is None:
+            query_vectors = self.embed(input_ids, attention_mask, normalize=False)
+        queries = F.normalize(self.classifier_dropout(query_vectors.to(self.classifier.weight.device).float()), dim=-1)
+        valid = candidate_ids >= 0
+        weights = F.normalize(self.classifier.pool_weights(candidate_ids.clamp(min=0).reshape(-1)), dim=-1).reshape(*candidate_ids.shape, -1)
+        scores = (weights @ queries.unsqueeze(-1)).squeeze(-1)
+        # a padded slot scores -2: below every cosine by more than the margin, so it never violates
+        scores = scores.masked_fill(~valid, -2.0)
+        loss = None
+        if candidate_targets is not None:
+            cfg = self.config
+            loss = dynamic_margin_triplet_loss(
+                scores, candidate_targets.bool() & valid, num_negatives=cfg.loss_num_negatives, margin_min=0.0,
+                margin_max=cfg.classifier_margin, temperature=cfg.negative_temperature,
+            )
+        return XMCModelOutput(loss=loss, logits=scores.detach(), query_embeds=query_vectors)
 
 
 __all__ = ["LabelPrototypeNetwork", "PRIMEModel", "PRIMEPreTrainedModel"]

@@ -313,3 +313,78 @@ def test_trainer_logs_each_loss_term(tiny_encoder_dir, tiny_task, tmp_path):
         assert all(t >= 0 for t in terms)
         # the logged loss is the weighted sum of the logged terms (averaged over the same steps)
         assert entry["loss"] == pytest.approx(terms[0] + terms[1] + terms[2] + 0.1 * terms[3], abs=2e-3)
+
+
+class TestPRIMEWModel(XMCModelTesterMixin):
+    """PRIME (W): the one-vs-all classifier stage on top of PRIME (spec Sec. 6.6)."""
+
+    model_class = PRIMEModel
+
+    def make_model(self, encoder_dir, data):
+        model = make_prime(encoder_dir, data)
+        model.add_classifier(show_progress_bar=False)
+        with torch.no_grad():  # classifiers away from the prototypes so reloads are meaningful
+            model.classifier.weight.add_(0.2 * torch.randn_like(model.classifier.weight))
+        model.build_label_index()
+        return model
+
+    def test_classifiers_start_at_the_prototypes(self, tiny_encoder_dir, tiny_task):
+        data = tiny_task[0]
+        model = make_prime(tiny_encoder_dir, data)
+        texts = data.test.texts[:6]
+        before = model.predict(texts, k=5)
+        prototypes = model.label_search_vectors()
+        model.add_classifier(show_progress_bar=False)
+        assert model.search_mode == "classifier" and model.config.use_classifier
+        torch.testing.assert_close(model.classifier.weight, prototypes)
+        after = model.predict(texts, k=5)  # the classifier index holds the same vectors: the same ranking
+        np.testing.assert_array_equal(before.label_ids, after.label_ids)
+        np.testing.assert_allclose(before.scores, after.scores, atol=1e-5)
+        model.set_search_mode("prototype")
+        np.testing.assert_array_equal(model.predict(texts, k=5).label_ids, before.label_ids)
+        with pytest.raises(ValueError, match="search mode"):
+            model.set_search_mode("both")
+        with pytest.raises(ValueError, match="use_classifier"):
+            PRIMEConfig(label_space_size=3, search_mode="classifier").validate_xmc()
+
+    def test_classifier_loss_by_hand_and_sparse_rows(self, model):
+        """Fixed-margin triplet (0.2) over cos(h_q, w_l), softmax(s_n / 0.1) weights over the violating negatives."""
+        hidden = model.config.encoder_config.hidden_size
+        model.eval()  # no query dropout: the scores are plain cosines
+        query = torch.randn(1, hidden)
+        ids = torch.tensor([[4, 7, 9, -1]])
+        targets = torch.tensor([[True, False, False, False]])
+        out = model(query_vectors=query, candidate_ids=ids, candidate_targets=targets)
+        w = torch.nn.functional.normalize(model.classifier.weight.detach()[[4, 7, 9]], dim=-1)
+        s = (w @ torch.nn.functional.normalize(query[0], dim=0)).tolist()
+        hinge = [max(0.0, 0.2 - (s[0] - sn)) for sn in s[1:]]
+        weights = [math.exp(sn / 0.1) if h > 0 else math.exp(-100 / 0.1) for sn, h in zip(s[1:], hinge)]
+        expected = sum(h * wt for h, wt in zip(hinge, weights)) / sum(weights)
+        assert float(out.loss.detach()) == pytest.approx(expected, rel=1e-4, abs=1e-6)
+        assert out.logits[0, 3] == -2.0  # the padded slot
+        model.train()
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith("classifier."))
+        model(query_vectors=query, candidate_ids=torch.tensor([[4, 7, 9, 11]]), candidate_targets=targets).loss.backward()
+        grad = model.classifier.weight.grad
+        assert grad.is_sparse and set(grad.coalesce().indices()[0].tolist()) <= {4, 7, 9, 11}
+        assert all(p.grad is None for n, p in model.named_parameters() if not n.startswith("classifier."))
+
+
+def test_prime_classifier_stage_through_the_script(tiny_encoder_dir, tiny_task, tmp_path):
+    from hf_xmc.training.recipes.prime import main
+
+    _, directory = tiny_task
+    out = tmp_path / "out"
+    main([
+        "--train_file", f"{directory}/trn.json.gz", "--test_file", f"{directory}/tst.json.gz", "--label_file", f"{directory}/lbl.json.gz",
+        "--model_name_or_path", tiny_encoder_dir, "--output_dir", str(out), "--num_train_epochs", "1", "--per_device_train_batch_size", "32",
+        "--max_seq_length", "16", "--classifier_stage", "true", "--classifier_epochs", "2", "--save_strategy", "no", "--disable_tqdm", "true",
+    ])
+    model = AutoModel.from_pretrained(out)
+    assert model.search_mode == "classifier" and model.classifier is not None
+    stored = model.label_embeddings.clone()
+    torch.testing.assert_close(stored, model.classifier.normalized_weights())  # the saved index searches the classifiers
+    model.set_search_mode("prototype")
+    assert not torch.allclose(model.label_search_vectors(), stored)  # trained away from the prototypes
+    assert json.load(open(out / "eval_results.json"))["test_P@1"] >= 0

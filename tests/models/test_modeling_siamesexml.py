@@ -185,6 +185,13 @@ def test_residual_block_is_identity_initialised_and_spectrally_normalised(tiny_e
     with torch.no_grad():
         block.weight.mul_(7.0)  # spectral normalisation undoes the scale
     torch.testing.assert_close(block(u), u + F.relu(u))
+    # a general W: the power iteration converges to the largest singular value
+    with torch.no_grad():
+        block.weight.copy_(torch.randn(block.weight.shape, generator=torch.Generator().manual_seed(0)))
+    block.train()
+    for _ in range(200):
+        sigma = block.spectral_norm()
+    torch.testing.assert_close(sigma, torch.linalg.matrix_norm(block.weight.detach(), ord=2), rtol=1e-3, atol=1e-4)
 
 
 def test_reparameterisation_equals_training_a_free_matrix(tiny_encoder_dir, tiny_task):

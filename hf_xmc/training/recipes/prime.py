@@ -17,17 +17,29 @@ Defaults are PRIME's recipe at a short budget: 2 positives per query drawn by in
 gives PRIME-lite), NGAME cluster batching from the second epoch (--cluster_batching false for random batches), the
 spec's loss constants. Every TrainingArguments flag works, and so do the engine flags of XMCTrainingArguments.
 
+--classifier_stage trains PRIME (W) after PRIME (paper Sec. 4, NGAME's one-vs-all stage): the encoder and prototype
+network frozen, query embeddings cached, one classifier per label initialised from the normalised prototypes, trained
+(--classifier_epochs at --classifier_learning_rate) with the triplet loss at a fixed margin of 0.2 over each query's
+positives and 100 shortlist negatives from the prototype index; the saved model searches the classifiers
+(model.set_search_mode("prototype") searches the prototypes again). PRIME's own checkpoints go to OUT/prime/.
+
 --preset lf-amazontitles-1.3m (or another dataset of hf_xmc.training.presets; --preset list names them) turns the paper's
 configuration for that dataset into the defaults, encoder included; flags given explicitly, or keys of a .json config,
 win over it.
 """
 
+import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+import scipy.sparse as sp
+
 from hf_xmc.models import PRIMEModel
-from hf_xmc.training import XMCTrainingArguments
+from hf_xmc.training import XMCTrainer, XMCTrainingArguments, mine_hard_negatives
+from hf_xmc.training.classifier_stage import ClassifierStageCollator
 from hf_xmc.training.script_utils import (
     build_evaluator,
     load_data,
@@ -77,6 +89,12 @@ class PRIMETrainingArguments(XMCTrainingArguments):
     cluster_init_size: int = field(default=8, metadata={"help": "Queries per cluster at the first clustering."})
     cluster_curriculum_epochs: list[int] = field(default_factory=lambda: [1, 10, 25, 50, 75, 100, 125, 150, 200], metadata={"help": "Epochs at which the cluster size doubles; clustering starts at the first."})
     cluster_refresh_interval: int = field(default=1, metadata={"help": "Re-cluster every N epochs (from the memory bank)."})
+    classifier_stage: bool = field(default=False, metadata={"help": "PRIME (W): after PRIME, train one-vs-all classifiers (initialised from the prototypes) with the encoder frozen; the saved model searches them."})
+    classifier_epochs: float = field(default=10.0, metadata={"help": "PRIME (W) epochs ([C] 100)."})
+    classifier_learning_rate: float = field(default=1e-3, metadata={"help": "PRIME (W) learning rate of the classifiers ([C] SparseAdam 1e-4 over 100 epochs)."})
+    classifier_batch_size: int = field(default=256, metadata={"help": "PRIME (W) queries per batch and process ([C] 2048)."})
+    classifier_max_positives: int = field(default=5, metadata={"help": "PRIME (W) positives per query and step ([C] n_pos 5)."})
+    classifier_shortlist_size: int = field(default=100, metadata={"help": "PRIME (W) negatives per query, mined once from the PRIME prototype index."})
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -89,4 +107,30 @@ def main(argv: Optional[list[str]] = None) -> dict:
         label_space_size=len(data.label_texts),
         **model_config_kwargs(model_args, data_args),
     )
-    return train_and_evaluate(model, data, build_evaluator(data, data_args), training_args)
+    evaluator = build_evaluator(data, data_args)
+    if not training_args.classifier_stage:
+        return train_and_evaluate(model, data, evaluator, training_args)
+    XMCTrainer(model=model, args=dataclasses.replace(training_args, output_dir=os.path.join(training_args.output_dir, "prime"), push_to_hub=False),
+               train_dataset=data.train, label_texts=data.label_texts, label_uids=data.label_uids).train()
+    collator = prepare_classifier_stage(model, data, training_args)
+    stage = dataclasses.replace(
+        training_args, num_train_epochs=training_args.classifier_epochs, learning_rate=training_args.classifier_learning_rate,
+        per_device_train_batch_size=training_args.classifier_batch_size, weight_decay=0.0, cluster_batching=False,
+        hard_negatives=0, gradient_cache_chunk_size=0,
+    )
+    return train_and_evaluate(model, data, evaluator, stage, data_collator=collator)
+
+
+def prepare_classifier_stage(model: PRIMEModel, data, args: PRIMETrainingArguments) -> ClassifierStageCollator:
+    """PRIME (W) set-up (spec Sec. 6.6): cached query embeddings and shortlist negatives from the trained PRIME model,
+    classifiers initialised from its normalised prototypes, everything but the classifiers frozen; returns the batches
+    of the shared classifier stage."""
+    show = not args.disable_tqdm
+    targets = sp.csr_matrix(data.train.targets)
+    shortlist = mine_hard_negatives(model, data.train.texts, targets, top_k=args.classifier_shortlist_size, show_progress_bar=show)
+    vectors = model.encode_texts(data.train.texts, model.config.max_seq_length, show_progress_bar=show, desc="Caching queries", normalize=False)
+    model.add_classifier(show_progress_bar=show)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("classifier."))
+    logger.info("PRIME (W): %d classifiers from the prototypes, %d shortlist negatives per query", model.config.label_space_size, shortlist.shape[1])
+    return ClassifierStageCollator(targets, shortlist.astype(np.int32), query_vectors=vectors, max_positives=args.classifier_max_positives, seed=args.seed)
