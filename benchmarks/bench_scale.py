@@ -66,8 +66,19 @@ VARIANTS = {
         "batch_size": 1000,
         "args": ["--max_label_pool", "3000", "--projection_dim", "256", "--cluster_curriculum_epochs", "0", "--hard_negative_start_epoch", "0"],
     },
+    # siamesexml.md [C]: Module I batches of 4095 labels, Module IV batches of 255 points; 500-label shortlists at
+    # prediction, 100 mined negatives per training point (the script default); label store in fp16 (halves [z~ ; v])
+    ("siamesexml", "transformer"): {
+        "batch_size": 4095,
+        "args": ["--classifier_batch_size", "255", "--label_embeddings_dtype", "float16"],
+    },
+    # the paper's encoder: a TF-IDF bag of token embeddings (the random encoder's vocabulary, D = 384)
+    ("siamesexml", "boe"): {
+        "batch_size": 4095,
+        "args": ["--encoder_type", "boe", "--classifier_batch_size", "255", "--label_embeddings_dtype", "float16"],
+    },
 }
-DEFAULT_VARIANT = {"dexml": "in_batch", "prime": "default", "unidec": "default"}
+DEFAULT_VARIANT = {"dexml": "in_batch", "prime": "default", "unidec": "default", "siamesexml": "transformer"}
 GIB = 1024**3
 
 
@@ -230,6 +241,10 @@ def train_worker(cfg: dict) -> dict:
     rec.wrap(trainer_module.XMCEpochCallback, "_query_embeddings", "clustering_encode")
     rec.wrap(ClusterBatchSampler, "update_clusters", "clustering")
     rec.wrap(trainer_module, "mine_hard_negatives", "hard_negative_mining")
+    # SiameseXML's Module II (its recipe's names): the label graph, the label state and the training shortlists
+    for attr, stage in (("label_correlation_matrix", "label_graph"), ("build_label_state", "label_state"), ("mine_classifier_shortlist", "hard_negative_mining")):
+        if hasattr(recipe, attr):
+            rec.wrap(recipe, attr, stage)
     rec.wrap(trainer_module.XMCTrainer, "train", "train")
     rec.wrap(trainer_module.XMCTrainer, "evaluate", "evaluate")
     rec.wrap(XMCPreTrainedModel, "build_label_index", "index_build")
@@ -361,7 +376,8 @@ def format_table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def cell(row, key):
-        st = row["stages"].get(key)
+        # SiameseXML's label state and mining run between its two trainings, not inside one: "train:<stage>"
+        st = row["stages"].get(key) or row["stages"].get(key.replace("train:train.", "train:"))
         if not st:
             return "-"
         peak = f" ({st['peak_rss_gib']:.1f})" if st.get("peak_rss_gib") is not None else ""

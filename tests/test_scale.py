@@ -15,8 +15,15 @@ import torch.nn.functional as F
 from hf_xmc.data import filter_predictions
 from hf_xmc.models import DEXMLModel, PRIMEModel
 from hf_xmc.models.modeling_xmc import targets_from_positive_ids
-from hf_xmc.training import XMCEvaluator, XMCTrainer, XMCTrainingArguments, label_centroids, mine_hard_negatives
-from hf_xmc.training import label_state, negatives
+from hf_xmc.training import (
+    XMCEvaluator,
+    XMCTrainer,
+    XMCTrainingArguments,
+    label_centroids,
+    label_state,
+    mine_hard_negatives,
+    negatives,
+)
 
 
 def dense_targets(query_positive_ids: torch.Tensor, label_ids: torch.Tensor) -> torch.Tensor:
@@ -158,3 +165,21 @@ def test_bench_scale_small_runs_every_stage(tmp_path):
     assert "train:train.label_state" in by_name["prime:default"] and "train:train.clustering" in by_name["prime:default"]
     assert "train:train.hard_negative_mining" in by_name["dexml:hard_neg"] and "train:train.hard_negative_mining" in by_name["unidec:default"]
     assert json.loads(out.read_text()) == rows
+
+
+def test_bench_scale_small_siamesexml(tmp_path):
+    """SiameseXML through the scale benchmark at 50K labels (both encoders): Module II's label graph, label state and
+    shortlists over every training point, Module IV, the fp16 [z~ ; v] store and a remote-code reload."""
+    from benchmarks import bench_scale
+
+    rows = bench_scale.main([
+        "--methods", "siamesexml:transformer,siamesexml:boe", "--num_labels", "50000", "--num_train", "2000",
+        "--num_test", "200", "--steps", "2", "--batch_size", "64", "--data_dir", str(tmp_path / "task"), "--out", str(tmp_path / "scale.json"),
+    ])
+    for row in rows:
+        assert row["completed"], row.get("error")
+        for stage in ("train:label_graph", "train:label_state", "train:hard_negative_mining", "train:train.steps", "reload:predict"):
+            assert row["stages"][stage]["calls"] >= 1, (row["variant"], stage)
+        assert row["stages"]["train:train"]["calls"] == 2  # Module I and Module IV
+        assert row["R@100"] > 0 and 0 < row["peak_rss_gib"] < 6
+        assert row["saved_bytes"] > 2 * 50000 * 2 * 384  # the fp16 [z~ ; v] store at least

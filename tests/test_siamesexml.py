@@ -4,7 +4,6 @@ shortlist merge, and the training script end to end."""
 
 import json
 import math
-import os
 
 import numpy as np
 import pytest

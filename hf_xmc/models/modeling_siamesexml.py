@@ -18,7 +18,7 @@ index (``8 D``). Per query at prediction: the shortlist (``shortlist_size`` ids 
 Implementation spec: ``shared/specs/siamesexml.md`` ([P] paper, [C] official code; the defaults follow [C]).
 """
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch

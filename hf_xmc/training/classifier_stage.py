@@ -13,8 +13,9 @@ or none with ``texts``), and per batch ``batch x (max_positives + shortlist)`` c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import scipy.sparse as sp

@@ -37,7 +37,13 @@ import scipy.sparse as sp
 from hf_xmc.models import SiameseXMLModel
 from hf_xmc.training import XMCTrainer, XMCTrainingArguments
 from hf_xmc.training.classifier_stage import ClassifierStageCollator
-from hf_xmc.training.script_utils import build_evaluator, load_data, model_config_kwargs, parse_script_args, train_and_evaluate
+from hf_xmc.training.script_utils import (
+    build_evaluator,
+    load_data,
+    model_config_kwargs,
+    parse_script_args,
+    train_and_evaluate,
+)
 from hf_xmc.training.siamesexml import (
     LabelDrawDataset,
     SiameseLabelCollator,
@@ -75,6 +81,7 @@ class SiameseXMLModelArguments:
     search_mode: str = field(default="fusion", metadata={"help": "Saved ranking: fusion | classifier | shortlist | label_text (Module I alone)."})
     index_kind: str = field(default="exact", metadata={"help": "Shortlist index saved with the model: exact | ivf | hnsw | torch."})
     ivf_nprobe: int = field(default=64, metadata={"help": "Lists an ivf index scans per query."})
+    label_embeddings_dtype: str = field(default="float32", metadata={"help": "Precision of the saved label store [z~ ; v]: float32 | float16 (half the bytes)."})
 
 
 @dataclass
