@@ -39,7 +39,7 @@ RANKING_NAMES = {
 }
 # run -> (method, encoder, script arguments, rankings evaluated, Module I / PRIME epochs per dataset)
 RUNS = {
-    "siamesexml_minilm": ("siamesexml", "MiniLM-L6", [], ("label_text", "shortlist", "classifier", "fusion"), {"debtags": "0.5", "reuters": "1"}),
+    "siamesexml_minilm": ("siamesexml", "MiniLM-L6", [], ("label_text", "shortlist", "classifier", "fusion"), {"debtags": "0.25", "reuters": "0.5"}),
     "siamesexml_boe": ("siamesexml", "bag of embeddings", ["--encoder_type", "boe"], ("label_text", "shortlist", "classifier", "fusion"), {"debtags": "5", "reuters": "10"}),
     "prime_w": ("prime", "MiniLM-L6", ["--classifier_stage", "true"], ("prototype", "classifier"), {"debtags": "1", "reuters": "1"}),
 }
