@@ -91,6 +91,7 @@ def main() -> None:
                     rows.append({"dataset": dataset, "run": run, "method": method, "encoder": encoder_name, "epochs": epochs[dataset], "batch_size": batch,
                                  "ranking": ranking, "wall_seconds": seconds, "args": script_args + args.extra, **metrics})
                     print(f"{dataset} {run} {ranking}: " + " ".join(f"{k[5:]}={metrics[k]:.2f}" for k in BENCH_SHOWN), flush=True)
+                write_json_atomic(args.results, {"rows": rows})  # after every run: a long benchmark cut short keeps what it measured
     table = "| dataset | method, encoder (epochs) | ranking | " + " | ".join(k[5:] for k in BENCH_SHOWN) + " | train wall s |\n"
     table += "|---|---|---|" + "---:|" * (len(BENCH_SHOWN) + 1) + "\n"
     for r in rows:
