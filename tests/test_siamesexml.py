@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModel
 
-from hf_xmc.models.classifier_head import merge_label_scores
+from hf_xmc.models.classifier_head import merge_label_scores, sum_label_scores
 from hf_xmc.models.xmc_losses import point_likelihood_nll, siamese_classifier_loss, siamese_pair_loss
 from hf_xmc.training.classifier_stage import ClassifierStageCollator
 from hf_xmc.training.siamesexml import (
@@ -190,6 +190,12 @@ def test_merge_label_scores():
     assert ids.tolist() == [[2, 1, -1], [-1, -1, -1]]
     np.testing.assert_allclose(scores[0, :2], [0.75, 0.6])
     assert np.isneginf(scores[0, 2]) and np.isneginf(scores[1]).all()
+
+
+def test_sum_label_scores_sums_repeated_pairs_in_query_label_order():
+    queries, labels, sums = sum_label_scores(np.array([1, 0, 1, 0]), np.array([3, 2, 3, 4]), np.array([0.5, 1.0, 0.25, 2.0]), 5)
+    assert queries.tolist() == [0, 0, 1] and labels.tolist() == [2, 4, 3]
+    np.testing.assert_allclose(sums, [1.0, 2.0, 0.75])
 
 
 @pytest.mark.parametrize("encoder_type", ["boe"])

@@ -22,10 +22,11 @@ import scipy.sparse as sp
 import torch
 
 from ..models.modeling_xmc import tokenize_texts
+from .collator import EpochSeededBatches
 
 
 @dataclass
-class ClassifierStageCollator:
+class ClassifierStageCollator(EpochSeededBatches):
     """Batches of the classifier stage: per point its positives and shortlist negatives as candidate label ids.
 
     Args:
@@ -62,12 +63,9 @@ class ClassifierStageCollator:
         if self.max_positives < 1:
             raise ValueError(f"max_positives must be >= 1, got {self.max_positives}")
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
     def __call__(self, features: list[dict[str, int]]) -> dict[str, torch.Tensor]:
         rows = np.array([f["index"] for f in features], dtype=np.int64)
-        rng = np.random.default_rng([self.seed, self.epoch, *rows.tolist()])
+        rng = self.batch_rng(rows)
         width = self.max_positives + self.shortlist.shape[1]
         ids = np.full((len(rows), width), -1, dtype=np.int64)
         positive = np.zeros((len(rows), width), dtype=bool)

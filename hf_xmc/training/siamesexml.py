@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from ..data import filter_predictions
+from ..models.classifier_head import sum_label_scores
 from ..models.modeling_xmc import tokenize_texts
 from .collator import XMCDataCollator
 
@@ -244,15 +245,11 @@ def mine_classifier_shortlist(
             vote_query = np.repeat(query_of, counts)
             vote_label = np.concatenate([targets.indices[targets.indptr[r] : targets.indptr[r + 1]] for r in hit_rows]) if hit_rows.size else np.zeros(0, np.int64)
             vote_value = np.repeat(hit_sims, counts).astype(np.float64)
-            # normalise by each point's largest summed vote
-            keys = vote_query.astype(np.int64) * targets.shape[1] + vote_label
-            unique, inverse = np.unique(keys, return_inverse=True)
-            summed = np.zeros(unique.size)
-            np.add.at(summed, inverse, vote_value)
+            # each point's summed votes, normalised by its largest
+            vote_query, vote_label, summed = sum_label_scores(vote_query, vote_label, vote_value, targets.shape[1])
             best = np.zeros(stop - start)
-            np.maximum.at(best, unique // targets.shape[1], summed)
-            scale = knn_weight / np.maximum(best[unique // targets.shape[1]], 1e-12)
-            extra = (unique // targets.shape[1], unique % targets.shape[1], summed * scale)
+            np.maximum.at(best, vote_query, summed)
+            extra = (vote_query, vote_label, summed * (knn_weight / np.maximum(best[vote_query], 1e-12)))
         ids, scores = model.shortlist(queries, size + max_positives, source_weights=weights, extra_hits=extra)
         ids, _ = filter_predictions(ids, scores, targets[start:stop], size)
         out[start:stop] = ids
