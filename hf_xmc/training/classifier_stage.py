@@ -7,8 +7,8 @@ classifier table, whose gradients are sparse (row-wise ``SparseAdamW`` updates),
 ``batch x (max_positives + shortlist) x D`` whatever the label space. When the encoder is frozen its query vectors
 are computed once and the batches carry them instead of tokens (the official SiameseXML code does the same).
 
-Memory: the shortlist (4 bytes per slot and point, int32), the precomputed query vectors (4 D bytes per point,
-or none with ``texts``), and per batch ``batch x (max_positives + shortlist)`` candidate ids.
+Memory: the shortlist (4 bytes per slot and point, int32), the precomputed query vectors (4 D bytes per point, 2 D
+in float16, or none with ``texts``), and per batch ``batch x (max_positives + shortlist)`` candidate ids.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class ClassifierStageCollator(EpochSeededBatches):
             "indices": torch.from_numpy(rows),
         }
         if self.query_vectors is not None:
-            batch["query_vectors"] = self.query_vectors[torch.from_numpy(rows)]
+            batch["query_vectors"] = self.query_vectors[torch.from_numpy(rows)].float()  # float16 storage at scale
         else:
             tokens = tokenize_texts(self.tokenizer, [self.texts[r] for r in rows], self.max_seq_length, padding=True, return_tensors="pt")
             batch.update(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])

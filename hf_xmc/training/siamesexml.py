@@ -186,16 +186,19 @@ def build_label_state(
 ) -> torch.Tensor:
     """Module II's label state from the frozen encoder: ``z~ = N(M f(Z))`` (``f(Z)`` when ``correlation`` is None) and
     ``v_l = N(mean of f(x_i), i in R_l)``, set on the model (:meth:`SiameseXMLModel.set_label_state`). Returns the
-    training points' intermediate embeddings ``(N, D)`` (Module IV's inputs and the neighbour index).
+    training points' intermediate embeddings ``(N, D)`` (Module IV's inputs and the neighbour index), held in the
+    label store's precision (``config.label_embeddings_dtype``: float16 halves them at scale).
 
-    Memory: ``4 D`` bytes per training point and ``8 D`` per label (plus ``M``'s ``top_k + 1`` entries per label).
+    Memory: ``2 D`` (float16) or ``4 D`` bytes per training point and ``8 D`` per label (plus ``M``'s ``top_k + 1``
+    entries per label); ``4 D`` more per label while ``M f(Z)`` is formed.
     """
     from .label_state import label_centroids
 
     labels = model.encode_labels(batch_size=batch_size, show_progress_bar=show_progress_bar)
     if correlation is not None:
         labels = torch.from_numpy(np.asarray(sp.csr_matrix(correlation) @ labels.numpy(), dtype=np.float32))
-    points = model.encode_queries(train_texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
+    dtype = getattr(torch, model.config.label_embeddings_dtype)
+    points = model.encode_queries(train_texts, batch_size=batch_size, show_progress_bar=show_progress_bar, dtype=dtype)
     model.set_label_state(labels, label_centroids(points, train_targets))
     return points
 
@@ -216,7 +219,8 @@ def mine_classifier_shortlist(
     its cosine to each of its labels, divided by the point's largest vote; ``gamma = knn_weight``, [C] 0.025), best
     ``size`` negatives kept (positives removed). Returns ``(N, size)`` int32 label ids, ``-1``-padded.
 
-    Memory: ``4 x size`` bytes per point, plus one chunk of hits (the neighbour index holds ``4 D`` bytes per point).
+    Memory: ``4 x size`` bytes per point, plus one chunk of hits; the neighbour index uses ``point_vectors`` in place
+    and its faiss copy holds them at their precision (``2 D`` bytes per point in float16, ``4 D`` in float32).
     """
     from ..models.label_index import LabelIndex
 
