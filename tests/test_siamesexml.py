@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModel
 
-from hf_xmc.models.classifier_head import merge_label_scores
+from hf_xmc.models.classifier_head import merge_label_scores, sum_label_scores
 from hf_xmc.models.xmc_losses import point_likelihood_nll, siamese_classifier_loss, siamese_pair_loss
 from hf_xmc.training.classifier_stage import ClassifierStageCollator
 from hf_xmc.training.siamesexml import (
@@ -169,6 +169,33 @@ def test_module2_label_state_and_shortlists(tiny_encoder_dir, tiny_task):
         assert set(voted[r][voted[r] >= 0].tolist()) <= allowed
 
 
+def test_module2_float16_store_halves_the_point_vectors(tiny_encoder_dir, tiny_task):
+    # at scale the label store is float16 and Module II keeps the training-point vectors at that precision too: the
+    # label state, the [z~ ; v] rows and the shortlists must match the float32 path up to float16 rounding
+    data = tiny_task[0]
+    targets = sp.csr_matrix(data.train.targets)
+    full = make_siamesexml(tiny_encoder_dir, data)
+    half = make_siamesexml(tiny_encoder_dir, data, label_embeddings_dtype="float16")
+    half.load_state_dict(full.state_dict())
+    points32 = build_label_state(full, data.train.texts, targets, None)
+    points16 = build_label_state(half, data.train.texts, targets, None)
+    assert points32.dtype == torch.float32 and points16.dtype == torch.float16
+    torch.testing.assert_close(points16.float(), points32, atol=2e-3, rtol=0)
+    torch.testing.assert_close(half.label_centroids, full.label_centroids, atol=2e-3, rtol=0)
+    rows = half.label_search_vectors()
+    assert rows.dtype == torch.float16 and rows.shape == (2 * len(data.label_texts), half.config.embedding_dim)
+    torch.testing.assert_close(rows.float(), torch.cat([half.label_text_vectors, half.label_centroids]), atol=1e-3, rtol=0)
+    short32 = mine_classifier_shortlist(full, points32, targets, size=10, knn_neighbors=3)
+    short16 = mine_classifier_shortlist(half, points16, targets, size=10, knn_neighbors=3)
+    overlap = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(short32.tolist(), short16.tolist())])
+    assert overlap > 0.95
+    # Module IV reads float32 rows of the float16 vectors
+    collator = ClassifierStageCollator(targets, short16, query_vectors=points16, seed=0)
+    batch = collator([{"index": 0}, {"index": 5}])
+    assert batch["query_vectors"].dtype == torch.float32
+    torch.testing.assert_close(batch["query_vectors"], points16[[0, 5]].float())
+
+
 def test_classifier_stage_collator():
     targets = sp.csr_matrix(np.array([[1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 0, 0]]))
     shortlist = np.array([[3, 4, -1], [0, 5, 2]], dtype=np.int32)
@@ -190,6 +217,12 @@ def test_merge_label_scores():
     assert ids.tolist() == [[2, 1, -1], [-1, -1, -1]]
     np.testing.assert_allclose(scores[0, :2], [0.75, 0.6])
     assert np.isneginf(scores[0, 2]) and np.isneginf(scores[1]).all()
+
+
+def test_sum_label_scores_sums_repeated_pairs_in_query_label_order():
+    queries, labels, sums = sum_label_scores(np.array([1, 0, 1, 0]), np.array([3, 2, 3, 4]), np.array([0.5, 1.0, 0.25, 2.0]), 5)
+    assert queries.tolist() == [0, 0, 1] and labels.tolist() == [2, 4, 3]
+    np.testing.assert_allclose(sums, [1.0, 2.0, 0.75])
 
 
 @pytest.mark.parametrize("encoder_type", ["boe"])

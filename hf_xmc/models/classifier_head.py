@@ -71,6 +71,16 @@ class ExtremeClassifier(nn.Embedding):
         return f"num_labels={self.num_labels}, dim={self.embedding_dim}, sparse_gradients={self.sparse}"
 
 
+def sum_label_scores(query_of: np.ndarray, label_of: np.ndarray, values: np.ndarray, num_labels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sum ``values`` over repeated ``(query, label)`` pairs: returns ``(queries, labels, sums)``, one entry per distinct
+    pair, sorted by ``(query, label)`` (int64, int64, float64). Memory: a few arrays of the hits' length."""
+    keys = query_of.astype(np.int64) * num_labels + label_of.astype(np.int64)
+    unique, inverse = np.unique(keys, return_inverse=True)
+    sums = np.zeros(unique.size, dtype=np.float64)
+    np.add.at(sums, inverse, values.astype(np.float64))
+    return unique // num_labels, unique % num_labels, sums
+
+
 def merge_label_scores(
     query_of: np.ndarray, label_of: np.ndarray, values: np.ndarray, num_queries: int, num_labels: int, size: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -85,11 +95,7 @@ def merge_label_scores(
     scores = np.full((num_queries, size), -np.inf, dtype=np.float32)
     if query_of.size == 0:
         return ids, scores
-    keys = query_of.astype(np.int64) * num_labels + label_of.astype(np.int64)
-    unique, inverse = np.unique(keys, return_inverse=True)
-    sums = np.zeros(unique.size, dtype=np.float64)
-    np.add.at(sums, inverse, values.astype(np.float64))
-    queries, labels = unique // num_labels, unique % num_labels
+    queries, labels, sums = sum_label_scores(query_of, label_of, values, num_labels)
     order = np.lexsort((-sums, queries))  # by query, best first
     queries, labels, sums = queries[order], labels[order], sums[order]
     rank = np.arange(queries.size) - np.searchsorted(queries, queries)  # position within its query
@@ -116,4 +122,4 @@ def fuse_shortlist_scores(classifier: np.ndarray, shortlist: np.ndarray, weight:
     raise ValueError(f"fusion must be 'code' or 'paper', got {fusion!r}")
 
 
-__all__ = ["ExtremeClassifier", "fuse_shortlist_scores", "merge_label_scores"]
+__all__ = ["ExtremeClassifier", "fuse_shortlist_scores", "merge_label_scores", "sum_label_scores"]

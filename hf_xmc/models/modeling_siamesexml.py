@@ -244,11 +244,16 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
         self.invalidate_label_index()
 
     def label_search_vectors(self, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
-        """The shortlist index rows: ``[z~ ; v]``, ``(2 L, D)`` (row ``L + l`` is label ``l``'s centroid). Without a
-        label state, ``z~_l = f_E(z_l)`` of the current encoder becomes it (no centroids)."""
+        """The shortlist index rows: ``[z~ ; v]``, ``(2 L, D)`` (row ``L + l`` is label ``l``'s centroid), in the label
+        store's precision (written straight into it: no float32 ``2 L x D`` temporary). Without a label state,
+        ``z~_l = f_E(z_l)`` of the current encoder becomes it (no centroids)."""
         if not bool(self.label_state_initialized):
             self.set_label_state(self.encode_labels(batch_size=batch_size, show_progress_bar=show_progress_bar))
-        return torch.cat([self.label_text_vectors, self.label_centroids]).float().cpu()
+        num_labels = self.label_text_vectors.shape[0]
+        rows = torch.empty((2 * num_labels, self.label_text_vectors.shape[1]), dtype=getattr(torch, self.config.label_embeddings_dtype))
+        rows[:num_labels].copy_(self.label_text_vectors)
+        rows[num_labels:].copy_(self.label_centroids)
+        return rows
 
     # ------------------------------------------------------------------ shortlist, scores, search
     @property

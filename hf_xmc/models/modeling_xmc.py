@@ -684,12 +684,14 @@ class XMCPreTrainedModel(PreTrainedModel):
         show_progress_bar: Optional[bool] = None,
         desc: str = "Encoding",
         normalize: Optional[bool] = None,
+        dtype: Optional[torch.dtype] = None,
         **embed_kwargs,
     ) -> torch.Tensor:
-        """Embed texts in eval mode, batch by batch (longest first to limit padding); returns ``(n, dim)`` on CPU.
+        """Embed texts in eval mode, batch by batch (longest first to limit padding); returns ``(n, dim)`` on CPU, in
+        ``dtype`` when given (each batch cast as it is written, e.g. float16 to halve a large result).
 
-        Memory: the ``(n, dim)`` result (4 bytes per value in float32) plus one batch; nothing per text is kept
-        besides the sort order (8 bytes).
+        Memory: the ``(n, dim)`` result (4 bytes per value in float32, 2 in float16) plus one batch; nothing per text
+        is kept besides the sort order (8 bytes).
 
         ``normalize`` overrides ``config.normalize``; ``embed_kwargs`` go to :meth:`embed` (e.g. UniDEC's ``head``).
         """
@@ -707,15 +709,17 @@ class XMCPreTrainedModel(PreTrainedModel):
                 batch = {k: v.to(self.device) for k, v in batch.items()}
                 emb = self.embed(batch["input_ids"], batch["attention_mask"], normalize=normalize, **embed_kwargs).cpu()
                 if out is None:
-                    out = torch.empty(len(order), emb.shape[1], dtype=emb.dtype)
-                out[torch.from_numpy(idx)] = emb
+                    out = torch.empty(len(order), emb.shape[1], dtype=dtype or emb.dtype)
+                out[torch.from_numpy(idx)] = emb.to(out.dtype)
         finally:
             self.train(was_training)
         return out
 
-    def encode_queries(self, texts: Sequence[str], batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
-        """Embed query texts (``max_seq_length`` tokens)."""
-        return self.encode_texts(texts, self.config.max_seq_length, batch_size, show_progress_bar, desc="Encoding queries")
+    def encode_queries(
+        self, texts: Sequence[str], batch_size: int = 128, show_progress_bar: Optional[bool] = None, dtype: Optional[torch.dtype] = None
+    ) -> torch.Tensor:
+        """Embed query texts (``max_seq_length`` tokens); ``dtype`` as in :meth:`encode_texts`."""
+        return self.encode_texts(texts, self.config.max_seq_length, batch_size, show_progress_bar, desc="Encoding queries", dtype=dtype)
 
     def encode_labels(
         self,

@@ -7,8 +7,8 @@ classifier table, whose gradients are sparse (row-wise ``SparseAdamW`` updates),
 ``batch x (max_positives + shortlist) x D`` whatever the label space. When the encoder is frozen its query vectors
 are computed once and the batches carry them instead of tokens (the official SiameseXML code does the same).
 
-Memory: the shortlist (4 bytes per slot and point, int32), the precomputed query vectors (4 D bytes per point,
-or none with ``texts``), and per batch ``batch x (max_positives + shortlist)`` candidate ids.
+Memory: the shortlist (4 bytes per slot and point, int32), the precomputed query vectors (4 D bytes per point, 2 D
+in float16, or none with ``texts``), and per batch ``batch x (max_positives + shortlist)`` candidate ids.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import scipy.sparse as sp
 import torch
 
 from ..models.modeling_xmc import tokenize_texts
+from .collator import EpochSeededBatches
 
 
 @dataclass
-class ClassifierStageCollator:
+class ClassifierStageCollator(EpochSeededBatches):
     """Batches of the classifier stage: per point its positives and shortlist negatives as candidate label ids.
 
     Args:
@@ -62,12 +63,9 @@ class ClassifierStageCollator:
         if self.max_positives < 1:
             raise ValueError(f"max_positives must be >= 1, got {self.max_positives}")
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
     def __call__(self, features: list[dict[str, int]]) -> dict[str, torch.Tensor]:
         rows = np.array([f["index"] for f in features], dtype=np.int64)
-        rng = np.random.default_rng([self.seed, self.epoch, *rows.tolist()])
+        rng = self.batch_rng(rows)
         width = self.max_positives + self.shortlist.shape[1]
         ids = np.full((len(rows), width), -1, dtype=np.int64)
         positive = np.zeros((len(rows), width), dtype=bool)
@@ -87,7 +85,7 @@ class ClassifierStageCollator:
             "indices": torch.from_numpy(rows),
         }
         if self.query_vectors is not None:
-            batch["query_vectors"] = self.query_vectors[torch.from_numpy(rows)]
+            batch["query_vectors"] = self.query_vectors[torch.from_numpy(rows)].float()  # float16 storage at scale
         else:
             tokens = tokenize_texts(self.tokenizer, [self.texts[r] for r in rows], self.max_seq_length, padding=True, return_tensors="pt")
             batch.update(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])

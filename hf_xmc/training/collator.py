@@ -98,8 +98,25 @@ def tokenize_labels(
     return LabelTokens(torch.from_numpy(ids), torch.from_numpy(lengths), start, int(pad))
 
 
+class EpochSeededBatches:
+    """Per-batch random draws of a collator with ``seed`` and ``epoch`` attributes: each batch's generator is seeded
+    by ``(seed, epoch, its rows)`` only, so a batch draws the same whatever came before it (a resumed run included);
+    the trainer calls :meth:`set_epoch` at every epoch start."""
+
+    seed: int
+    epoch: int
+
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch number mixed into the per-batch sampling seed."""
+        self.epoch = int(epoch)
+
+    def batch_rng(self, rows: np.ndarray) -> np.random.Generator:
+        """Generator for one batch, determined by ``(seed, epoch, rows)`` only."""
+        return np.random.default_rng([self.seed, self.epoch, *np.asarray(rows).tolist()])
+
+
 @dataclass
-class XMCDataCollator:
+class XMCDataCollator(EpochSeededBatches):
     """Builds a training batch: tokenised queries, a label pool and the ``(batch, pool)`` target mask.
 
     For every query ``num_positives`` positives are sampled from its labels (uniformly, or proportionally to the
@@ -146,6 +163,20 @@ class XMCDataCollator:
     shortlist: Optional[np.ndarray] = field(default=None, repr=False)
     epoch: int = 0
 
+    @classmethod
+    def for_model(cls, model, train: XMCDataset, label_texts: Sequence[str], **kwargs: Any):
+        """The collator over the training set ``train`` and ``label_texts`` with ``model``'s tokenizer and token
+        budgets; ``kwargs`` set the other fields (sampling, seed, a subclass's own)."""
+        return cls(
+            tokenizer=model._require_tokenizer(),
+            texts=train.texts,
+            targets=sp.csr_matrix(train.targets),
+            label_texts=label_texts,
+            max_seq_length=model.config.max_seq_length,
+            label_max_seq_length=model.config.label_max_seq_length,
+            **kwargs,
+        )
+
     def __post_init__(self):
         self.targets = sp.csr_matrix(self.targets)
         if self.targets.shape[1] != len(self.label_texts):
@@ -154,14 +185,6 @@ class XMCDataCollator:
             self.positive_weights = np.asarray(self.positive_weights, dtype=np.float64)
             if self.positive_weights.shape != (len(self.label_texts),) or (self.positive_weights <= 0).any():
                 raise ValueError(f"positive_weights must be {len(self.label_texts)} positive numbers, one per label")
-
-    def set_epoch(self, epoch: int) -> None:
-        """Epoch number mixed into the per-batch sampling seed."""
-        self.epoch = int(epoch)
-
-    def batch_rng(self, rows: np.ndarray) -> np.random.Generator:
-        """Generator for one batch, determined by ``(seed, epoch, rows)`` only."""
-        return np.random.default_rng([self.seed, self.epoch, *rows.tolist()])
 
     def set_shortlist(self, shortlist: Optional[np.ndarray]) -> None:
         """Install the hard-negative shortlist: ``(num_points, K)`` label ids per training row, ``-1``-padded."""

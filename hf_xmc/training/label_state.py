@@ -29,9 +29,8 @@ def label_centroid_sums(sums: torch.Tensor, query_embeds: torch.Tensor, targets:
     ``targets`` holds the rows of these queries. Pairs are scattered with ``index_add_`` at most ``max_pairs`` (query,
     label) pairs at a time, so the only label-sized tensor is ``sums`` itself (never an ``(L, d)`` temporary per
     chunk, as ``targets.T @ queries`` would allocate) and the work buffer is ``max_pairs x d`` floats (384 MB at
-    d = 384).
+    d = 384); ``query_embeds`` (float32 or float16) are normalised as they are gathered, never copied whole.
     """
-    queries = F.normalize(query_embeds.float(), dim=-1)
     indptr, indices = targets.indptr, targets.indices
     row = 0
     while row < targets.shape[0]:
@@ -40,7 +39,7 @@ def label_centroid_sums(sums: torch.Tensor, query_embeds: torch.Tensor, targets:
         counts = np.diff(indptr[row : stop + 1])
         rows = torch.from_numpy(np.repeat(np.arange(row, stop), counts))
         labels = torch.from_numpy(indices[indptr[row] : indptr[stop]].astype(np.int64))
-        sums.index_add_(0, labels, queries[rows])
+        sums.index_add_(0, labels, F.normalize(query_embeds[rows].float(), dim=-1))
         row = stop
 
 

@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from ..data import filter_predictions
+from ..models.classifier_head import sum_label_scores
 from ..models.modeling_xmc import tokenize_texts
 from .collator import XMCDataCollator
 
@@ -185,16 +186,19 @@ def build_label_state(
 ) -> torch.Tensor:
     """Module II's label state from the frozen encoder: ``z~ = N(M f(Z))`` (``f(Z)`` when ``correlation`` is None) and
     ``v_l = N(mean of f(x_i), i in R_l)``, set on the model (:meth:`SiameseXMLModel.set_label_state`). Returns the
-    training points' intermediate embeddings ``(N, D)`` (Module IV's inputs and the neighbour index).
+    training points' intermediate embeddings ``(N, D)`` (Module IV's inputs and the neighbour index), held in the
+    label store's precision (``config.label_embeddings_dtype``: float16 halves them at scale).
 
-    Memory: ``4 D`` bytes per training point and ``8 D`` per label (plus ``M``'s ``top_k + 1`` entries per label).
+    Memory: ``2 D`` (float16) or ``4 D`` bytes per training point and ``8 D`` per label (plus ``M``'s ``top_k + 1``
+    entries per label); ``4 D`` more per label while ``M f(Z)`` is formed.
     """
     from .label_state import label_centroids
 
     labels = model.encode_labels(batch_size=batch_size, show_progress_bar=show_progress_bar)
     if correlation is not None:
         labels = torch.from_numpy(np.asarray(sp.csr_matrix(correlation) @ labels.numpy(), dtype=np.float32))
-    points = model.encode_queries(train_texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
+    dtype = getattr(torch, model.config.label_embeddings_dtype)
+    points = model.encode_queries(train_texts, batch_size=batch_size, show_progress_bar=show_progress_bar, dtype=dtype)
     model.set_label_state(labels, label_centroids(points, train_targets))
     return points
 
@@ -215,7 +219,8 @@ def mine_classifier_shortlist(
     its cosine to each of its labels, divided by the point's largest vote; ``gamma = knn_weight``, [C] 0.025), best
     ``size`` negatives kept (positives removed). Returns ``(N, size)`` int32 label ids, ``-1``-padded.
 
-    Memory: ``4 x size`` bytes per point, plus one chunk of hits (the neighbour index holds ``4 D`` bytes per point).
+    Memory: ``4 x size`` bytes per point, plus one chunk of hits; the neighbour index uses ``point_vectors`` in place
+    and its faiss copy holds them at their precision (``2 D`` bytes per point in float16, ``4 D`` in float32).
     """
     from ..models.label_index import LabelIndex
 
@@ -244,15 +249,11 @@ def mine_classifier_shortlist(
             vote_query = np.repeat(query_of, counts)
             vote_label = np.concatenate([targets.indices[targets.indptr[r] : targets.indptr[r + 1]] for r in hit_rows]) if hit_rows.size else np.zeros(0, np.int64)
             vote_value = np.repeat(hit_sims, counts).astype(np.float64)
-            # normalise by each point's largest summed vote
-            keys = vote_query.astype(np.int64) * targets.shape[1] + vote_label
-            unique, inverse = np.unique(keys, return_inverse=True)
-            summed = np.zeros(unique.size)
-            np.add.at(summed, inverse, vote_value)
+            # each point's summed votes, normalised by its largest
+            vote_query, vote_label, summed = sum_label_scores(vote_query, vote_label, vote_value, targets.shape[1])
             best = np.zeros(stop - start)
-            np.maximum.at(best, unique // targets.shape[1], summed)
-            scale = knn_weight / np.maximum(best[unique // targets.shape[1]], 1e-12)
-            extra = (unique // targets.shape[1], unique % targets.shape[1], summed * scale)
+            np.maximum.at(best, vote_query, summed)
+            extra = (vote_query, vote_label, summed * (knn_weight / np.maximum(best[vote_query], 1e-12)))
         ids, scores = model.shortlist(queries, size + max_positives, source_weights=weights, extra_hits=extra)
         ids, _ = filter_predictions(ids, scores, targets[start:stop], size)
         out[start:stop] = ids

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-import scipy.sparse as sp
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -160,13 +159,10 @@ class XMCTrainer(Trainer):
                 weights = inverse_propensity(train_dataset.targets, model.config.propensity_a, model.config.propensity_b)
             psl = xmc_args is not None and xmc_args.label_pool == "psl"
             pool_kwargs = {"max_label_pool": xmc_args.max_label_pool} if psl else {}
-            data_collator = (PSLDataCollator if psl else XMCDataCollator)(
-                tokenizer=model._require_tokenizer(),
-                texts=train_dataset.texts,
-                targets=sp.csr_matrix(train_dataset.targets),
-                label_texts=model._require_labels(),
-                max_seq_length=model.config.max_seq_length,
-                label_max_seq_length=model.config.label_max_seq_length,
+            data_collator = (PSLDataCollator if psl else XMCDataCollator).for_model(
+                model,
+                train_dataset,
+                model._require_labels(),
                 num_positives=xmc_args.num_positives if xmc_args is not None else 1,
                 positive_weights=weights,
                 num_negatives=xmc_args.hard_negatives if xmc_args is not None else 0,

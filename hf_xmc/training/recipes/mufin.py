@@ -31,8 +31,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-import scipy.sparse as sp
-
 from ...data import XCData, XMCDataset
 from ...models import MUFINModel
 from ..evaluation import XMCEvaluator
@@ -116,13 +114,10 @@ def _stage_args(args: MUFINTrainingArguments, stage: str) -> MUFINTrainingArgume
 
 def build_collator(model: MUFINModel, data: XCData, args: MUFINTrainingArguments, stage: str) -> MUFINDataCollator:
     """The bag collator of one stage over the training items and all labels."""
-    return MUFINDataCollator(
-        tokenizer=model.tokenizer,
-        texts=data.train.texts,
-        targets=sp.csr_matrix(data.train.targets),
-        label_texts=data.label_texts,
-        max_seq_length=model.config.max_seq_length,
-        label_max_seq_length=model.config.label_max_seq_length,
+    return MUFINDataCollator.for_model(
+        model,
+        data.train,
+        data.label_texts,
         num_positives=args.num_positives,
         num_negatives=args.ranker_negatives,
         seed=args.seed,

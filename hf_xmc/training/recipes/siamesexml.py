@@ -130,13 +130,10 @@ def train_siamese(model: SiameseXMLModel, data, args: SiameseXMLTrainingArgument
     if args.num_train_epochs <= 0:
         return
     draws = args.label_draws_per_epoch or max(len(data.label_texts), len(data.train))
-    collator = SiameseLabelCollator(
-        tokenizer=model.tokenizer,
-        texts=data.train.texts,
-        targets=sp.csr_matrix(data.train.targets),
-        label_texts=data.label_texts,
-        max_seq_length=model.config.max_seq_length,
-        label_max_seq_length=model.config.label_max_seq_length,
+    collator = SiameseLabelCollator.for_model(
+        model,
+        data.train,
+        data.label_texts,
         seed=args.seed,
         power=args.label_sampling_power,
         draws_per_epoch=draws,
