@@ -154,4 +154,46 @@ def use_dense_gradients(model: torch.nn.Module) -> int:
     return switched
 
 
-__all__ = ["SparseAdamW", "can_reduce_sparse_gradients", "sparse_gradient_parameters", "use_dense_gradients"]
+def has_sparse_gradients(parameters) -> bool:
+    """Whether any of ``parameters`` holds a sparse gradient now."""
+    return any(p.grad is not None and p.grad.is_sparse for p in parameters)
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` that also takes sparse COO gradients, on every device.
+
+    torch's version hands the gradients of a CUDA device to its fused multi-tensor kernels, which have no sparse
+    variant: a per-label table's gradient then stops training on the GPU with "Could not run ... with arguments from
+    the 'SparseCUDA' backend". Here a sparse gradient is coalesced first (a row gathered twice in one pool is one row
+    of summed gradient, as the optimizer sees it) and its values count in the total norm; the scaling replaces it by
+    a scaled copy. Dense gradients are scaled in place, as torch does. Returns the total norm before clipping (a
+    0-dim tensor on the first gradient's device).
+
+    Memory: the coalesced sparse gradients (``O(pool x d)`` each) and one scalar per parameter; nothing per label.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.tensor(0.0)
+    for p in params:
+        if p.grad.is_sparse:
+            p.grad = p.grad.coalesce()
+    device = params[0].grad.device
+    norms = [torch.linalg.vector_norm(p.grad._values() if p.grad.is_sparse else p.grad, norm_type).to(device) for p in params]
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad.is_sparse:
+            p.grad = p.grad * coef.to(p.grad.device)
+        else:
+            p.grad.mul_(coef.to(p.grad.device))
+    return total
+
+
+__all__ = [
+    "SparseAdamW",
+    "can_reduce_sparse_gradients",
+    "clip_grad_norm_",
+    "has_sparse_gradients",
+    "sparse_gradient_parameters",
+    "use_dense_gradients",
+]

@@ -27,7 +27,14 @@ from .evaluation import XMCEvaluator
 from .gradcache import cached_loss
 from .label_state import initialize_label_state
 from .negatives import mine_hard_negatives
-from .optim import SparseAdamW, can_reduce_sparse_gradients, sparse_gradient_parameters, use_dense_gradients
+from .optim import (
+    SparseAdamW,
+    can_reduce_sparse_gradients,
+    clip_grad_norm_,
+    has_sparse_gradients,
+    sparse_gradient_parameters,
+    use_dense_gradients,
+)
 from .samplers import ClusterBatchSampler, EmbeddingMemoryBank
 
 logger = logging.getLogger(__name__)
@@ -273,6 +280,21 @@ class XMCTrainer(Trainer):
         return self.optimizer
 
     # ------------------------------------------------------------------ data
+    def _clip_grad_norm(self, model):
+        """transformers' clipping, or, when a per-label table has a sparse gradient, :func:`clip_grad_norm_`
+        (torch's fused CUDA kernels have no sparse variant)."""
+        if not has_sparse_gradients(model.parameters()):
+            return super()._clip_grad_norm(model)
+        self.accelerator.unscale_gradients()
+        return clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """The logged gradient norm; without clipping (``max_grad_norm <= 0``) sparse gradients are measured as above."""
+        if grad_norm is None and has_sparse_gradients(model.parameters()):
+            self.accelerator.unscale_gradients()
+            grad_norm = clip_grad_norm_(model.parameters(), float("inf"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
     def get_train_dataloader(self) -> DataLoader:
         """The stock loader, or one driven by the rank-aware cluster batch sampler (not re-sharded by Accelerate)."""
         if self.cluster_sampler is None:
