@@ -39,7 +39,9 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -300,6 +302,13 @@ def reload_worker(cfg: dict) -> dict:
     return {"stages": rec.stages, "P@1": float(metrics["P@1"]), "P@5": float(metrics["P@5"]), "R@100": float(metrics["R@100"]), "latency": latency}
 
 
+def _device_name() -> str:
+    """The accelerator the training runs will use (accelerate picks CUDA when torch sees it), else "cpu"."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
 def _saved_bytes(directory: str) -> int:
     total = 0
     for name in os.listdir(directory):
@@ -330,7 +339,7 @@ def run_variant(method: str, variant: str, args, task: dict, encoder: str) -> di
     spec = VARIANTS[(method, variant)]
     batch_size = args.batch_size or spec["batch_size"]
     steps = args.all_label_steps if variant == "all_label" else args.steps
-    extra = list(spec["args"])
+    extra = list(spec["args"]) + shlex.split(args.train_args)
     if variant == "all_label" and args.batch_size:
         extra[extra.index("--gradient_cache_chunk_size") + 1] = str(min(3000, args.batch_size))
     out_dir = os.path.join(args.work_dir, f"{method}-{variant}")
@@ -342,6 +351,8 @@ def run_variant(method: str, variant: str, args, task: dict, encoder: str) -> di
     row = {
         "method": method, "variant": variant, "num_labels": task["num_labels"], "num_train": task["num_train"],
         "num_test": task["num_test"], "steps": steps, "batch_size": batch_size, "encoder_layers": args.encoder_layers,
+        "encoder": os.path.basename(os.path.normpath(args.encoder)) if args.encoder else f"random-{args.encoder_layers}l",
+        "train_args": args.train_args, "device": _device_name(),
         "index_kind": args.index_kind, "ivf_nprobe": args.ivf_nprobe if args.index_kind == "ivf" else None,
         "completed": False, "peak_rss_gib": None, "saved_bytes": None, "stages": {}, "P@1": None, "R@100": None,
     }
@@ -355,6 +366,12 @@ def run_variant(method: str, variant: str, args, task: dict, encoder: str) -> di
         reload = run_worker("reload", cfg, log + ".reload.log", args.timeout)
         row["stages"].update({f"reload:{k[len('total.'):] if k.startswith('total.') else k}": v for k, v in reload["stages"].items()})
         row.update({"P@1": reload["P@1"], "P@5": reload["P@5"], "R@100": reload["R@100"], "latency_ms": reload["latency"], "completed": True})
+        step_seconds = row["stages"].get("train:train.steps", {}).get("seconds")
+        if step_seconds and steps:
+            # one epoch of the real data at this batch size, from the measured steps (first steps' warm-up included)
+            row["seconds_per_step"] = round(step_seconds / steps, 4)
+            row["epoch_steps_real"] = math.ceil(args.epoch_queries / batch_size)
+            row["epoch_seconds_real"] = round(row["epoch_steps_real"] * step_seconds / steps, 1)
     except (RuntimeError, subprocess.TimeoutExpired) as err:
         message = str(err)
         row["error"] = message if len(message) <= 2000 else message.split("\n", 1)[0] + "\n...\n" + message[-1800:]
@@ -370,9 +387,13 @@ STAGE_COLUMNS = [
 ]
 
 
+def _hours(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds / 3600:.1f} h"
+
+
 def format_table(rows: list[dict]) -> str:
     """Markdown table: per variant the seconds (peak GiB) of each stage, size on disk, quality and latency."""
-    head = "| method | labels | train q | steps x batch | index | data | label state | clustering | mining | steps | eval | save | reload | predict k=100 | peak RSS GiB | saved GB | P@1 | R@100 | ms/query b=1 | ms/batch b=256 |"
+    head = "| method | labels | train q | steps x batch | index | data | label state | clustering | mining | steps | eval | save | reload | predict k=100 | peak RSS GiB | saved GB | P@1 | R@100 | ms/query b=1 | ms/batch b=256 | s/step | 1 epoch of 2.2M |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def cell(row, key):
@@ -399,7 +420,7 @@ def format_table(rows: list[dict]) -> str:
             f"{cell(r, 'train:evaluate')} | {cell(r, 'train:save')} | {cell(r, 'reload:reload')} | {cell(r, 'reload:predict')} | "
             f"{r['peak_rss_gib'] if r['peak_rss_gib'] is not None else '-'} | {(r['saved_bytes'] or 0) / 1e9:.2f} | "
             f"{r['P@1'] if r['P@1'] is None else round(r['P@1'], 2)} | {r['R@100'] if r['R@100'] is None else round(r['R@100'], 2)} | "
-            f"{lat.get('batch_1_ms', '-')} | {lat.get('batch_256_ms', '-')} |"
+            f"{lat.get('batch_1_ms', '-')} | {lat.get('batch_256_ms', '-')} | {r.get('seconds_per_step', '-')} | {_hours(r.get('epoch_seconds_real'))} |"
         )
     return "\n".join(lines)
 
@@ -421,12 +442,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     parser.add_argument("--ivf_nprobe", type=int, default=16, help="Lists an ivf index scans (recall@100 ~0.90 at 16 at 1.3M labels).")
     parser.add_argument("--encoder_layers", type=int, default=0, help="Transformer layers of the random encoder (hidden 384).")
+    parser.add_argument(
+        "--encoder", default=None,
+        help="An encoder directory to use instead of the random one (e.g. all-MiniLM-L6-v2 for the GPU run).",
+    )
+    parser.add_argument("--train_args", default="", help="Extra flags for every training run, e.g. '--bf16 true' on a GPU.")
+    parser.add_argument(
+        "--epoch_queries", type=int, default=2_200_000,
+        help="Training queries of the real dataset: one epoch's wall time is extrapolated from the measured s/step.",
+    )
     parser.add_argument("--data_dir", default=None, help="Where the task is written / cached (default outputs/scale/<shape>).")
     parser.add_argument("--work_dir", default=None, help="Model directories and logs (default <data_dir>/runs).")
     parser.add_argument("--timeout", type=float, default=4 * 3600, help="Seconds per worker process.")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "scale.json"))
     parser.add_argument("--merge", action="store_true", help="Keep rows of --out for variants not run now (replace the others).")
-    parser.add_argument("--update_readme", action="store_true", help="Write the table between the README's bench:scale markers.")
+    parser.add_argument("--update_readme", action="store_true", help="Write the table between the README's --readme_marker markers.")
+    parser.add_argument("--readme_marker", default="<!-- bench:scale -->", help="README block the table goes to (the GPU run: <!-- bench:scale-gpu -->).")
+    parser.add_argument("--table_only", action="store_true", help="Print (and with --update_readme write) the table of --out; run nothing.")
     parser.add_argument("--worker", choices=("train", "reload"), help=argparse.SUPPRESS)
     parser.add_argument("--worker_config", help=argparse.SUPPRESS)
     parser.add_argument("--worker_result", help=argparse.SUPPRESS)
@@ -443,6 +475,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             json.dump(result, f)
         return []
 
+    if args.table_only:
+        with open(args.out) as f:
+            rows = json.load(f)
+        print(format_table(rows))
+        if args.update_readme:
+            from benchmarks.sweep_defaults import update_readme_block
+
+            update_readme_block(args.readme_marker, format_table(rows) + "\n")
+        return rows
+
     variants = parse_methods(args.methods)
     shape = f"L{args.num_labels}-N{args.num_train}-T{args.num_test}"
     args.data_dir = args.data_dir or os.path.join(REPO, "outputs", "scale", shape)
@@ -450,7 +492,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"task {shape} in {args.data_dir}", flush=True)
     task = make_task(args.data_dir, args.num_labels, args.num_train, args.num_test)
     print(json.dumps(task), flush=True)
-    encoder = make_encoder(os.path.join(args.data_dir, f"encoder-{args.encoder_layers}l"), task["word_letters"], args.encoder_layers)
+    if args.encoder:
+        encoder = args.encoder
+    else:
+        encoder = make_encoder(os.path.join(args.data_dir, f"encoder-{args.encoder_layers}l"), task["word_letters"], args.encoder_layers)
 
     rows: list[dict] = []
     if args.merge and os.path.exists(args.out):
@@ -473,7 +518,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.update_readme:
         from benchmarks.sweep_defaults import update_readme_block
 
-        update_readme_block("<!-- bench:scale -->", format_table(rows) + "\n")
+        update_readme_block(args.readme_marker, format_table(rows) + "\n")
     return rows
 
 
