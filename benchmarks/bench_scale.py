@@ -228,12 +228,12 @@ def make_encoder(directory: str, word_letters: int, layers: int, hidden: int = 3
 # --------------------------------------------------------------------------------------------------- workers
 def train_worker(cfg: dict) -> dict:
     """One training run through the method's recipe, every stage timed."""
+    import importlib
+
     from hf_xmc.models.modeling_xmc import XMCPreTrainedModel
     from hf_xmc.training import trainer as trainer_module
     from hf_xmc.training.recipes import RECIPES
     from hf_xmc.training.samplers import ClusterBatchSampler
-
-    import importlib
 
     rec = StageRecorder()
     recipe = importlib.import_module(RECIPES[cfg["method"]])
@@ -366,12 +366,7 @@ def run_variant(method: str, variant: str, args, task: dict, encoder: str) -> di
         reload = run_worker("reload", cfg, log + ".reload.log", args.timeout)
         row["stages"].update({f"reload:{k[len('total.'):] if k.startswith('total.') else k}": v for k, v in reload["stages"].items()})
         row.update({"P@1": reload["P@1"], "P@5": reload["P@5"], "R@100": reload["R@100"], "latency_ms": reload["latency"], "completed": True})
-        step_seconds = row["stages"].get("train:train.steps", {}).get("seconds")
-        if step_seconds and steps:
-            # one epoch of the real data at this batch size, from the measured steps (first steps' warm-up included)
-            row["seconds_per_step"] = round(step_seconds / steps, 4)
-            row["epoch_steps_real"] = math.ceil(args.epoch_queries / batch_size)
-            row["epoch_seconds_real"] = round(row["epoch_steps_real"] * step_seconds / steps, 1)
+        row.update(step_rate(row, args.epoch_queries))
     except (RuntimeError, subprocess.TimeoutExpired) as err:
         message = str(err)
         row["error"] = message if len(message) <= 2000 else message.split("\n", 1)[0] + "\n...\n" + message[-1800:]
@@ -385,6 +380,20 @@ STAGE_COLUMNS = [
     ("", "train:train.clustering"), ("mining", "train:train.hard_negative_mining"), ("steps", "train:train.steps"),
     ("eval", "train:evaluate"), ("save", "train:save"), ("reload", "reload:reload"), ("predict", "reload:predict"),
 ]
+
+
+def step_rate(row: dict, epoch_queries: int = 2_200_000) -> dict:
+    """Seconds per training step (the ``steps`` stage over the row's steps, first steps' warm-up included) and one
+    epoch of ``epoch_queries`` at the row's batch size; empty for SiameseXML, whose run holds two trainings."""
+    seconds = (row["stages"].get("train:train.steps") or {}).get("seconds")
+    if not seconds or not row.get("steps") or row["method"] == "siamesexml":
+        return {}
+    epoch_steps = math.ceil(epoch_queries / row["batch_size"])
+    return {
+        "seconds_per_step": round(seconds / row["steps"], 4),
+        "epoch_steps_real": epoch_steps,
+        "epoch_seconds_real": round(epoch_steps * seconds / row["steps"], 1),
+    }
 
 
 def _hours(seconds: float | None) -> str:
@@ -405,6 +414,7 @@ def format_table(rows: list[dict]) -> str:
         return f"{st['seconds']:.0f}s{peak}"
 
     for r in rows:
+        r = {**r, **step_rate(r)} if "seconds_per_step" not in r else r
         cluster = "-"
         if r["stages"].get("train:train.clustering"):
             enc = r["stages"].get("train:train.clustering_encode", {"seconds": 0.0})
@@ -470,7 +480,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             result = (train_worker if args.worker == "train" else reload_worker)(cfg)
         except Exception:
             traceback.print_exc()
-            raise SystemExit(1)
+            raise SystemExit(1) from None
         with open(args.worker_result, "w") as f:
             json.dump(result, f)
         return []
