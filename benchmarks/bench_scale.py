@@ -165,7 +165,7 @@ class StageRecorder:
 
 
 # --------------------------------------------------------------------------------------------------- data + encoder
-def make_task(data_dir: str, num_labels: int, num_train: int, num_test: int, seed: int = 0) -> dict:
+def make_task(data_dir: str, num_labels: int, num_train: int, num_test: int, seed: int = 0, topic_size: int | None = None) -> dict:
     """Write the synthetic task (trn/tst/lbl.json.gz) and a tiny encoder into ``data_dir`` unless already there."""
     done = os.path.join(data_dir, "task.json")
     if os.path.exists(done):
@@ -179,7 +179,9 @@ def make_task(data_dir: str, num_labels: int, num_train: int, num_test: int, see
     start = time.perf_counter()
     # 1-43 labels per query (mean 22, as LF-AmazonTitles-1.3M's 22.2); Zipf 0.6 over label ranks: the top label in
     # ~2.5% of the queries, the rarest in ~14 at 1.3M labels (a=1.1 puts one label in almost every query at this depth)
-    data = make_synthetic_xmc(num_labels, num_train, num_test, labels_per_point=(1, 43), zipf_a=0.6, noise_words=4, seed=seed)
+    data = make_synthetic_xmc(
+        num_labels, num_train, num_test, labels_per_point=(1, 43), zipf_a=0.6, noise_words=4, seed=seed, topic_size=topic_size
+    )
     write_xc_raw(os.path.join(data_dir, "trn.json.gz"), data.train)
     write_xc_raw(os.path.join(data_dir, "tst.json.gz"), data.test)
     write_xc_labels(os.path.join(data_dir, "lbl.json.gz"), data.label_uids, data.label_texts)
@@ -190,6 +192,7 @@ def make_task(data_dir: str, num_labels: int, num_train: int, num_test: int, see
         "queries_per_label": round(float(data.train.targets.nnz / num_labels), 2),
         "max_queries_per_label": int(counts.max()), "labels_without_training_query": int((counts == 0).sum()),
         "word_letters": len(data.label_texts[0].split()[1]), "seconds": round(time.perf_counter() - start, 1),
+        "topic_size": topic_size,
     }
     with open(done, "w") as f:
         json.dump(stats, f, indent=2)
@@ -446,6 +449,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch_size", type=int, default=0, help="Override every variant's paper batch size (0 = paper).")
     parser.add_argument("--max_seq_length", type=int, default=16)
     parser.add_argument(
+        "--topic_size", type=int, default=None,
+        help="Labels co-occur by topics of this many labels (make_synthetic_xmc topic_size; default: independent draws).",
+    )
+    parser.add_argument(
         "--index_kind", default="ivf", choices=("exact", "ivf", "hnsw", "torch"),
         help="Label index of every run (mining, evaluation, the saved model). Exact search of 2.2M training queries "
         "against 1.3M labels is ~10^15 multiply-adds, hours on 2 cores: ivf is the CPU choice at this shape.",
@@ -497,10 +504,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     variants = parse_methods(args.methods)
     shape = f"L{args.num_labels}-N{args.num_train}-T{args.num_test}"
+    if args.topic_size:
+        shape += f"-topic{args.topic_size}"
     args.data_dir = args.data_dir or os.path.join(REPO, "outputs", "scale", shape)
     args.work_dir = args.work_dir or os.path.join(args.data_dir, "runs")
     print(f"task {shape} in {args.data_dir}", flush=True)
-    task = make_task(args.data_dir, args.num_labels, args.num_train, args.num_test)
+    task = make_task(args.data_dir, args.num_labels, args.num_train, args.num_test, topic_size=args.topic_size)
     print(json.dumps(task), flush=True)
     if args.encoder:
         encoder = args.encoder

@@ -524,6 +524,30 @@ def test_synthetic_determinism_and_skew():
     assert tiny.train.targets.getnnz(axis=1).tolist() == [2] * 50
 
 
+def test_synthetic_topics_make_labels_co_occur():
+    def block_share(data, block):  # per point with >= 8 labels: the share of its labels in its most common block
+        shares = [np.bincount(np.asarray(labels) // block).max() / len(labels) for labels in data.train.label_lists() if len(labels) >= 8]
+        return float(np.mean(shares))
+
+    # uniform draws: rank = label id, so a topic is the id block [25 t, 25 t + 25); 80% of a point's later labels
+    # come from its first label's block (minus duplicates, redrawn from everywhere): about 0.7 of its labels
+    kwargs = dict(num_labels=1000, num_train=400, num_test=0, labels_per_point=(8, 12), zipf_a=None, seed=5)
+    topical = make_synthetic_xmc(**kwargs, topic_size=25, topic_share=0.8)
+    independent = make_synthetic_xmc(**kwargs)
+    assert block_share(topical, 25) > 0.6 and block_share(independent, 25) < 0.25
+    for labels in topical.train.label_lists():
+        assert 8 <= len(labels) <= 12 and len(set(labels)) == len(labels)
+    again = make_synthetic_xmc(**kwargs, topic_size=25, topic_share=0.8)
+    assert again.train.texts == topical.train.texts and _same_csr(again.train.targets, topical.train.targets)
+    # with a Zipf law the block frequencies keep their skew: a head and a tail as without topics
+    zipf = np.sort(make_synthetic_xmc(2000, 3000, 0, labels_per_point=(1, 20), zipf_a=1.1, seed=1, topic_size=50).train.targets.getnnz(axis=0))
+    assert zipf[-20:].sum() > 5 * zipf[:1000].sum() / 50 and (zipf == 0).sum() > 0
+    with pytest.raises(ValueError, match="topic_size"):
+        make_synthetic_xmc(10, 5, 0, topic_size=0)
+    with pytest.raises(ValueError, match="topic_share"):
+        make_synthetic_xmc(10, 5, 0, topic_size=2, topic_share=1.5)
+
+
 def test_synthetic_label_texts_are_lazy():
     data = make_synthetic_xmc(10_000_000, 10, 0, seed=0)
     texts = data.label_texts

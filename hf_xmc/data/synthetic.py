@@ -3,7 +3,8 @@
 Every label owns ``words_per_label`` *topic words*; a point draws a few labels (optionally with
 Zipf-skewed popularity, as in real XMC data), takes 2 topic words from each of them and mixes them
 with ``noise_words`` words drawn from a separate pool of ``noise_vocab`` noise words, in random
-order. A label's text is ``"label " + its topic words``. So a point's labels are exactly recoverable
+order (with ``topic_size``, a point's labels mostly come from one block of popularity ranks, so labels co-occur
+by topic). A label's text is ``"label " + its topic words``. So a point's labels are exactly recoverable
 from its text, and label-text models (dual encoders) can match points to label texts.
 
 Words are pronounceable strings of 2-letter consonant+vowel syllables, all of the same length
@@ -164,11 +165,12 @@ class SyntheticLabelUids(_LazyLabelSequence):
         return [f"L{i}" for i in ids.tolist()]
 
 
-def _label_sampler(rng: np.random.Generator, num_labels: int,
-                   zipf_a: float | None) -> Callable[[int | tuple[int, ...]], np.ndarray]:
-    """Return ``draw(size) -> int64 label ids``: uniform, or Zipf(zipf_a) over a seeded permutation of the ids."""
+def _label_ranks(rng: np.random.Generator, num_labels: int,
+                 zipf_a: float | None) -> tuple[Callable[[int | tuple[int, ...]], np.ndarray], Callable[[np.ndarray], np.ndarray]]:
+    """Return ``(draw_ranks, rank_to_id)``: popularity ranks drawn uniformly or by Zipf(zipf_a), and the seeded
+    bijection from rank to label id (the identity for uniform draws)."""
     if zipf_a is None:
-        return lambda size: rng.integers(0, num_labels, size=size, dtype=np.int64)
+        return (lambda size: rng.integers(0, num_labels, size=size, dtype=np.int64)), (lambda rank: rank)
     # popularity rank -> label id by an affine bijection mod num_labels (no O(num_labels) array)
     c = int(rng.integers(1, max(num_labels, 2)))
     while math.gcd(c, num_labels) != 1:
@@ -177,23 +179,60 @@ def _label_sampler(rng: np.random.Generator, num_labels: int,
     s = float(zipf_a)
     top = float(num_labels) + 1.0
 
-    def draw(size: int | tuple[int, ...]) -> np.ndarray:
+    def draw_ranks(size: int | tuple[int, ...]) -> np.ndarray:
         """Sample by inverting the CDF of the continuous density x**-s on [1, num_labels + 1)."""
         u = rng.random(size)
         if abs(s - 1.0) < 1e-9:
             x = np.power(top, u)
         else:
             x = np.power(1.0 + u * (top ** (1.0 - s) - 1.0), 1.0 / (1.0 - s))
-        rank = np.clip(np.floor(x).astype(np.int64) - 1, 0, num_labels - 1)
-        return (rank * c + d) % num_labels
+        return np.clip(np.floor(x).astype(np.int64) - 1, 0, num_labels - 1)
 
-    return draw
+    return draw_ranks, (lambda rank: (rank * c + d) % num_labels)
+
+
+def _label_sampler(rng: np.random.Generator, num_labels: int,
+                   zipf_a: float | None) -> Callable[[int | tuple[int, ...]], np.ndarray]:
+    """Return ``draw(size) -> int64 label ids``: uniform, or Zipf(zipf_a) over a seeded permutation of the ids."""
+    draw_ranks, rank_to_id = _label_ranks(rng, num_labels, zipf_a)
+    return lambda size: rank_to_id(draw_ranks(size))
+
+
+def _topical_rows(rng: np.random.Generator, num_labels: int, zipf_a: float | None, topic_size: int,
+                  topic_share: float) -> tuple[Callable[[int, int], np.ndarray], Callable[[int | tuple[int, ...]], np.ndarray]]:
+    """Return ``(rows, draw)``: ``rows(n, width) -> (n, width)`` label ids whose columns after the first share the
+    first label's topic with probability ``topic_share``, and ``draw(size)``, plain draws of the same law (for
+    redraws).
+
+    Topics are blocks of ``topic_size`` consecutive popularity ranks (popular labels share topics, as the big
+    categories of a catalogue do). A topical draw keeps the point's first label's block and takes its position in
+    the block from a fresh draw of the same law, so block frequencies keep the law's shape and only the spread
+    within a block flattens. O(1) memory per label, as the plain sampler.
+    """
+    draw_ranks, rank_to_id = _label_ranks(rng, num_labels, zipf_a)
+
+    def rows(n: int, width: int) -> np.ndarray:
+        ranks = draw_ranks((n, width))
+        moved = (ranks[:, :1] // topic_size) * topic_size + ranks % topic_size
+        topical = rng.random((n, width)) < topic_share
+        topical[:, 0] = False
+        ranks = np.where(topical & (moved < num_labels), moved, ranks)
+        return rank_to_id(ranks)
+
+    return rows, (lambda size: rank_to_id(draw_ranks(size)))
 
 
 def make_synthetic_xmc(num_labels: int, num_train: int, num_test: int, words_per_label: int = 4,
                        labels_per_point: tuple[int, int] = (1, 3), noise_words: int = 2,
-                       zipf_a: float | None = 1.1, seed: int = 0, noise_vocab: int = 1000) -> XCData:
-    """Generate a synthetic XMC task with planted label words (see the module docstring for the memory cost)."""
+                       zipf_a: float | None = 1.1, seed: int = 0, noise_vocab: int = 1000,
+                       topic_size: int | None = None, topic_share: float = 0.8) -> XCData:
+    """Generate a synthetic XMC task with planted label words (see the module docstring for the memory cost).
+
+    With ``topic_size``, labels fall into topics of about that many labels and each label of a point after its first
+    comes from the first one's topic with probability ``topic_share`` (else from the whole label space): labels then
+    co-occur by topic, as real ones do, instead of at random (a method that smooths over co-occurrence, such as
+    SiameseXML's label graph and centroids, otherwise pulls every label towards the mean). ``None`` keeps the
+    independent draws (and the very same task for a given seed)."""
     lo, hi = (int(v) for v in labels_per_point)
     if num_labels < 1:
         raise ValueError(f"num_labels must be >= 1, got {num_labels}")
@@ -207,10 +246,18 @@ def make_synthetic_xmc(num_labels: int, num_train: int, num_test: int, words_per
         raise ValueError("noise_words must be >= 0 and noise_vocab >= 1")
     if zipf_a is not None and zipf_a <= 0:
         raise ValueError(f"zipf_a must be > 0 or None, got {zipf_a}")
+    if topic_size is not None and topic_size < 1:
+        raise ValueError(f"topic_size must be >= 1 or None, got {topic_size}")
+    if not 0.0 <= topic_share <= 1.0:
+        raise ValueError(f"topic_share must be in [0, 1], got {topic_share}")
 
     coder = _WordCoder(num_labels * words_per_label + noise_vocab, seed)
     rng = np.random.default_rng(seed)
-    draw = _label_sampler(rng, num_labels, zipf_a)
+    if topic_size is None:
+        draw = _label_sampler(rng, num_labels, zipf_a)
+        first_draw = None
+    else:  # the first draw of each point's rows goes through the topics; redraws of duplicates do not
+        first_draw, draw = _topical_rows(rng, num_labels, zipf_a, topic_size, topic_share)
     n = num_train + num_test
     hi = min(hi, num_labels)
     lo = min(lo, hi)
@@ -218,7 +265,8 @@ def make_synthetic_xmc(num_labels: int, num_train: int, num_test: int, words_per
     counts, indices = [], []
     for start in range(0, n, _POINT_BLOCK):  # blocks share one generator: a task fitting one block is unchanged
         block_texts, block_counts, block_indices = _sample_points(
-            rng, draw, coder, min(_POINT_BLOCK, n - start), lo, hi, num_labels, words_per_label, noise_words, noise_vocab
+            rng, draw, coder, min(_POINT_BLOCK, n - start), lo, hi, num_labels, words_per_label, noise_words, noise_vocab,
+            first_draw,
         )
         texts.extend(block_texts)
         counts.append(block_counts)
@@ -243,13 +291,14 @@ def make_synthetic_xmc(num_labels: int, num_train: int, num_test: int, words_per
 
 
 def _sample_points(rng: np.random.Generator, draw: Callable, coder: _WordCoder, n: int, lo: int, hi: int, num_labels: int,
-                   words_per_label: int, noise_words: int, noise_vocab: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+                   words_per_label: int, noise_words: int, noise_vocab: int,
+                   first_draw: Callable[[int, int], np.ndarray] | None = None) -> tuple[list[str], np.ndarray, np.ndarray]:
     """Draw ``n`` points: their texts, label counts and sorted label ids (concatenated), see the module docstring."""
     # --- labels: (n, hi) draws, of which the first k[i] are used; duplicates within a row are redrawn
     k = rng.integers(lo, hi + 1, size=n)
     cols = np.arange(hi)
     valid = cols[None, :] < k[:, None]
-    lab = draw((n, hi))
+    lab = draw((n, hi)) if first_draw is None else first_draw(n, hi)
     for attempt in range(33):
         check = np.where(valid, lab, -1 - cols[None, :])  # unused slots get distinct negative sentinels
         order = np.argsort(check, axis=1, kind="stable")
