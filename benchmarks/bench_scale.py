@@ -425,6 +425,8 @@ def format_table(rows: list[dict]) -> str:
             cluster = f"{enc['seconds']:.0f}+{cl['seconds']:.0f}s ({max(cl['peak_rss_gib'], enc.get('peak_rss_gib') or 0):.1f})"
         lat = r.get("latency_ms", {})
         name = f"{r['method']}:{r['variant']}" + ("" if r["completed"] else " (failed)")
+        if (r.get("task") or {}).get("topic_size"):
+            name += f" (topics of {r['task']['topic_size']})"
         kind = r.get("index_kind", "exact")  # rows from before --index_kind searched exactly
         index = f"{kind} nprobe={r['ivf_nprobe']}" if kind == "ivf" and r.get("ivf_nprobe") else kind
         lines.append(
