@@ -369,7 +369,7 @@ def run_variant(method: str, variant: str, args, task: dict, encoder: str) -> di
         reload = run_worker("reload", cfg, log + ".reload.log", args.timeout)
         row["stages"].update({f"reload:{k[len('total.'):] if k.startswith('total.') else k}": v for k, v in reload["stages"].items()})
         row.update({"P@1": reload["P@1"], "P@5": reload["P@5"], "R@100": reload["R@100"], "latency_ms": reload["latency"], "completed": True})
-        row.update(step_rate(row, args.epoch_queries))
+        row.update(step_rate(row))
     except (RuntimeError, subprocess.TimeoutExpired) as err:
         message = str(err)
         row["error"] = message if len(message) <= 2000 else message.split("\n", 1)[0] + "\n...\n" + message[-1800:]
@@ -385,13 +385,16 @@ STAGE_COLUMNS = [
 ]
 
 
-def step_rate(row: dict, epoch_queries: int = 2_200_000) -> dict:
+REAL_EPOCH_QUERIES = 2_200_000  # LF-AmazonTitles-1.3M's training queries (prime.md 8.2)
+
+
+def step_rate(row: dict) -> dict:
     """Seconds per training step (the ``steps`` stage over the row's steps, first steps' warm-up included) and one
-    epoch of ``epoch_queries`` at the row's batch size; empty for SiameseXML, whose run holds two trainings."""
+    epoch of the real dataset's queries at the row's batch size; empty for SiameseXML, whose run holds two trainings."""
     seconds = (row["stages"].get("train:train.steps") or {}).get("seconds")
     if not seconds or not row.get("steps") or row["method"] == "siamesexml":
         return {}
-    epoch_steps = math.ceil(epoch_queries / row["batch_size"])
+    epoch_steps = math.ceil(REAL_EPOCH_QUERIES / row["batch_size"])
     return {
         "seconds_per_step": round(seconds / row["steps"], 4),
         "epoch_steps_real": epoch_steps,
@@ -417,7 +420,7 @@ def format_table(rows: list[dict]) -> str:
         return f"{st['seconds']:.0f}s{peak}"
 
     for r in rows:
-        r = {**r, **step_rate(r)} if "seconds_per_step" not in r else r
+        rate = step_rate(r)
         cluster = "-"
         if r["stages"].get("train:train.clustering"):
             enc = r["stages"].get("train:train.clustering_encode", {"seconds": 0.0})
@@ -435,9 +438,15 @@ def format_table(rows: list[dict]) -> str:
             f"{cell(r, 'train:evaluate')} | {cell(r, 'train:save')} | {cell(r, 'reload:reload')} | {cell(r, 'reload:predict')} | "
             f"{r['peak_rss_gib'] if r['peak_rss_gib'] is not None else '-'} | {(r['saved_bytes'] or 0) / 1e9:.2f} | "
             f"{r['P@1'] if r['P@1'] is None else round(r['P@1'], 2)} | {r['R@100'] if r['R@100'] is None else round(r['R@100'], 2)} | "
-            f"{lat.get('batch_1_ms', '-')} | {lat.get('batch_256_ms', '-')} | {r.get('seconds_per_step', '-')} | {_hours(r.get('epoch_seconds_real'))} |"
+            f"{lat.get('batch_1_ms', '-')} | {lat.get('batch_256_ms', '-')} | {rate.get('seconds_per_step', '-')} | {_hours(rate.get('epoch_seconds_real'))} |"
         )
     return "\n".join(lines)
+
+
+def write_readme_table(rows: list[dict], marker: str) -> None:
+    from benchmarks.sweep_defaults import update_readme_block
+
+    update_readme_block(marker, format_table(rows) + "\n")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -466,17 +475,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="An encoder directory to use instead of the random one (e.g. all-MiniLM-L6-v2 for the GPU run).",
     )
     parser.add_argument("--train_args", default="", help="Extra flags for every training run, e.g. '--bf16 true' on a GPU.")
-    parser.add_argument(
-        "--epoch_queries", type=int, default=2_200_000,
-        help="Training queries of the real dataset: one epoch's wall time is extrapolated from the measured s/step.",
-    )
     parser.add_argument("--data_dir", default=None, help="Where the task is written / cached (default outputs/scale/<shape>).")
     parser.add_argument("--work_dir", default=None, help="Model directories and logs (default <data_dir>/runs).")
     parser.add_argument("--timeout", type=float, default=4 * 3600, help="Seconds per worker process.")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "scale.json"))
     parser.add_argument("--merge", action="store_true", help="Keep rows of --out for variants not run now (replace the others).")
     parser.add_argument("--update_readme", action="store_true", help="Write the table between the README's --readme_marker markers.")
-    parser.add_argument("--readme_marker", default="<!-- bench:scale -->", help="README block the table goes to (the GPU run: <!-- bench:scale-gpu -->).")
+    parser.add_argument("--readme_marker", default="<!-- bench:scale -->", help="README block (marker pair) the table goes to.")
     parser.add_argument("--table_only", action="store_true", help="Print (and with --update_readme write) the table of --out; run nothing.")
     parser.add_argument("--worker", choices=("train", "reload"), help=argparse.SUPPRESS)
     parser.add_argument("--worker_config", help=argparse.SUPPRESS)
@@ -499,9 +504,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows = json.load(f)
         print(format_table(rows))
         if args.update_readme:
-            from benchmarks.sweep_defaults import update_readme_block
-
-            update_readme_block(args.readme_marker, format_table(rows) + "\n")
+            write_readme_table(rows, args.readme_marker)
         return rows
 
     variants = parse_methods(args.methods)
@@ -537,9 +540,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(row.get("error", ""), flush=True)
     print(format_table(rows))
     if args.update_readme:
-        from benchmarks.sweep_defaults import update_readme_block
-
-        update_readme_block(args.readme_marker, format_table(rows) + "\n")
+        write_readme_table(rows, args.readme_marker)
     return rows
 
 

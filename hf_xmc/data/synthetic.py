@@ -191,25 +191,16 @@ def _label_ranks(rng: np.random.Generator, num_labels: int,
     return draw_ranks, (lambda rank: (rank * c + d) % num_labels)
 
 
-def _label_sampler(rng: np.random.Generator, num_labels: int,
-                   zipf_a: float | None) -> Callable[[int | tuple[int, ...]], np.ndarray]:
-    """Return ``draw(size) -> int64 label ids``: uniform, or Zipf(zipf_a) over a seeded permutation of the ids."""
-    draw_ranks, rank_to_id = _label_ranks(rng, num_labels, zipf_a)
-    return lambda size: rank_to_id(draw_ranks(size))
-
-
-def _topical_rows(rng: np.random.Generator, num_labels: int, zipf_a: float | None, topic_size: int,
-                  topic_share: float) -> tuple[Callable[[int, int], np.ndarray], Callable[[int | tuple[int, ...]], np.ndarray]]:
-    """Return ``(rows, draw)``: ``rows(n, width) -> (n, width)`` label ids whose columns after the first share the
-    first label's topic with probability ``topic_share``, and ``draw(size)``, plain draws of the same law (for
-    redraws).
+def _topical_rows(rng: np.random.Generator, draw_ranks: Callable, rank_to_id: Callable, num_labels: int, topic_size: int,
+                  topic_share: float) -> Callable[[int, int], np.ndarray]:
+    """Return ``rows(n, width) -> (n, width)`` label ids whose columns after the first share the first label's topic
+    with probability ``topic_share``.
 
     Topics are blocks of ``topic_size`` consecutive popularity ranks (popular labels share topics, as the big
     categories of a catalogue do). A topical draw keeps the point's first label's block and takes its position in
     the block from a fresh draw of the same law, so block frequencies keep the law's shape and only the spread
     within a block flattens. O(1) memory per label, as the plain sampler.
     """
-    draw_ranks, rank_to_id = _label_ranks(rng, num_labels, zipf_a)
 
     def rows(n: int, width: int) -> np.ndarray:
         ranks = draw_ranks((n, width))
@@ -219,7 +210,7 @@ def _topical_rows(rng: np.random.Generator, num_labels: int, zipf_a: float | Non
         ranks = np.where(topical & (moved < num_labels), moved, ranks)
         return rank_to_id(ranks)
 
-    return rows, (lambda size: rank_to_id(draw_ranks(size)))
+    return rows
 
 
 def make_synthetic_xmc(num_labels: int, num_train: int, num_test: int, words_per_label: int = 4,
@@ -253,11 +244,16 @@ def make_synthetic_xmc(num_labels: int, num_train: int, num_test: int, words_per
 
     coder = _WordCoder(num_labels * words_per_label + noise_vocab, seed)
     rng = np.random.default_rng(seed)
-    if topic_size is None:
-        draw = _label_sampler(rng, num_labels, zipf_a)
-        first_draw = None
-    else:  # the first draw of each point's rows goes through the topics; redraws of duplicates do not
-        first_draw, draw = _topical_rows(rng, num_labels, zipf_a, topic_size, topic_share)
+    draw_ranks, rank_to_id = _label_ranks(rng, num_labels, zipf_a)
+
+    def draw(size: int | tuple[int, ...]) -> np.ndarray:  # redraws of duplicates: never through the topics
+        return rank_to_id(draw_ranks(size))
+
+    def draw_rows(n: int, width: int) -> np.ndarray:  # each point's first draw of labels
+        return draw((n, width))
+
+    if topic_size is not None:
+        draw_rows = _topical_rows(rng, draw_ranks, rank_to_id, num_labels, topic_size, topic_share)
     n = num_train + num_test
     hi = min(hi, num_labels)
     lo = min(lo, hi)
@@ -265,8 +261,8 @@ def make_synthetic_xmc(num_labels: int, num_train: int, num_test: int, words_per
     counts, indices = [], []
     for start in range(0, n, _POINT_BLOCK):  # blocks share one generator: a task fitting one block is unchanged
         block_texts, block_counts, block_indices = _sample_points(
-            rng, draw, coder, min(_POINT_BLOCK, n - start), lo, hi, num_labels, words_per_label, noise_words, noise_vocab,
-            first_draw,
+            rng, draw, draw_rows, coder, min(_POINT_BLOCK, n - start), lo, hi, num_labels, words_per_label, noise_words,
+            noise_vocab,
         )
         texts.extend(block_texts)
         counts.append(block_counts)
@@ -290,15 +286,15 @@ def make_synthetic_xmc(num_labels: int, num_train: int, num_test: int, words_per
                   label_uids=SyntheticLabelUids(num_labels))
 
 
-def _sample_points(rng: np.random.Generator, draw: Callable, coder: _WordCoder, n: int, lo: int, hi: int, num_labels: int,
-                   words_per_label: int, noise_words: int, noise_vocab: int,
-                   first_draw: Callable[[int, int], np.ndarray] | None = None) -> tuple[list[str], np.ndarray, np.ndarray]:
+def _sample_points(rng: np.random.Generator, draw: Callable, draw_rows: Callable[[int, int], np.ndarray], coder: _WordCoder,
+                   n: int, lo: int, hi: int, num_labels: int, words_per_label: int, noise_words: int,
+                   noise_vocab: int) -> tuple[list[str], np.ndarray, np.ndarray]:
     """Draw ``n`` points: their texts, label counts and sorted label ids (concatenated), see the module docstring."""
     # --- labels: (n, hi) draws, of which the first k[i] are used; duplicates within a row are redrawn
     k = rng.integers(lo, hi + 1, size=n)
     cols = np.arange(hi)
     valid = cols[None, :] < k[:, None]
-    lab = draw((n, hi)) if first_draw is None else first_draw(n, hi)
+    lab = draw_rows(n, hi)
     for attempt in range(33):
         check = np.where(valid, lab, -1 - cols[None, :])  # unused slots get distinct negative sentinels
         order = np.argsort(check, axis=1, kind="stable")

@@ -178,7 +178,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
         if p.grad.is_sparse:
             p.grad = p.grad.coalesce()
     device = params[0].grad.device
-    norms = [torch.linalg.vector_norm(p.grad._values() if p.grad.is_sparse else p.grad, norm_type).to(device) for p in params]
+    norms = [torch.linalg.vector_norm(p.grad.values() if p.grad.is_sparse else p.grad, norm_type).to(device) for p in params]
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:

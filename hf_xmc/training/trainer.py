@@ -279,7 +279,6 @@ class XMCTrainer(Trainer):
             )
         return self.optimizer
 
-    # ------------------------------------------------------------------ data
     def _clip_grad_norm(self, model):
         """transformers' clipping, or, when a per-label table has a sparse gradient, :func:`clip_grad_norm_`
         (torch's fused CUDA kernels have no sparse variant)."""
@@ -295,6 +294,7 @@ class XMCTrainer(Trainer):
             grad_norm = clip_grad_norm_(model.parameters(), float("inf"))
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
+    # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
         """The stock loader, or one driven by the rank-aware cluster batch sampler (not re-sharded by Accelerate)."""
         if self.cluster_sampler is None:
