@@ -430,6 +430,8 @@ def format_table(rows: list[dict]) -> str:
         name = f"{r['method']}:{r['variant']}" + ("" if r["completed"] else " (failed)")
         if (r.get("task") or {}).get("topic_size"):
             name += f" (topics of {r['task']['topic_size']})"
+        if r.get("train_args"):  # rows of one table that differ only in extra flags (an A/B) stay apart
+            name += f" `{r['train_args']}`"
         kind = r.get("index_kind", "exact")  # rows from before --index_kind searched exactly
         index = f"{kind} nprobe={r['ivf_nprobe']}" if kind == "ivf" and r.get("ivf_nprobe") else kind
         lines.append(
