@@ -6,6 +6,7 @@ Importing this package registers every model with the transformers Auto classes,
 """
 
 from transformers import AutoConfig, AutoModel
+from transformers.pipelines import PIPELINE_REGISTRY
 
 from .classifier_head import ExtremeClassifier
 from .configuration_dexml import DEXMLConfig
@@ -28,6 +29,7 @@ from .modeling_prime import LabelPrototypeNetwork, PRIMEModel, PRIMEPreTrainedMo
 from .modeling_siamesexml import BagOfEmbeddingsEncoder, ResidualBlock, SiameseXMLModel, SiameseXMLPreTrainedModel
 from .modeling_unidec import UniDECModel, UniDECPreTrainedModel
 from .modeling_xmc import XMCModelOutput, XMCPrediction, XMCPreTrainedModel
+from .pipeline_xmc import XMC_PIPELINE_TASK, XMCPipeline
 from .xmc_losses import (
     BCELoss,
     DecoupledSoftmaxLoss,
@@ -60,7 +62,12 @@ for _config_cls, _model_cls in MODEL_CLASSES.values():
     _config_cls.register_for_auto_class()
     _model_cls.register_for_auto_class("AutoModel")
 
+# pipeline(XMC_PIPELINE_TASK, model=<model object>) inside the package; saved directories name the pipeline in their config
+PIPELINE_REGISTRY.register_pipeline(XMC_PIPELINE_TASK, pipeline_class=XMCPipeline, pt_model=AutoModel, type="multimodal")
+
 __all__ = [
+    "XMC_PIPELINE_TASK",
+    "XMCPipeline",
     "BCELoss",
     "BagOfEmbeddingsEncoder",
     "DEXMLConfig",

@@ -859,7 +859,13 @@ class XMCPreTrainedModel(PreTrainedModel):
     ) -> None:
         """Save weights and config (``PreTrainedModel.save_pretrained``) plus tokenizer, labels, label vectors and index
         (the files of :meth:`model_files`). The label vectors are written in ``config.label_embeddings_dtype``, in
-        shards of at most ``label_shard_size`` bytes (:func:`save_label_store`)."""
+        shards of at most ``label_shard_size`` bytes (:func:`save_label_store`). The config names the XMC pipeline
+        (``config.custom_pipelines``), whose file travels with the remote code, so ``pipeline(model=dir,
+        trust_remote_code=True)`` works on the saved directory."""
+        # a relative import: transformers copies pipeline_xmc.py with the modeling files (and into the remote-code cache)
+        from .pipeline_xmc import XMC_PIPELINE_INFO, XMC_PIPELINE_TASK
+
+        self.config.custom_pipelines = {XMC_PIPELINE_TASK: dict(XMC_PIPELINE_INFO)}
         super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
         if not is_main_process:
             return

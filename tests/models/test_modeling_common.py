@@ -51,6 +51,46 @@ def predict_through_remote_code(model_dir, tmp_path, texts, images=None, rebuild
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][0][7:])
 
 
+REMOTE_PIPELINE = textwrap.dedent(
+    """
+    import json, sys
+    sys.modules["hf_xmc"] = None  # as above: the pipeline comes from the model directory, not the package
+    from transformers import pipeline
+    request = json.loads(sys.argv[2])
+    pipe = pipeline(model=sys.argv[1], trust_remote_code=True, device="cpu")
+    assert type(pipe).__module__.startswith("transformers_modules"), type(pipe).__module__
+    inputs = request["inputs"]
+    print("RESULT " + json.dumps({"task": pipe.task, "one": pipe(inputs[0], top_k=3), "many": pipe(inputs, top_k=5, batch_size=2)}))
+    """
+)
+
+
+def pipeline_through_remote_code(model_dir, tmp_path, inputs) -> dict:
+    """``pipeline(model=model_dir, trust_remote_code=True)`` in a fresh process without hf_xmc: ``{"task", "one"
+    (top 3 of inputs[0]), "many" (top 5 of every input, batches of 2)}``; inputs are texts or JSON dicts."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
+    proc = subprocess.run(
+        [sys.executable, "-c", REMOTE_PIPELINE, str(model_dir), json.dumps({"inputs": inputs})],
+        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][0][7:])
+
+
+def pipeline_rows(pred, k: int) -> list[list[dict]]:
+    """What the XMC pipeline should return for an ``XMCPrediction``: per input its top ``k`` as dictionaries."""
+    return [
+        [{"label": n, "label_id": i, "score": s} for i, s, n in zip(ids[:k], scores[:k], names[:k]) if i >= 0]
+        for ids, scores, names in zip(pred.label_ids.tolist(), pred.scores.tolist(), pred.label_texts)
+    ]
+
+
+def assert_same_rows(got: list[list[dict]], want: list[list[dict]]) -> None:
+    assert [[r["label_id"] for r in row] for row in got] == [[r["label_id"] for r in row] for row in want]
+    assert [[r["label"] for r in row] for row in got] == [[r["label"] for r in row] for row in want]
+    np.testing.assert_allclose([r["score"] for row in got for r in row], [r["score"] for row in want for r in row], atol=1e-5)
+
+
 def check_push_uploads_exactly_the_model_files(model, tmp_path, capsys) -> None:
     """Save ``model``, litter the directory with what training leaves behind (checkpoints, MUFIN's ``module1/``, logs,
     pickles, optimizer state), then check that ``hf-xmc push --dry_run``, a directory push and ``model.push_to_hub``
@@ -142,6 +182,29 @@ class XMCModelTesterMixin:
         assert result["ids"] == before.label_ids.tolist()
         np.testing.assert_allclose(np.array(result["scores"]), before.scores, atol=1e-5)
         assert result["texts"] == before.label_texts
+
+    def test_pipeline_without_hf_xmc(self, model, tiny_task, tmp_path):
+        from transformers import pipeline
+
+        from hf_xmc.models import XMC_PIPELINE_TASK
+
+        texts = list(tiny_task[0].test.texts[:4])
+        want = pipeline_rows(model.predict(texts, k=5), 5)
+        # in the package: the registered task over a model object
+        pipe = pipeline(XMC_PIPELINE_TASK, model=model, device="cpu")
+        assert_same_rows(pipe(texts, top_k=5), want)
+        assert_same_rows([pipe(texts[1], top_k=2)], [want[1][:2]])
+        # from a saved directory, in a process where hf_xmc cannot be imported: the config names the pipeline
+        model_dir = tmp_path / "model"
+        model.save_pretrained(model_dir)
+        config = json.load(open(model_dir / "config.json"))
+        assert config["custom_pipelines"] == {XMC_PIPELINE_TASK: {"impl": "pipeline_xmc.XMCPipeline", "pt": ["AutoModel"], "tf": [], "type": "multimodal"}}
+        assert (model_dir / "pipeline_xmc.py").exists()
+        result = pipeline_through_remote_code(model_dir, tmp_path, texts)
+        assert result["task"] == XMC_PIPELINE_TASK
+        assert_same_rows([result["one"]], [want[0][:3]])
+        assert_same_rows(result["many"], want)
+        assert set(result["one"][0]) == {"label", "label_id", "score"}
 
     def test_push_uploads_exactly_the_model_files(self, model, tmp_path, capsys):
         check_push_uploads_exactly_the_model_files(model, tmp_path, capsys)

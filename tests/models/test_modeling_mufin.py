@@ -31,7 +31,13 @@ from hf_xmc.models.modeling_mufin import (
     select_siamese_pairs,
 )
 from hf_xmc.models.xmc_losses import mufin_ranker_loss, mufin_triplet_loss
-from tests.models.test_modeling_common import check_push_uploads_exactly_the_model_files, predict_through_remote_code
+from tests.models.test_modeling_common import (
+    assert_same_rows,
+    check_push_uploads_exactly_the_model_files,
+    pipeline_rows,
+    pipeline_through_remote_code,
+    predict_through_remote_code,
+)
 
 WORDS = "red green blue yellow black white apple pear car boat tree house shoe hat lamp chair cup dog cat bird".split()
 D = 8
@@ -670,6 +676,35 @@ def test_remote_code_reload_without_hf_xmc(trained_like, tmp_path):
     assert result["ids"] == before.label_ids.tolist()
     np.testing.assert_allclose(np.array(result["scores"]), before.scores, atol=1e-5)
     assert result["texts"] == before.label_texts
+
+
+def test_pipeline_with_images_without_hf_xmc(trained_like, tmp_path):
+    from transformers import pipeline
+
+    from hf_xmc.models import XMC_PIPELINE_TASK
+
+    model, rng = trained_like, np.random.default_rng(14)
+    paths = []
+    for i in range(2):
+        path = str(tmp_path / f"image_{i}.png")
+        random_image(rng).save(path)
+        paths.append(path)
+    want = pipeline_rows(model.predict(["red apple", None, "green tree cat"], k=5, images=[[paths[0]], [paths[1]], []]), 5)
+    # a text + image item (the image as a file:// URL), an image-only item (a PIL image in process, a path remotely), a text
+    pipe = pipeline(XMC_PIPELINE_TASK, model=model, device="cpu")
+    from PIL import Image
+
+    with Image.open(paths[1]) as image:
+        got = pipe([{"text": "red apple", "image": "file://" + paths[0]}, image, "green tree cat"], top_k=5)
+    assert_same_rows(got, want)
+    with pytest.raises(TypeError, match="input 0: expected a text"):
+        pipe([3.5])
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    inputs = [{"text": "red apple", "images": [paths[0]]}, {"image": paths[1]}, "green tree cat"]
+    result = pipeline_through_remote_code(model_dir, tmp_path, inputs)
+    assert_same_rows([result["one"]], [want[0][:3]])
+    assert_same_rows(result["many"], want)
 
 
 def test_push_uploads_exactly_the_model_files(trained_like, tmp_path, capsys):
