@@ -800,6 +800,11 @@ class MUFINModel(MUFINPreTrainedModel):
         """``x^1`` of text-only queries."""
         return self.encode_items(texts, None, batch_size, show_progress_bar)
 
+    def query_encoder_modules(self) -> list[dict]:
+        """MUFIN's item vector runs self- and cross-attention over a bag of text and image embeddings: no
+        sentence-transformers module list expresses it."""
+        raise NotImplementedError("MUFIN's item encoder (attention over text and image bags) has no sentence-transformers form")
+
     def query_search_vectors(self, texts, batch_size: int = 64, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
         """``x^1`` of text-only queries: what :meth:`search` shortlists with."""
         return self.encode_queries(texts, batch_size, show_progress_bar)

@@ -165,6 +165,7 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
         ``encoder_name_or_path``; the IDF weights are set from the training texts (:meth:`set_idf`)."""
         if config_kwargs.get("encoder_type", "transformer") != "boe":
             return super().from_encoder_pretrained(encoder_name_or_path, **config_kwargs)
+        config_kwargs = {k: v for k, v in config_kwargs.items() if v is not None or k not in ("pooling", "normalize")}  # no pooling here
         encoder_config = AutoConfig.from_pretrained(encoder_name_or_path)
         tokenizer = _repair_tokenizer(AutoTokenizer.from_pretrained(encoder_name_or_path), encoder_config, encoder_name_or_path)
         config = cls.config_class(encoder_config=encoder_config.to_dict(), boe_vocab_size=len(tokenizer), **config_kwargs)
@@ -206,6 +207,12 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
         ``normalize`` is accepted for the shared helpers and ignored."""
         u = self.pooled_embedding(input_ids, attention_mask, **encoder_kwargs)
         return self.final_embedding(u) if head == "final" else u
+
+    def query_encoder_modules(self) -> list[dict]:
+        """``f_E`` of the transformer encoder: pooling, then unit norm (the vector the label store is searched with)."""
+        if self.config.encoder_type == "boe":
+            raise NotImplementedError("the bag-of-embeddings encoder is not a transformers model: it has no sentence-transformers form")
+        return [{"type": "Normalize"}]
 
     def final_embedding(self, intermediate: torch.Tensor) -> torch.Tensor:
         """``E(x) = N(g(f_E(x)))``: the residual block on top of intermediate embeddings."""

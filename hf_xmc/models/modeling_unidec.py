@@ -196,6 +196,11 @@ class UniDECModel(UniDECPreTrainedModel):
             parts.append(self.classifier.normalized_weights())
         return torch.cat(parts, dim=1)
 
+    def query_encoder_modules(self) -> list[dict]:
+        """The DE head ``N(tanh(W u + b))`` as a Dense (Tanh) and a Normalize module: :meth:`save_query_encoder` writes
+        the dual encoder's query side, ``embed(..., head="de")``."""
+        return [{"type": "Dense", "linear": self.de_head[0], "activation": "torch.nn.modules.activation.Tanh"}, {"type": "Normalize"}]
+
     def query_search_vectors(self, texts, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
         """Query vectors for ``search_mode``: ``Phi_D(x)``, ``N(Phi_C(x))`` or both concatenated (one encoder pass)."""
         return self.encode_texts(texts, self.config.max_seq_length, batch_size, show_progress_bar, desc="Encoding queries", head=self.search_mode)

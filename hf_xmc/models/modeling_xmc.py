@@ -375,6 +375,71 @@ def card_pipeline_tag(model: "XMCPreTrainedModel") -> Optional[str]:
     return None if "image" in getattr(model, "input_modalities", ("text",)) else "text-classification"
 
 
+ST_MODULES_FILE = "modules.json"  # a sentence-transformers checkpoint names its modules (Transformer, Pooling, ...) here
+ST_POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max",
+                   "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens": "weightedmean",
+                   "pooling_mode_lasttoken": "lasttoken"}  # the layout of sentence-transformers 2-5 (6 reads it too)
+
+
+def read_sentence_transformers_layout(path: str, **hub) -> Optional[dict]:
+    """The pooling mode and normalisation of a sentence-transformers checkpoint (``modules.json``, ``1_Pooling/config.json``,
+    ``2_Normalize``) at ``path`` (a directory or Hub id): ``{"pooling", "normalize", "other_modules"}``, or None when
+    ``path`` is a plain transformers checkpoint. ``other_modules`` lists what hf_xmc does not run (e.g. a Dense layer)."""
+    modules_path = cached_file(path, ST_MODULES_FILE, _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False, **hub)
+    if modules_path is None:
+        return None
+    try:
+        with open(modules_path, encoding="utf-8") as f:
+            modules = json.load(f)
+        kinds = [(m["type"].rsplit(".", 1)[-1], m.get("path", "")) for m in modules]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{modules_path}: not a sentence-transformers modules list ({err})") from err
+    pooling, other = None, []
+    for kind, sub in kinds:
+        if kind == "Pooling":
+            config_path = cached_file(path, f"{sub}/config.json" if sub else "config.json", _raise_exceptions_for_missing_entries=False, **hub)
+            if config_path is None:
+                raise ValueError(f"{path}: modules.json names a Pooling module in {sub!r}, which has no config.json")
+            with open(config_path, encoding="utf-8") as f:
+                pooling_config = json.load(f)
+            modes = pooling_config.get("pooling_mode")
+            if modes is None:
+                modes = [mode for key, mode in ST_POOLING_KEYS.items() if pooling_config.get(key)] or ["mean"]
+            modes = [modes] if isinstance(modes, str) else list(modes)
+            pooling = modes[0] if len(modes) == 1 else "+".join(modes)
+        elif kind not in ("Transformer", "Normalize"):
+            other.append(kind)
+    return {"pooling": pooling or "mean", "normalize": any(kind == "Normalize" for kind, _ in kinds), "other_modules": other}
+
+
+def _config_from_sentence_transformers(path: str, config_kwargs: dict) -> dict:
+    """``config_kwargs`` with ``pooling`` / ``normalize`` taken from a sentence-transformers checkpoint at ``path`` where
+    the caller left them out (or None); a log line says which values came from where."""
+    kwargs = dict(config_kwargs)
+    layout = read_sentence_transformers_layout(path)
+    for key in ("pooling", "normalize"):
+        if kwargs.get(key) is None:
+            kwargs.pop(key, None)
+    if layout is None:
+        return kwargs
+    chosen = []
+    for key in ("pooling", "normalize"):
+        if key in kwargs:
+            chosen.append(f"{key}={kwargs[key]!r} as asked (the checkpoint's: {layout[key]!r})")
+        else:
+            if key == "pooling" and layout["pooling"] not in POOLERS:
+                raise ValueError(
+                    f"{path}: the sentence-transformers checkpoint pools with {layout['pooling']!r}, which hf_xmc encoders do not "
+                    f"support ({', '.join(POOLERS)}); pass pooling='mean' or 'cls' to use its encoder anyway"
+                )
+            kwargs[key] = layout[key]
+            chosen.append(f"{key}={layout[key]!r} from the checkpoint")
+    logger.info("%s is a sentence-transformers checkpoint: %s", path, ", ".join(chosen))
+    if layout["other_modules"]:
+        logger.warning("%s: its sentence-transformers modules %s are not part of the hf_xmc encoder", path, ", ".join(layout["other_modules"]))
+    return kwargs
+
+
 def mean_pooling(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Average the token states that the attention mask keeps."""
     mask = attention_mask.unsqueeze(-1).to(hidden_states.dtype)
@@ -633,8 +698,11 @@ class XMCPreTrainedModel(PreTrainedModel):
     def from_encoder_pretrained(cls, encoder_name_or_path: str, **config_kwargs) -> "XMCPreTrainedModel":
         """Build a fresh model whose encoder (and tokenizer) start from a pretrained checkpoint.
 
-        ``config_kwargs`` are the method's configuration fields (e.g. ``temperature=0.05``).
+        ``config_kwargs`` are the method's configuration fields (e.g. ``temperature=0.05``). A sentence-transformers
+        checkpoint (``modules.json``) lends its pooling mode and normalisation to ``pooling`` / ``normalize`` left out
+        or None (a log line says which); values given here win.
         """
+        config_kwargs = _config_from_sentence_transformers(encoder_name_or_path, config_kwargs)
         encoder = AutoModel.from_pretrained(encoder_name_or_path)
         tokenizer = _repair_tokenizer(AutoTokenizer.from_pretrained(encoder_name_or_path), encoder.config, encoder_name_or_path)
         config = cls.config_class(encoder_config=encoder.config.to_dict(), **config_kwargs)
@@ -834,6 +902,75 @@ class XMCPreTrainedModel(PreTrainedModel):
             "safetensors": "",
             "faiss-cpu": "the fastest label search (faiss-gpu on a GPU); without it search falls back to exact torch.topk",
         }
+
+    # ------------------------------------------------------------------ the query encoder as a sentence-transformers checkpoint
+    def query_encoder_modules(self) -> list[dict]:
+        """What turns the pooled encoder output into this model's query vector, as sentence-transformers modules (read
+        by :meth:`save_query_encoder`): ``{"type": "Normalize"}`` and ``{"type": "Dense", "linear": nn.Linear,
+        "activation": "torch.nn.modules.activation.Tanh"}`` entries, in order. A method whose query vector is not an
+        encoder, a pooling and such layers raises ``NotImplementedError``."""
+        return [{"type": "Normalize"}] if self.config.normalize else []
+
+    def save_query_encoder(self, save_directory: str | os.PathLike) -> None:
+        """Write the query side of the model (encoder, pooling and the layers of :meth:`query_encoder_modules`) as a
+        sentence-transformers checkpoint: ``SentenceTransformer(save_directory).encode(texts)`` gives the vectors
+        :meth:`encode_queries` gives (same tokenizer, ``max_seq_length``, pooling and normalisation). The layout is
+        sentence-transformers 2-6's (``modules.json``, ``sentence_bert_config.json``, ``1_Pooling/``, ``2_Dense/``,
+        ``N_Normalize/``); written to a temporary directory beside ``save_directory`` and renamed, so a failure leaves
+        nothing half-written. Memory: one copy of the encoder weights on disk."""
+        import shutil
+
+        modules = self.query_encoder_modules()
+        if not isinstance(self.encoder, PreTrainedModel):
+            raise NotImplementedError(f"{type(self).__name__} has no transformers encoder to save as a sentence-transformers checkpoint")
+        save_directory = os.path.abspath(str(save_directory))
+        if os.path.exists(save_directory) and os.listdir(save_directory):
+            raise ValueError(f"{save_directory}: exists and is not empty; give a new directory")
+        parent = os.path.dirname(save_directory)
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-st-", dir=parent)
+        try:
+            self.encoder.save_pretrained(tmp)
+            self._require_tokenizer().save_pretrained(tmp)
+            listing = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
+            with open(os.path.join(tmp, "sentence_bert_config.json"), "w", encoding="utf-8") as f:
+                json.dump({"max_seq_length": self.config.max_seq_length, "do_lower_case": False}, f, indent=2)
+            width = self.encoder.config.hidden_size
+            pooling = {"pooling_mode_cls_token": self.config.pooling == "cls", "pooling_mode_mean_tokens": self.config.pooling == "mean",
+                       "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}
+            parts = [("Pooling", {"word_embedding_dimension": width, **pooling}, None)]
+            for module in modules:
+                if module["type"] == "Dense":
+                    linear = module["linear"]
+                    config = {"in_features": linear.in_features, "out_features": linear.out_features, "bias": linear.bias is not None,
+                              "activation_function": module.get("activation", "torch.nn.modules.linear.Identity")}
+                    weights = {"linear.weight": linear.weight.detach().float().cpu().contiguous()}
+                    if linear.bias is not None:
+                        weights["linear.bias"] = linear.bias.detach().float().cpu().contiguous()
+                    parts.append(("Dense", config, weights))
+                elif module["type"] == "Normalize":
+                    parts.append(("Normalize", None, None))
+                else:
+                    raise ValueError(f"unknown query encoder module {module['type']!r}")
+            for idx, (kind, config, weights) in enumerate(parts, start=1):
+                sub = f"{idx}_{kind}"
+                os.makedirs(os.path.join(tmp, sub))
+                if config is not None:
+                    with open(os.path.join(tmp, sub, "config.json"), "w", encoding="utf-8") as f:
+                        json.dump(config, f, indent=2)
+                if weights is not None:
+                    save_file(weights, os.path.join(tmp, sub, "model.safetensors"))
+                listing.append({"idx": idx, "name": str(idx), "path": sub, "type": f"sentence_transformers.models.{kind}"})
+            with open(os.path.join(tmp, ST_MODULES_FILE), "w", encoding="utf-8") as f:
+                json.dump(listing, f, indent=2)
+            with open(os.path.join(tmp, "config_sentence_transformers.json"), "w", encoding="utf-8") as f:
+                json.dump({"prompts": {}, "default_prompt_name": None, "similarity_fn_name": "cosine" if modules and modules[-1]["type"] == "Normalize" else "dot"}, f, indent=2)
+            if os.path.exists(save_directory):
+                os.rmdir(save_directory)  # empty (checked above)
+            os.replace(tmp, save_directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     # ------------------------------------------------------------------ persistence
     @classmethod

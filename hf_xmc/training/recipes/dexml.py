@@ -41,7 +41,7 @@ class DEXMLModelArguments:
     """Model arguments of DEXML (see DEXMLConfig for the meaning of each field)."""
 
     model_name_or_path: str = field(metadata={"help": "Encoder to start from: a Hub id or a local directory."})
-    pooling: str = field(default="mean", metadata={"help": "'mean' or 'cls' pooling."})
+    pooling: Optional[str] = field(default=None, metadata={"help": "'mean' or 'cls' pooling (default: a sentence-transformers checkpoint's own, else mean)."})
     normalize: bool = field(default=True, metadata={"help": "L2-normalise embeddings (cosine scores)."})
     temperature: float = field(default=0.05, metadata={"help": "Logit temperature (0.05 with normalisation, paper Table 7)."})
     loss: str = field(default="decoupled_softmax", metadata={"help": "decoupled_softmax | softmax | infonce | bce | soft_topk."})

@@ -56,7 +56,7 @@ class PRIMEModelArguments:
     """Model arguments of PRIME (see PRIMEConfig for the meaning of each field)."""
 
     model_name_or_path: str = field(metadata={"help": "Encoder to start from: a Hub id or a local directory."})
-    pooling: str = field(default="mean", metadata={"help": "'mean' or 'cls' pooling."})
+    pooling: Optional[str] = field(default=None, metadata={"help": "'mean' or 'cls' pooling (default: a sentence-transformers checkpoint's own, else mean)."})
     num_free_vectors: Optional[int] = field(default=None, metadata={"help": "Free vectors (power of two, 0 = none); default about 2 labels per vector."})
     lpn_intermediate_size: int = field(default=1024, metadata={"help": "Feed-forward size of the prototype network."})
     lpn_dropout: float = field(default=0.1, metadata={"help": "Dropout of the prototype network."})

@@ -63,7 +63,7 @@ class SiameseXMLModelArguments:
     model_name_or_path: str = field(metadata={"help": "Encoder to start from (Hub id or local directory); with --encoder_type boe its tokenizer and token embeddings."})
     encoder_type: str = field(default="transformer", metadata={"help": "transformer (any HF encoder, mean-pooled) | boe (the paper's TF-IDF bag of token embeddings + GELU)."})
     boe_embedding_dim: int = field(default=0, metadata={"help": "D of the boe encoder (0 = the encoder's hidden size, whose token embeddings then start the table)."})
-    pooling: str = field(default="mean", metadata={"help": "'mean' or 'cls' pooling (transformer)."})
+    pooling: Optional[str] = field(default=None, metadata={"help": "'mean' or 'cls' pooling (transformer) (default: a sentence-transformers checkpoint's own, else mean)."})
     residual_dropout: float = field(default=0.5, metadata={"help": "Dropout in the residual block ([C] 0.5)."})
     siamese_c: float = field(default=0.9, metadata={"help": "Module I likelihood constant c ([C] 0.9)."})
     siamese_d: float = field(default=1.5, metadata={"help": "Module I likelihood constant d ([C] 1.5)."})

@@ -48,7 +48,7 @@ class UniDECModelArguments:
     """Model arguments of UniDEC (see UniDECConfig for the meaning of each field)."""
 
     model_name_or_path: str = field(metadata={"help": "Encoder to start from: a Hub id or a local directory."})
-    pooling: str = field(default="mean", metadata={"help": "'mean' or 'cls' pooling."})
+    pooling: Optional[str] = field(default=None, metadata={"help": "'mean' or 'cls' pooling (default: a sentence-transformers checkpoint's own, else mean)."})
     projection_dim: int = field(default=384, metadata={"help": "Output size of each head (paper: 384; 256 on LF-AmazonTitles-1.3M)."})
     head_dropout: float = field(default=0.1, metadata={"help": "Dropout of the heads."})
     use_classifier: bool = field(default=True, metadata={"help": "False = DePSL, the DE-only model."})
