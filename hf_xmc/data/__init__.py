@@ -15,8 +15,8 @@ Modules:
 from .bow import read_bow, read_sparse_matrix, write_bow, write_sparse_matrix
 from .debtags import DEBTAGS_DIR, load_debtags
 from .filters import filter_predictions, read_filter_file
-from .hf_bridge import from_hf_dataset, labels_to_hf_dataset, to_hf_dataset
-from .images import load_image, load_images
+from .hf_bridge import from_hf_dataset, labels_to_hf_dataset, load_hf_xc_data, to_hf_dataset, xc_data_to_hf_dataset_dict
+from .images import image_cache_directory, load_image, load_images
 from .synthetic import SyntheticLabelTexts, make_synthetic_xmc
 from .xc_raw import (
     XCData,
@@ -38,6 +38,9 @@ __all__ = [
     "write_xc_raw",
     "write_xc_labels",
     "load_xc_dataset",
+    "load_hf_xc_data",
+    "xc_data_to_hf_dataset_dict",
+    "image_cache_directory",
     "read_bow",
     "write_bow",
     "read_sparse_matrix",

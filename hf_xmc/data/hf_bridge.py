@@ -19,7 +19,7 @@ from .xc_raw import XMCDataset
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
 
-__all__ = ["to_hf_dataset", "from_hf_dataset", "labels_to_hf_dataset"]
+__all__ = ["to_hf_dataset", "from_hf_dataset", "labels_to_hf_dataset", "load_hf_xc_data", "xc_data_to_hf_dataset_dict"]
 
 
 def _in_memory_dataset(table: Any) -> datasets.Dataset:
@@ -44,16 +44,50 @@ def _images_array(images: Sequence[Sequence[str]]) -> Any:
     return pa.array([list(item) for item in images], type=pa.list_(pa.string()))
 
 
-def _images_from_column(col: Any, column: str) -> list[list[str]]:
-    """Per-row image paths from a ``list<string>`` column or a ``Sequence(Image())`` column (its paths)."""
+def _image_file(value: dict, image_cache_dir: str | None) -> str | None:
+    """The path of one ``datasets.Image()`` cell: its bytes (when it holds them) written once to
+    ``image_cache_dir/<sha256>.<ext>``, else its path. Memory: one image's bytes at a time."""
+    data, path = value.get("bytes"), value.get("path")
+    if not data:
+        return path
+    import hashlib
+    import os
+
+    from .images import image_cache_directory
+
+    directory = image_cache_dir or image_cache_directory()
+    ext = os.path.splitext(path or "")[1].lower()
+    if not ext:  # no file name: the format from the header (PIL reads it without decoding the pixels)
+        import io
+
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                ext = "." + (image.format or "img").lower()
+        except Exception:  # not an image PIL knows: loading it later names the file and the fault
+            ext = ".img"
+    target = os.path.join(directory, hashlib.sha256(data).hexdigest() + ext)
+    if not os.path.exists(target):
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{target}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    return target
+
+
+def _images_from_column(col: Any, column: str, image_cache_dir: str | None = None) -> list[list[str]]:
+    """Per-row image paths from a ``list<string>`` column or a ``Sequence(Image())`` column (its paths; images
+    embedded as bytes are written to ``image_cache_dir``, see :func:`_image_file`)."""
     import pyarrow as pa
 
     if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
         raise ValueError(f"column {column!r} must hold lists of image paths, got type {col.type}")
     value_type = col.type.value_type
     if pa.types.is_struct(value_type) and value_type.get_field_index("path") >= 0:
-        # datasets' Image feature stores {bytes, path}; only the path fits the paths-per-item contract
-        rows = [[None if v is None else v["path"] for v in row] if row is not None else None
+        # datasets' Image feature stores {bytes, path}: embedded bytes become files of the image cache
+        rows = [[None if v is None else _image_file(v, image_cache_dir) for v in row] if row is not None else None
                 for row in col.to_pylist()]
     elif pa.types.is_string(value_type) or pa.types.is_large_string(value_type):
         rows = col.to_pylist()
@@ -92,11 +126,13 @@ def to_hf_dataset(ds: XMCDataset) -> datasets.Dataset:
 
 
 def from_hf_dataset(hf_ds: datasets.Dataset, num_labels: int, text_column: str = "text",
-                    label_column: str = "labels", image_column: str = "images") -> XMCDataset:
+                    label_column: str = "labels", image_column: str = "images",
+                    image_cache_dir: str | None = None) -> XMCDataset:
     """Convert a ``datasets.Dataset`` (text column + list-of-label-ids column) back to an :class:`XMCDataset`.
 
-    When ``image_column`` exists (lists of paths, or a ``Sequence(Image())`` column whose images have
-    paths) it becomes ``XMCDataset.images``; otherwise the dataset is text-only (``images=None``).
+    When ``image_column`` exists (lists of paths, or a ``Sequence(Image())`` column: embedded image bytes are
+    written once to ``image_cache_dir``, default :func:`~hf_xmc.data.images.image_cache_directory`) it becomes
+    ``XMCDataset.images``; otherwise the dataset is text-only (``images=None``).
     """
     import pyarrow as pa
 
@@ -146,7 +182,7 @@ def from_hf_dataset(hf_ds: datasets.Dataset, num_labels: int, text_column: str =
     targets.data[:] = 1.0
     images = None
     if image_column in table.column_names:
-        images = _images_from_column(table.column(image_column).combine_chunks(), image_column) if n else []
+        images = _images_from_column(table.column(image_column).combine_chunks(), image_column, image_cache_dir) if n else []
     return XMCDataset(texts=texts, targets=targets, uids=uids, images=images)
 
 
@@ -166,3 +202,110 @@ def labels_to_hf_dataset(uids: Sequence[str], texts: Sequence[str],
             raise ValueError(f"{n} uids but {len(images)} image lists")
         columns["images"] = _images_array(images)
     return _in_memory_dataset(pa.table(columns))
+
+
+def xc_data_to_hf_dataset_dict(data) -> datasets.DatasetDict:
+    """An :class:`~hf_xmc.data.xc_raw.XCData` as one ``DatasetDict`` with splits ``train``, ``test`` and ``labels``
+    (the layout :func:`load_hf_xc_data` reads by default): ``save_to_disk`` it, or ``push_to_hub`` it."""
+    import datasets
+
+    return datasets.DatasetDict({
+        "train": to_hf_dataset(data.train),
+        "test": to_hf_dataset(data.test),
+        "labels": labels_to_hf_dataset(data.label_uids, data.label_texts, data.label_images),
+    })
+
+
+def _load_split(name: str, config: str | None, split: str, **kwargs) -> datasets.Dataset:
+    """One split of a Hub dataset, a ``save_to_disk`` directory, or data files (``.parquet`` / ``.json[l]`` /
+    ``.csv``, a comma-separated list), read with ``datasets``."""
+    import os
+
+    import datasets
+
+    if os.path.isdir(name) and (os.path.exists(os.path.join(name, "dataset_dict.json")) or os.path.exists(os.path.join(name, "state.json"))):
+        loaded = datasets.load_from_disk(name)  # a save_to_disk directory: load_dataset does not read those
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ValueError(f"{name}: no split {split!r} (splits: {', '.join(loaded)})")
+            return loaded[split]
+        return loaded
+    files = [f for f in name.split(",") if f]
+    builders = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".gz": "json", ".csv": "csv"}
+    kinds = {builders.get(os.path.splitext(f)[1].lower()) for f in files}
+    if files and all(os.path.isfile(f) for f in files) and len(kinds) == 1 and None not in kinds:
+        return datasets.load_dataset(kinds.pop(), data_files={split: files}, split=split, **kwargs)
+    try:
+        return datasets.load_dataset(name, config, split=split, **kwargs)
+    except ValueError as err:  # an unknown split: name the ones there are
+        raise ValueError(f"{name}{f' ({config})' if config else ''}: {err}") from err
+
+
+def load_hf_xc_data(
+    dataset_name: str,
+    dataset_config_name: str | None = None,
+    train_split: str | None = "train",
+    test_split: str = "test",
+    label_dataset_name: str | None = None,
+    label_dataset_config_name: str | None = None,
+    label_split: str = "labels",
+    text_column: str = "text",
+    label_column: str = "labels",
+    image_column: str = "images",
+    label_text_column: str = "text",
+    label_image_column: str = "images",
+    train_files: str | None = None,
+    test_files: str | None = None,
+    image_cache_dir: str | None = None,
+) -> "XCData":
+    """An XMC task read with ``datasets``, as transformers' example scripts read theirs.
+
+    Points come from ``dataset_name`` (a Hub id, a ``save_to_disk`` directory, or data files), splits
+    ``train_split`` / ``test_split``, columns ``text_column`` and ``label_column`` (lists of label ids) and, when
+    present, ``image_column`` (paths, or ``datasets.Image()`` cells) and ``uid``. ``train_files`` / ``test_files``
+    name data files per split instead. Labels come from ``label_dataset_name`` (default ``dataset_name``) with
+    ``label_dataset_config_name`` (default ``dataset_config_name`` when the labels live in the same dataset), split
+    ``label_split``: row i = label id i, ``label_text_column`` (+ ``uid``, ``label_image_column``). Points without a
+    label are skipped as the XC readers skip them (``source_rows`` keeps the rows a filter file refers to).
+    ``train_split=None`` reads no training split (evaluation only). Memory: the Arrow tables are memory-mapped; the
+    texts and the CSR targets are built once (``8 x`` labels-per-point bytes per point).
+    """
+    import numpy as np
+
+    from .xc_raw import XCData
+
+    same = label_dataset_name is None or label_dataset_name == dataset_name
+    label_ds = _load_split(label_dataset_name or dataset_name, label_dataset_config_name or (dataset_config_name if same else None), label_split)
+    if label_text_column not in label_ds.column_names:
+        raise ValueError(f"labels ({label_dataset_name or dataset_name}, split {label_split!r}): no column {label_text_column!r} "
+                         f"(columns: {label_ds.column_names})")
+    label_texts = [str(t) if t is not None else "" for t in label_ds[label_text_column]]
+    if not label_texts:
+        raise ValueError(f"labels ({label_dataset_name or dataset_name}, split {label_split!r}): the label split is empty")
+    label_uids = [str(u) for u in label_ds["uid"]] if "uid" in label_ds.column_names else [str(i) for i in range(len(label_texts))]
+    label_images = None
+    if label_image_column in label_ds.column_names:
+        import pyarrow as pa
+
+        col = label_ds.with_format("arrow")[:].column(label_image_column).combine_chunks()
+        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):  # one image (or path) per label
+            col = pa.ListArray.from_arrays(pa.array(np.arange(len(col) + 1, dtype=np.int32)), col)
+        label_images = _images_from_column(col, label_image_column, image_cache_dir)
+
+    def points(split: str, files: str | None):
+        ds = _load_split(files or dataset_name, None if files else dataset_config_name, split)
+        xc = from_hf_dataset(ds, len(label_texts), text_column, label_column, image_column, image_cache_dir)
+        keep = np.flatnonzero(np.diff(xc.targets.indptr) > 0)
+        if len(keep) == len(xc):
+            return xc
+        return XMCDataset(
+            texts=[xc.texts[i] for i in keep], targets=xc.targets[keep], uids=[xc.uids[i] for i in keep],
+            num_skipped=len(xc) - len(keep), source_rows=keep,
+            images=[xc.images[i] for i in keep] if xc.images is not None else None,
+        )
+
+    train = points(train_split, train_files) if train_split else None
+    test = points(test_split, test_files)
+    if train is not None and len(train) == 0:
+        raise ValueError(f"{dataset_name}, split {train_split!r}: no training point has a label")
+    return XCData(train=train, test=test, label_texts=label_texts, label_uids=label_uids, label_images=label_images)

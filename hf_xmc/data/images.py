@@ -16,10 +16,19 @@ from .xc_raw import XMCDataError
 if TYPE_CHECKING:  # pragma: no cover
     from PIL import Image
 
-__all__ = ["ImageInput", "load_image", "load_images"]
+__all__ = ["ImageInput", "image_cache_directory", "load_image", "load_images"]
 
 #: One image as an item may carry it: a path or an in-memory PIL image.
 ImageInput = Union[str, "os.PathLike[str]", "Image.Image"]
+
+
+def image_cache_directory() -> str:
+    """Where images that a ``datasets`` column embeds as bytes are written (one file per distinct image, named by its
+    sha256): ``$HF_XMC_IMAGE_CACHE``, else ``$HF_HOME/hf_xmc/images`` (``~/.cache/huggingface/hf_xmc/images``)."""
+    if os.environ.get("HF_XMC_IMAGE_CACHE"):
+        return os.environ["HF_XMC_IMAGE_CACHE"]
+    hf_home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(hf_home, "hf_xmc", "images")
 
 
 def _pil() -> Any:

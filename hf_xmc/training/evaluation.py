@@ -34,6 +34,7 @@ class XMCEvaluator:
         name: key prefix (``"test"`` gives ``test_P@1``) and the split named in model cards.
         batch_size: encoding batch size.
         dataset_name: the dataset's name, for model cards (e.g. ``"LF-AmazonTitles-131K"``).
+        dataset_id: its Hub dataset id when the data came from the Hub (the card's ``datasets:`` field).
         label_images: per label a list of images, for models that take images (MUFIN); the queries' images come
             from ``data.images``. Such models are evaluated through their own ``predict`` (shortlist + re-ranking).
         chunk_size: queries encoded and searched at a time (text models), which bounds the query-side memory.
@@ -53,6 +54,7 @@ class XMCEvaluator:
         name: str = "test",
         batch_size: int = 256,
         dataset_name: Optional[str] = None,
+        dataset_id: Optional[str] = None,
         label_images: Optional[Sequence[Sequence]] = None,
         chunk_size: int = 65536,
     ):
@@ -70,6 +72,7 @@ class XMCEvaluator:
         self.name = name
         self.batch_size = batch_size
         self.dataset_name = dataset_name
+        self.dataset_id = dataset_id
         if label_images is not None and len(label_images) != len(self.label_texts):
             raise ValueError(f"{len(label_images)} label image lists for {len(self.label_texts)} labels")
         self.label_images = label_images

@@ -28,24 +28,41 @@ EVAL_RESULTS_FILE = "eval_results.json"
 
 @dataclass
 class XMCDataArguments:
-    """Data arguments of every training script (Extreme Classification Repository raw files)."""
+    """Data arguments of every training script: Extreme Classification Repository raw files (``--train_file``,
+    ``--test_file``, ``--label_file``), or a ``datasets`` dataset (``--dataset_name`` without the files)."""
 
-    train_file: str = field(metadata={"help": "Training points: XC raw JSON lines (trn.json.gz)."})
-    test_file: str = field(metadata={"help": "Test points: XC raw JSON lines (tst.json.gz)."})
-    label_file: str = field(metadata={"help": "Labels: XC raw JSON lines (lbl.json.gz), line i = label id i."})
+    train_file: Optional[str] = field(default=None, metadata={"help": "Training points: XC raw JSON lines (trn.json.gz)."})
+    test_file: Optional[str] = field(default=None, metadata={"help": "Test points: XC raw JSON lines (tst.json.gz)."})
+    label_file: Optional[str] = field(default=None, metadata={"help": "Labels: XC raw JSON lines (lbl.json.gz), line i = label id i."})
     test_filter_file: Optional[str] = field(
-        default=None, metadata={"help": "Pairs 'point_idx label_idx' removed from test predictions before scoring."}
+        default=None, metadata={"help": "Pairs 'point_idx label_idx' removed from test predictions before scoring (point_idx: row of the test file or split)."}
     )
     text_fields: str = field(default="title", metadata={"help": "Comma-separated JSON fields joined into a query text."})
     label_text_fields: str = field(default="title", metadata={"help": "Comma-separated JSON fields joined into a label text."})
+    dataset_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "Without --train_file: the data, read with `datasets` (a Hub dataset id, a save_to_disk directory, or "
+                  "comma-separated .parquet/.json/.csv files). With the XC files: the dataset's name on the model card "
+                  "(default: the train file's folder name)."},
+    )
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "The dataset's configuration (datasets.load_dataset's name)."})
+    train_split: str = field(default="train", metadata={"help": "Split of the training points."})
+    test_split: str = field(default="test", metadata={"help": "Split of the test points."})
+    label_dataset_name: Optional[str] = field(default=None, metadata={"help": "Dataset of the label texts (default: --dataset_name)."})
+    label_dataset_config_name: Optional[str] = field(
+        default=None, metadata={"help": "Its configuration (default: --dataset_config_name when the labels live in the same dataset)."}
+    )
+    label_split: str = field(default="labels", metadata={"help": "Split of the labels (row i = label id i)."})
+    text_column: str = field(default="text", metadata={"help": "Column of the query texts."})
+    label_column: str = field(default="labels", metadata={"help": "Column of the label-id lists."})
+    image_column: str = field(default="images", metadata={"help": "Column of the query images (paths or datasets.Image()), when present."})
+    label_text_column: str = field(default="text", metadata={"help": "Column of the label texts."})
+    label_image_column: str = field(default="images", metadata={"help": "Column of the label images, when present."})
     max_seq_length: int = field(default=32, metadata={"help": "Token budget of a query."})
     label_max_seq_length: Optional[int] = field(default=None, metadata={"help": "Token budget of a label (default: max_seq_length)."})
     propensity_a: float = field(default=0.55, metadata={"help": "Propensity constant A for PSP@k (0.6 Amazon, 0.5 Wikipedia)."})
     propensity_b: float = field(default=1.5, metadata={"help": "Propensity constant B for PSP@k (2.6 Amazon, 0.4 Wikipedia)."})
     eval_batch_size: int = field(default=256, metadata={"help": "Encoding batch size at evaluation."})
-    dataset_name: Optional[str] = field(
-        default=None, metadata={"help": "Dataset name for the model card (default: the train file's folder name)."}
-    )
     preset: Optional[str] = field(
         default=None,
         metadata={"help": "The paper's configuration for a dataset (e.g. lf-amazontitles-1.3m; 'list' names them): its values become the defaults, explicit flags win."},
@@ -119,8 +136,33 @@ def model_config_kwargs(model_args, data_args: XMCDataArguments) -> dict:
     return kwargs
 
 
+def uses_hf_dataset(data_args: XMCDataArguments) -> bool:
+    """True when the data comes from ``datasets`` (``--dataset_name`` and no XC files); raises a ValueError naming
+    what is missing when neither source is complete."""
+    files = [data_args.train_file, data_args.test_file, data_args.label_file]
+    if all(files):
+        return False
+    if any(files):
+        missing = [flag for flag, f in zip(("--train_file", "--test_file", "--label_file"), files) if not f]
+        raise ValueError(f"the XC files come in threes: {', '.join(missing)} missing")
+    if not data_args.dataset_name:
+        raise ValueError("no data: give --train_file, --test_file and --label_file, or --dataset_name (a Hub dataset, a save_to_disk directory or data files)")
+    return True
+
+
 def load_data(data_args: XMCDataArguments) -> XCData:
-    """Read the train/test/label files named by the data arguments."""
+    """Read the train/test/label files named by the data arguments, or the ``datasets`` dataset of ``--dataset_name``."""
+    if uses_hf_dataset(data_args):
+        from ..data import load_hf_xc_data
+
+        data = load_hf_xc_data(
+            data_args.dataset_name, data_args.dataset_config_name, data_args.train_split, data_args.test_split,
+            label_dataset_name=data_args.label_dataset_name, label_dataset_config_name=data_args.label_dataset_config_name,
+            label_split=data_args.label_split, text_column=data_args.text_column, label_column=data_args.label_column,
+            image_column=data_args.image_column, label_text_column=data_args.label_text_column, label_image_column=data_args.label_image_column,
+        )
+        logger.info("data from datasets %s: %d train, %d test points, %d labels", data_args.dataset_name, len(data.train), len(data.test), len(data.label_texts))
+        return data
     data = load_xc_dataset(
         data_args.train_file,
         data_args.test_file,
@@ -149,8 +191,26 @@ def build_evaluator(data: XCData, data_args: XMCDataArguments) -> XMCEvaluator:
         filter_matrix=filt,
         name="test",
         batch_size=data_args.eval_batch_size,
-        dataset_name=data_args.dataset_name or dataset_name_from_path(data_args.train_file),
+        dataset_name=card_dataset_name(data_args),
+        dataset_id=hub_dataset_id(data_args),
     )
+
+
+def hub_dataset_id(data_args: XMCDataArguments) -> Optional[str]:
+    """The Hub id of a dataset the training read with ``datasets`` (the card's ``datasets:``); None for local data."""
+    name = data_args.dataset_name
+    if not name or data_args.train_file or data_args.test_file or os.path.exists(name) or any(os.path.exists(f) for f in name.split(",")):
+        return None
+    return name
+
+
+def card_dataset_name(data_args: XMCDataArguments) -> str:
+    """The dataset's name on the card: ``--dataset_name`` (a local directory or file by its name), else the folder
+    of the XC train file."""
+    name = data_args.dataset_name
+    if name and not (data_args.train_file or data_args.test_file) and not hub_dataset_id(data_args):
+        return os.path.basename(os.path.normpath(name.split(",")[0])) or name
+    return name or dataset_name_from_path(data_args.train_file)
 
 
 def dataset_name_from_path(path: str) -> str:

@@ -537,6 +537,7 @@ class XMCTrainer(Trainer):
             self.accelerator.unwrap_model(self.model),
             evaluation_summary(self.evaluator) if ran else None,
             dataset_name=dataset if isinstance(dataset, str) or dataset is None else dataset[0],
+            dataset_id=getattr(self.evaluator, "dataset_id", None),
             model_name=model_name,
             model_id=getattr(self, "hub_model_id", None),
             base_model=finetuned_from,
