@@ -6,6 +6,7 @@
     hf-xmc evaluate out/dexml --test_file tst.json.gz --train_file trn.json.gz --output_file metrics.json
     hf-xmc predict out/dexml --text "The Grasshopper Trap" --k 5
     hf-xmc predict org/name --input_file queries.txt --output_file preds.jsonl
+    hf-xmc add-labels out/dexml new_labels.json.gz [--remove uid1,uid2] [--output_dir out/dexml-grown]
     hf-xmc push out/dexml org/name --private
 
 ``train`` runs the recipe that ``training_scripts/train_<method>.py`` runs (:mod:`hf_xmc.training.recipes`), with the
@@ -203,6 +204,53 @@ def _write_json_lines(out: str | IO[str], records: Iterator[dict[str, Any]]) -> 
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
+# ---------------------------------------------------------------------------------------------------------- labels
+def cmd_add_labels(args: argparse.Namespace) -> int:
+    """Add the labels of an XC label file (and remove labels by uid) without retraining; save the grown model."""
+    import shutil
+    import tempfile
+
+    from .data import read_xc_labels
+
+    _require_file(args.label_file, "label_file")
+    if args.label_file is None and not args.remove:
+        raise UserError("nothing to do: give a label file and/or --remove UIDS")
+    if not args.output_dir and not os.path.isdir(args.model):
+        raise UserError(f"{args.model}: not a local model directory; give --output_dir for the grown model")
+    out = os.path.abspath(args.output_dir or args.model)
+    if args.output_dir and os.path.exists(out) and os.listdir(out) and out != os.path.abspath(args.model):
+        raise UserError(f"{args.output_dir}: exists and is not empty")
+    uids, texts = (read_xc_labels(args.label_file, text_fields=tuple(args.text_fields.split(","))) if args.label_file else ([], []))
+    model = load_model(args.model)
+    _pick_device(model, args.device)
+    try:
+        if args.remove:
+            model.remove_labels([u for u in args.remove.split(",") if u])
+    except ValueError as err:  # an unknown uid, or every label
+        raise UserError(f"{args.model}: {_first_line(err)}") from None
+    try:
+        new_ids = model.add_labels(list(texts), uids=list(uids), batch_size=args.batch_size) if texts else []
+    except ValueError as err:  # a uid taken
+        raise UserError(f"{args.label_file}: {_first_line(err)}") from None
+    # a complete directory or none: written beside the target, then moved into place
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-add-labels-", dir=os.path.dirname(out))
+    try:
+        model.save_pretrained(tmp)
+        old = None
+        if os.path.exists(out):
+            old = out + ".old-" + os.path.basename(tmp)
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(json.dumps({"model": out, "labels": len(model.label_texts), "added": len(new_ids), "removed": len([u for u in (args.remove or "").split(",") if u])}))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------------- push
 def cmd_push(args: argparse.Namespace) -> int:
     """Upload a saved model directory to the Hub with :func:`hf_xmc.hub.push_to_hub`; prints the commit URL."""
@@ -247,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = XMCDataArguments.__dataclass_fields__  # evaluate's defaults are the training scripts' defaults
     parser = argparse.ArgumentParser(prog=PROG, description="Extreme multi-label classification models: train, evaluate, predict, push.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,predict,push}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,predict,add-labels,push}")
 
     methods = ",".join(sorted(RECIPES))
     p = sub.add_parser(
@@ -288,6 +336,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--output_file", help="write the JSON lines here (default: stdout)")
     p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("add-labels", help="add (or remove) labels of a trained model without retraining",
+                       description="Append the labels of an XC label file (lbl.json.gz lines: uid, title), scored zero-shot "
+                       "from their text while trained labels keep their parameters; --remove drops labels by uid. The "
+                       "model is saved again (in place unless --output_dir), written beside and moved into place.")
+    p.add_argument("model", help="model directory or Hub repo id")
+    p.add_argument("label_file", nargs="?", help="labels to add: XC raw JSON lines (uid + text fields)")
+    p.add_argument("--remove", help="comma-separated uids of labels to remove (before adding)")
+    p.add_argument("--text_fields", default="title", help="JSON fields joined into a label text")
+    p.add_argument("--output_dir", help="where the grown model goes (default: the model directory itself)")
+    p.add_argument("--batch_size", type=int, default=128, help="encoding batch size")
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    p.set_defaults(func=cmd_add_labels)
 
     p = sub.add_parser("push", help="upload a saved model directory to the Hugging Face Hub",
                        description="Upload a model directory (weights, labels, label index, card) to a Hub repo.")

@@ -290,3 +290,42 @@ def test_bad_data_names_the_file_and_line(trained, capsys, tmp_path):
     assert f"{tst}, line 1" in line and "label id 4000 out of range" in line
     line = one_line_error(*run_cli(capsys, "predict", out, "--text", "x", "--k", "0"))
     assert "--k" in line
+
+
+# ------------------------------------------------------------------------------------------------ add-labels
+def test_add_labels_grows_the_saved_model(trained, reloaded, tiny_task, capsys, tmp_path):
+    import gzip
+
+    from transformers import AutoModel
+
+    from hf_xmc.data import write_xc_labels
+
+    labels = tmp_path / "new.json.gz"
+    write_xc_labels(str(labels), ["new-a", "new-b"], ["zzzz brand new tag", "another added label"])
+    out = tmp_path / "grown"
+    gone = reloaded.label_uids[0]
+    code, stdout, stderr = run_cli(capsys, "add-labels", trained[2], labels, "--remove", gone, "--output_dir", out)
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    old = len(reloaded.label_texts)
+    assert report == {"model": str(out), "labels": old + 1, "added": 2, "removed": 1}
+    grown = AutoModel.from_pretrained(out, trust_remote_code=True)
+    assert grown.label_uids[-2:] == ["new-a", "new-b"] and gone not in grown.label_uids
+    assert grown.label_texts[-1] == "another added label"
+    texts = tiny_task[0].test.texts[:5]
+    # the labels kept score as before (their vectors travel unchanged); the source directory is untouched
+    before, after = reloaded.predict(texts, k=old), grown.predict(texts, k=old + 1)
+    for b_ids, b_s, a_ids, a_s in zip(before.label_ids, before.scores, after.label_ids, after.scores):
+        was = {reloaded.label_uids[i]: s for i, s in zip(b_ids, b_s)}
+        now = {grown.label_uids[i]: s for i, s in zip(a_ids, a_s)}
+        assert all(abs(now[u] - was[u]) < 1e-5 for u in now if u in was)
+    assert len(AutoModel.from_pretrained(trained[2], trust_remote_code=True).label_texts) == old
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+    # faults: a uid taken, an unknown uid, nothing to do -- one line, status 2, nothing written
+    line = one_line_error(*run_cli(capsys, "add-labels", out, labels))
+    assert "must be new and distinct: 'new-a' is taken" in line
+    line = one_line_error(*run_cli(capsys, "add-labels", trained[2], "--remove", "nope", "--output_dir", tmp_path / "x"))
+    assert "no label has uid 'nope'" in line and not (tmp_path / "x").exists()
+    assert "nothing to do" in one_line_error(*run_cli(capsys, "add-labels", trained[2]))
+    with gzip.open(labels, "rt") as f:
+        assert len(f.readlines()) == 2

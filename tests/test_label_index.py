@@ -216,3 +216,48 @@ def test_exact_search_keeps_the_score_block_within_budget(monkeypatch, vectors):
     scores, ids = LabelIndex(labels, kind="exact").search(queries, k=7)
     assert seen == [50]
     np.testing.assert_array_equal(ids, brute_force(labels, queries, 7)[1])
+
+
+@pytest.mark.parametrize("kind", ["exact", "torch", "ivf", "hnsw"])
+def test_add_and_select_in_place(kind):
+    """Labels added after the build are searched like labels built in (IVF keeps its trained lists, HNSW its graph:
+    the same faiss object grows); select() keeps given rows, renumbered, as an index built over them would."""
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((600, 16)).astype("float32")
+    extra = rng.standard_normal((40, 16)).astype("float32")
+    queries = rng.standard_normal((20, 16)).astype("float32")
+    params = {"ivf_nlist": 8, "ivf_nprobe": 8} if kind == "ivf" else {}
+    index = LabelIndex(base, kind=kind, **params)
+    faiss_before = index._index
+    index.add(extra)
+    assert index.num_labels == 640 and index._index is faiss_before
+    if faiss_before is not None:
+        assert faiss_before.ntotal == 640
+    full = np.concatenate([base, extra])
+    want_s, want_i = LabelIndex(full, kind="torch").search(queries, 10)
+    got_s, got_i = index.search(queries, 10)
+    if kind == "hnsw":  # approximate: almost all of the exact top-10, the added rows included
+        assert np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got_i, want_i)]) > 0.9
+    else:  # exact kinds, and IVF probing every list
+        np.testing.assert_array_equal(got_i, want_i)
+        np.testing.assert_allclose(got_s, want_s, atol=1e-5)
+    keep = np.sort(rng.choice(640, 500, replace=False))
+    kept = index.select(keep)
+    assert kept.num_labels == 500 and kept.kind == index.kind
+    if kind == "ivf":  # the trained lists are reused, not re-trained
+        assert kept._index is not index._index and kept._index.ntotal == 500
+        np.testing.assert_array_equal(faiss_centroids(kept._index), faiss_centroids(index._index))
+    want_s, want_i = LabelIndex(full[keep], kind="torch").search(queries, 10)
+    got_s, got_i = kept.search(queries, 10)
+    if kind == "hnsw":
+        assert np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got_i, want_i)]) > 0.9
+    else:
+        np.testing.assert_array_equal(got_i, want_i)
+    with pytest.raises(ValueError, match="increasing label ids"):
+        index.select(np.array([3, 1]))
+
+
+def faiss_centroids(ivf) -> np.ndarray:
+    import faiss
+
+    return faiss.rev_swig_ptr(faiss.downcast_index(ivf.quantizer).get_xb(), ivf.nlist * ivf.d).reshape(ivf.nlist, ivf.d).copy()

@@ -60,6 +60,15 @@ class ExtremeClassifier(nn.Embedding):
         return self(label_ids.to(self.weight.device))
 
     @torch.no_grad()
+    def replace_rows(self, weight: torch.Tensor) -> None:
+        """Swap in a new ``(L', dim)`` table (labels added or removed after training): a new parameter, so an
+        optimizer built before no longer holds it."""
+        if weight.ndim != 2 or weight.shape[1] != self.embedding_dim or weight.shape[0] < 1:
+            raise ValueError(f"a classifier table must have shape (L >= 1, {self.embedding_dim}), got {tuple(weight.shape)}")
+        self.weight = nn.Parameter(weight.to(self.weight), requires_grad=self.weight.requires_grad)
+        self.num_embeddings = weight.shape[0]
+
+    @torch.no_grad()
     def normalized_weights(self, chunk_size: int = 65536) -> torch.Tensor:
         """L2-normalised classifier vectors ``(L, dim)`` (float32, CPU), computed chunk by chunk: the search space."""
         out = torch.empty(self.weight.shape, dtype=torch.float32)

@@ -288,6 +288,41 @@ class LabelIndex:
             best_i = torch.gather(merged_i, 1, order)
         return best_s.cpu().numpy(), best_i.cpu().numpy()
 
+    def add(self, vectors: Vectors) -> None:
+        """Append label vectors (ids ``num_labels ..``) in place: a new block, and faiss's ``add`` for the kinds that
+        hold a faiss index (the IVF lists and HNSW graph are not rebuilt). Memory: the new rows (and faiss's copy)."""
+        block = as_label_blocks(vectors)[0]
+        if block.shape[1] != self.dim:
+            raise ValueError(f"vectors must have {self.dim} columns, got {block.shape[1]}")
+        self.blocks.append(block.to(self.dtype))
+        if self._index is not None:
+            for _, chunk in self._chunks(self.chunk_size, [self.blocks[-1]]):
+                self._index.add(chunk.numpy())
+        self._torch_labels = None
+
+    def select(self, rows: np.ndarray | torch.Tensor) -> "LabelIndex":
+        """A new index over the vectors of ``rows`` (in that order, renumbered from 0): labels removed. An IVF index
+        keeps its trained lists (the kept vectors are re-added, no k-means); HNSW, which faiss cannot delete from, is
+        rebuilt. Memory: one copy of the kept vectors."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and (np.any(np.diff(rows) <= 0) or rows[0] < 0 or rows[-1] >= self.num_labels):
+            raise ValueError(f"rows must be increasing label ids in [0, {self.num_labels})")
+        parts, offset = [], 0
+        for block in self.blocks:  # block by block: no copy of the whole store
+            local = rows[(rows >= offset) & (rows < offset + block.shape[0])] - offset
+            parts.append(block[torch.from_numpy(local)])
+            offset += block.shape[0]
+        kept = torch.cat(parts)
+        params = dict(kind=self.kind, use_gpu=self.use_gpu, hnsw_m=self.hnsw_m, hnsw_ef_construction=self.hnsw_ef_construction,
+                      hnsw_ef_search=self.hnsw_ef_search, ivf_nlist=self.ivf_nlist, ivf_nprobe=self.ivf_nprobe, chunk_size=self.chunk_size)
+        reuse = None
+        if self.kind == "ivf" and self._index is not None:
+            reuse = faiss.clone_index(self._index)
+            reuse.reset()  # the trained coarse quantizer stays
+            for start in range(0, kept.shape[0], self.chunk_size):
+                reuse.add(kept[start : start + self.chunk_size].float().numpy())
+        return LabelIndex([kept], _faiss_index=reuse, **params)
+
     def metadata(self) -> dict:
         """What :meth:`save` writes to ``label_index.json``: kind, shape, precision, parameters, faiss version and the
         fingerprint of the vectors the index was built from."""

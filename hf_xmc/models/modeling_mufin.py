@@ -840,6 +840,69 @@ class MUFINModel(MUFINPreTrainedModel):
         elif rows > n:
             self.label_centroids = self.label_centroid_counts = None
 
+    @torch.no_grad()
+    def add_labels(
+        self,
+        texts: Optional[Sequence[Optional[str]]] = None,
+        uids: Optional[Sequence[str]] = None,
+        batch_size: int = 64,
+        show_progress_bar: Optional[bool] = None,
+        images: Optional[Sequence[Any]] = None,
+    ) -> np.ndarray:
+        """Append labels (texts and/or image bags), scored zero-shot (``w_l = z_l^1``, no centroid: the rule of labels
+        after ``label_space_size``) while trained labels keep their classifiers. Only the new bags are encoded and
+        appended to the cached label store; the shortlist index is rebuilt from the cache (no re-encoding). Returns
+        the new label ids. Memory: the new labels' bag rows and vectors."""
+        self._require_label_store()
+        norm_texts, bags = self._normalize_items(texts, images)
+        first = len(self.label_texts)
+        uids = self._new_label_uids(len(norm_texts), uids)
+        vectors, new_bags = self.encode_items(norm_texts, bags, batch_size, show_progress_bar, return_bags=True)
+        counts = torch.tensor([b.shape[0] for b in new_bags])
+        self.label_bag_rows = torch.cat([self.label_bag_rows, *new_bags]).contiguous()
+        self.label_bag_offsets = torch.cat([self.label_bag_offsets, self.label_bag_offsets[-1] + torch.cumsum(counts, 0)])
+        self.label_vectors = torch.cat([self.label_vectors, vectors.to(self.label_vectors)]).contiguous()
+        if any(bags) or self.label_images is not None:
+            self.label_images = (self.label_images or [[] for _ in range(first)]) + [list(b) for b in bags]
+        self.label_texts = list(self.label_texts) + ["" if t is None else t for t in norm_texts]
+        self.label_uids = list(self.label_uids) + uids
+        if self.label_centroids is not None:
+            n = len(norm_texts)
+            self.label_centroids = torch.cat([self.label_centroids, self.label_centroids.new_zeros(n, self.label_centroids.shape[1])])
+            self.label_centroid_counts = torch.cat([self.label_centroid_counts, self.label_centroid_counts.new_zeros(n)])
+        self.build_shortlist_index()
+        return np.arange(first, len(self.label_texts), dtype=np.int64)
+
+    @torch.no_grad()
+    def remove_labels(self, uids: Sequence[str]) -> np.ndarray:
+        """Remove labels added after training (ids >= ``label_space_size``; MUFIN's classifiers are laid out by training
+        order, so trained labels stay). Returns the old ids of the kept labels."""
+        self._require_label_store()
+        wanted = {str(u) for u in ([uids] if isinstance(uids, str) else uids)}
+        positions = {u: i for i, u in enumerate(self.label_uids)}
+        unknown = sorted(wanted - set(positions))
+        if unknown:
+            raise ValueError(f"no label has uid {unknown[0]!r}")
+        trained = sorted(u for u in wanted if positions[u] < self.config.label_space_size)
+        if trained:
+            raise ValueError(f"label {trained[0]!r} has a trained classifier: MUFIN removes only labels added after training")
+        keep = np.array([i for i, u in enumerate(self.label_uids) if u not in wanted], dtype=np.int64)
+        if keep.size == 0:
+            raise ValueError("cannot remove every label: a model needs at least one")
+        rows = torch.from_numpy(keep)
+        starts, ends = self.label_bag_offsets[rows], self.label_bag_offsets[rows + 1]
+        self.label_bag_rows = torch.cat([self.label_bag_rows[a:b] for a, b in zip(starts.tolist(), ends.tolist())]).contiguous()
+        self.label_bag_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(ends - starts, 0)])
+        self.label_vectors = self.label_vectors[rows].contiguous()
+        if self.label_images is not None:
+            self.label_images = [self.label_images[i] for i in keep]
+        self.label_texts = [self.label_texts[i] for i in keep]
+        self.label_uids = [self.label_uids[i] for i in keep]
+        if self.label_centroids is not None:
+            self.label_centroids, self.label_centroid_counts = self.label_centroids[rows], self.label_centroid_counts[rows]
+        self.build_shortlist_index()
+        return keep
+
     def invalidate_label_index(self) -> None:
         """Forget the label bags, vectors and index (they no longer match the weights). Centroids are kept: they come
         from training points and are refreshed with :meth:`compute_label_centroids`."""

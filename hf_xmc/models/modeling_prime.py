@@ -239,6 +239,38 @@ class PRIMEModel(PRIMEPreTrainedModel):
         raw = self.encode_labels(batch_size=batch_size, show_progress_bar=show_progress_bar, normalize=False)
         return self.compute_prototypes(raw)
 
+    @torch.no_grad()
+    def _grow_label_state(self, texts, batch_size, show_progress_bar):
+        """New labels: a zero centroid (as a label without training queries gets, prime.md 3.4), the free vector of
+        the nearest trained label (searched with the new label's normalised text embedding), and with PRIME (W) a
+        classifier vector initialised from the prototype (as :meth:`add_classifier` does); returns the normalised
+        prototypes (= those classifier vectors)."""
+        raw = self.encode_labels(texts, batch_size=batch_size, show_progress_bar=show_progress_bar, normalize=False)
+        old, n = self.label_centroids.shape[0], raw.shape[0]
+        _, nearest = self.search(F.normalize(raw.float(), dim=-1), 1)
+        self.free_vector_map = self._concat_rows(self.free_vector_map, self.free_vector_map[torch.from_numpy(nearest[:, 0]).to(self.free_vector_map.device)])
+        self.label_centroids = self._concat_rows(self.label_centroids, torch.zeros(n, self.label_centroids.shape[1]))
+        self.config.label_space_size = old + n
+        was_training = self.training
+        self.eval()
+        try:
+            ids = torch.arange(old, old + n, device=self.device)
+            vectors = F.normalize(self.prototypes(raw.to(self.device), ids).float(), dim=-1)
+        finally:
+            self.train(was_training)
+        if self.classifier is not None:
+            self.classifier.replace_rows(self._concat_rows(self.classifier.weight, vectors))
+        return vectors.cpu()
+
+    @torch.no_grad()
+    def _select_label_state(self, keep: torch.Tensor) -> bool:
+        self.free_vector_map = self.free_vector_map[keep.to(self.free_vector_map.device)]
+        self.label_centroids = self.label_centroids[keep.to(self.label_centroids.device)]
+        if self.classifier is not None:
+            self.classifier.replace_rows(self.classifier.weight[keep.to(self.classifier.weight.device)])
+        self.config.label_space_size = int(keep.numel())
+        return True
+
     # ------------------------------------------------------------------ PRIME (W)
     @property
     def search_mode(self) -> str:

@@ -250,6 +250,25 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
         self.label_state_initialized.fill_(True)
         self.invalidate_label_index()
 
+    @torch.no_grad()
+    def _grow_label_state(self, texts, batch_size, show_progress_bar):
+        """New labels: ``z~_l = f_E(z_l)``, no centroid (``v_l = 0``, as a label without training points), ``eta_l = 0``
+        so ``w_l = N(z~_l)``. The ``[z~ ; v]`` store is laid out by label count: None (rebuild from the state)."""
+        z = F.normalize(self.encode_labels(texts, batch_size=batch_size, show_progress_bar=show_progress_bar).float(), dim=-1)
+        self.label_text_vectors = self._concat_rows(self.label_text_vectors, z)
+        self.label_centroids = self._concat_rows(self.label_centroids, torch.zeros_like(z))
+        self.classifier.replace_rows(self._concat_rows(self.classifier.weight, torch.zeros_like(z)))
+        self.config.label_space_size = self.classifier.num_labels
+        return None
+
+    @torch.no_grad()
+    def _select_label_state(self, keep: torch.Tensor) -> bool:
+        self.label_text_vectors = self.label_text_vectors[keep.to(self.label_text_vectors.device)]
+        self.label_centroids = self.label_centroids[keep.to(self.label_centroids.device)]
+        self.classifier.replace_rows(self.classifier.weight[keep.to(self.classifier.weight.device)])
+        self.config.label_space_size = self.classifier.num_labels
+        return False
+
     def label_search_vectors(self, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
         """The shortlist index rows: ``[z~ ; v]``, ``(2 L, D)`` (row ``L + l`` is label ``l``'s centroid), in the label
         store's precision (written straight into it: no float32 ``2 L x D`` temporary). Without a label state,

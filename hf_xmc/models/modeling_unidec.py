@@ -196,6 +196,35 @@ class UniDECModel(UniDECPreTrainedModel):
             parts.append(self.classifier.normalized_weights())
         return torch.cat(parts, dim=1)
 
+    @torch.no_grad()
+    def _grow_label_state(self, texts, batch_size, show_progress_bar):
+        """New labels: their DE embeddings, and classifier vectors at the ``label_text`` initialisation
+        ``N(g2(Phi(z_l)))`` appended to ``Psi``; returns their vectors in the ``search_mode`` space."""
+        raw = self.encode_labels(texts, batch_size=batch_size, show_progress_bar=show_progress_bar, head="raw")
+        was_training = self.training
+        self.eval()
+        try:
+            raw = raw.to(self.de_head[0].weight.device, self.de_head[0].weight.dtype)
+            parts = []
+            if self.search_mode in ("de", "concat"):
+                parts.append(self.project(raw, "de"))
+            if self.classifier is not None:
+                rows = F.normalize(self.clf_head[0](raw), dim=-1)
+                self.classifier.replace_rows(self._concat_rows(self.classifier.weight, rows))
+                if self.search_mode in ("classifier", "concat"):
+                    parts.append(rows)
+        finally:
+            self.train(was_training)
+        self.config.label_space_size = len(self.label_texts) + len(texts)
+        return torch.cat([part.float().cpu() for part in parts], dim=1)
+
+    @torch.no_grad()
+    def _select_label_state(self, keep: torch.Tensor) -> bool:
+        if self.classifier is not None:
+            self.classifier.replace_rows(self.classifier.weight[keep.to(self.classifier.weight.device)])
+        self.config.label_space_size = int(keep.numel())
+        return True
+
     def query_encoder_modules(self) -> list[dict]:
         """The DE head ``N(tanh(W u + b))`` as a Dense (Tanh) and a Normalize module: :meth:`save_query_encoder` writes
         the dual encoder's query side, ``embed(..., head="de")``."""

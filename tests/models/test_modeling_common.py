@@ -206,6 +206,48 @@ class XMCModelTesterMixin:
         assert_same_rows(result["many"], want)
         assert set(result["one"][0]) == {"label", "label_id", "score"}
 
+    def test_add_and_remove_labels_without_retraining(self, model, tiny_task, tmp_path):
+        data = tiny_task[0]
+        texts = list(data.test.texts[:6])
+        old = len(model.label_texts)
+        everything = old + 3
+        before = model.predict(texts, k=everything)
+        new_texts = ["brand new label alpha", "another unseen tag", data.label_texts[0] + " variant"]
+        ids = model.add_labels(new_texts, uids=["n1", "n2", "n3"])
+        assert ids.tolist() == [old, old + 1, old + 2] and model.label_texts[old:] == new_texts and model.label_uids[-1] == "n3"
+        assert model.config.label_space_size == everything if hasattr(model.config, "label_space_size") else True
+        # in place == rebuilt: the vectors added for the new labels are what a full re-encoding of the grown model gives
+        torch.testing.assert_close(model.label_embeddings.float(), model.label_search_vectors().float(), atol=1e-5, rtol=1e-4)
+        after = model.predict(texts, k=everything)
+        # the trained labels keep their parameters: each one's score for each query is unchanged
+        for row in range(len(texts)):
+            was = dict(zip(before.label_ids[row].tolist(), before.scores[row].tolist()))
+            now = dict(zip(after.label_ids[row].tolist(), after.scores[row].tolist()))
+            common = [i for i in was if 0 <= i < old and i in now]
+            assert len(common) >= min(5, old) and all(abs(was[i] - now[i]) < 1e-4 for i in common)
+        assert (after.label_ids >= old).any()  # the new labels are searchable
+        with pytest.raises(ValueError, match="must be new and distinct"):
+            model.add_labels(["x"], uids=["n1"])
+        # saved and reloaded through remote code, the grown model predicts the same
+        model_dir = tmp_path / "grown"
+        model.save_pretrained(model_dir)
+        result = predict_through_remote_code(model_dir, tmp_path, texts)
+        grown = model.predict(texts, k=5)
+        assert result["ids"] == grown.label_ids.tolist()
+        # removing the added labels gives back the trained model's predictions; a trained label can go too
+        kept = model.remove_labels(["n1", "n2", "n3"])
+        assert kept.tolist() == list(range(old)) and len(model.label_texts) == old
+        again = model.predict(texts, k=5)
+        np.testing.assert_array_equal(again.label_ids, before.label_ids[:, :5])
+        np.testing.assert_allclose(again.scores, before.scores[:, :5], atol=1e-5)
+        gone = int(before.label_ids[0, 0])
+        kept = model.remove_labels([model.label_uids[gone]])
+        assert gone not in kept.tolist() and len(model.label_texts) == old - 1
+        fewer = model.predict(texts[:1], k=4)
+        assert [int(kept[i]) for i in fewer.label_ids[0]] == [i for i in before.label_ids[0].tolist() if i != gone and i < old][:4]
+        with pytest.raises(ValueError, match="no label has uid"):
+            model.remove_labels(["not-a-uid"])
+
     def test_push_uploads_exactly_the_model_files(self, model, tmp_path, capsys):
         check_push_uploads_exactly_the_model_files(model, tmp_path, capsys)
 

@@ -678,6 +678,46 @@ def test_remote_code_reload_without_hf_xmc(trained_like, tmp_path):
     assert result["texts"] == before.label_texts
 
 
+def test_add_and_remove_labels_without_retraining(encoders, tmp_path):
+    """add_labels encodes only the new bags (in place == a full re-encoding), trained labels keep their scores, the
+    grown model saves and reloads, and removing the added labels gives the trained model's predictions back."""
+    from transformers import AutoModel
+
+    model = make_model(encoders, build=False)
+    perturb(model)
+    texts, images = make_labels(20)
+    model.build_label_index(texts, label_images=images)
+    targets = sp.lil_matrix((6, 20))
+    for point, label in enumerate([0, 1, 2, 4, 5, 6]):
+        targets[point, label] = 1
+    model.compute_label_centroids([" ".join(WORDS[i : i + 2]) for i in range(6)], None, targets.tocsr())
+    model.eval()
+    model.config.shortlist_size = 22
+    rng = np.random.default_rng(5)
+    queries = ["red apple", "blue car house", "green tree"]
+    before = model.predict(queries, k=20)
+    ids = model.add_labels(["red car", None], uids=["n1", "n2"], images=[[], [random_image(rng)]])
+    assert ids.tolist() == [20, 21] and model.label_uids[-2:] == ["n1", "n2"] and model.label_texts[-2:] == ["red car", ""]
+    assert model.label_centroid_counts[20:].tolist() == [0, 0] and set(model.shortlist_row_labels.tolist()) == set(range(22))
+    grown_vectors = model.label_vectors.clone()
+    after = model.predict(queries, k=22)
+    for b_ids, b_s, a_ids, a_s in zip(before.label_ids, before.scores, after.label_ids, after.scores):
+        was = dict(zip(b_ids.tolist(), b_s.tolist()))
+        assert all(abs(was[i] - s) < 1e-5 for i, s in zip(a_ids.tolist(), a_s.tolist()) if i in was)
+    assert (after.label_ids >= 20).any()
+    model.save_pretrained(tmp_path / "grown")
+    reloaded = AutoModel.from_pretrained(tmp_path / "grown")
+    np.testing.assert_array_equal(reloaded.predict(queries, k=5).label_ids, model.predict(queries, k=5).label_ids)
+    model.build_label_index()  # in place == re-encoding every label bag
+    torch.testing.assert_close(model.label_vectors, grown_vectors, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="has a trained classifier"):
+        model.remove_labels([model.label_uids[0]])
+    assert model.remove_labels(["n1", "n2"]).tolist() == list(range(20))
+    again = model.predict(queries, k=20)
+    np.testing.assert_array_equal(again.label_ids, before.label_ids)
+    np.testing.assert_allclose(again.scores, before.scores, atol=1e-5)
+
+
 def test_pipeline_with_images_without_hf_xmc(trained_like, tmp_path):
     from transformers import pipeline
 
