@@ -14,7 +14,7 @@ stage, so this is the PRIME model itself), ``classifier`` = PRIME (W). Debtags i
 on it), Reuters-21578 (``benchmarks/make_reuters.py``) the check on data they were not tuned on. ``minilm`` =
 all-MiniLM-L6-v2 fine-tuned; ``boe`` = the TF-IDF bag of MiniLM's token embeddings (``--encoder_type boe``, the table
 starting from MiniLM's input embeddings as the paper's starts from FastText). Writes
-benchmarks/results/classifier_stage.json and, with --update_readme, the table between the README's
+benchmarks/results/classifier_stage.json and, with --update_readme, the table between the markers (README.md or docs/)
 ``<!-- bench:classifier-stage -->`` markers.
 """
 

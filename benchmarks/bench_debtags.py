@@ -6,7 +6,7 @@ all on the same bundled split.
     python benchmarks/bench_debtags.py [--num_train_epochs 1.0] [--update_readme]
 
 Writes benchmarks/results/debtags.json and benchmarks/results/debtags.md; with --update_readme it also replaces
-the table between the README's ``<!-- bench:debtags -->`` markers.
+the table between the markers (README.md or docs/) ``<!-- bench:debtags -->`` markers.
 """
 
 import argparse

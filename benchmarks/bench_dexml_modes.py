@@ -4,7 +4,7 @@ in-batch negatives only vs NGAME cluster batching + mined hard negatives (same e
 
     python benchmarks/bench_dexml_modes.py [--epochs 2] [--modes in_batch engine] [--update_readme]
 
-Writes benchmarks/results/dexml_modes.json and, with --update_readme, the table between the README's
+Writes benchmarks/results/dexml_modes.json and, with --update_readme, the table between the markers (README.md or docs/)
 ``<!-- bench:dexml-modes -->`` markers.
 """
 

@@ -6,7 +6,7 @@ learning rate and seed, every run through its ``training_scripts/train_<method>.
 
 Debtags is the bundled dataset (PRIME's defaults were chosen on it); Reuters-21578 (``benchmarks/make_reuters.py``)
 is the check on data the defaults were not tuned on. Writes benchmarks/results/prime.json and, with
---update_readme, the table between the README's ``<!-- bench:prime -->`` markers (``--marker`` picks another pair).
+--update_readme, the table between the markers (README.md or docs/) ``<!-- bench:prime -->`` markers (``--marker`` picks another pair).
 """
 
 import os

@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--timeout", type=float, default=4 * 3600, help="Seconds per worker process.")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "scale.json"))
     parser.add_argument("--merge", action="store_true", help="Keep rows of --out for variants not run now (replace the others).")
-    parser.add_argument("--update_readme", action="store_true", help="Write the table between the README's --readme_marker markers.")
+    parser.add_argument("--update_readme", action="store_true", help="Write the table between the markers (README.md or docs/) --readme_marker markers.")
     parser.add_argument("--readme_marker", default="<!-- bench:scale -->", help="README block (marker pair) the table goes to.")
     parser.add_argument("--table_only", action="store_true", help="Print (and with --update_readme write) the table of --out; run nothing.")
     parser.add_argument("--worker", choices=("train", "reload"), help=argparse.SUPPRESS)

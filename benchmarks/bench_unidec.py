@@ -10,7 +10,7 @@ named explicitly (the rows stay valid whatever the defaults); ``depsl`` is the s
 UniDEC and search one head only (the paper's UniDEC-de / UniDEC-clf rows); ``batches_*`` compare the two cluster
 batchings (``--epochs 3``: clustering starts at the second epoch). Debtags is the bundled dataset (defaults
 chosen on it); Reuters-21578 (``benchmarks/make_reuters.py``) is the check on data they were not tuned on. Writes
-benchmarks/results/unidec.json and, with --update_readme, the table between the README's ``<!-- bench:unidec -->``
+benchmarks/results/unidec.json and, with --update_readme, the table between the markers (README.md or docs/) ``<!-- bench:unidec -->``
 markers (``--marker`` picks another pair).
 """
 

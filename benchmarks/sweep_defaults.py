@@ -32,16 +32,22 @@ BENCH_SHOWN = ["test_P@1", "test_P@3", "test_P@5", "test_nDCG@5", "test_PSP@1", 
 
 
 def update_readme_block(marker: str, body: str) -> None:
-    """Replace the text between the README's one pair of ``marker`` lines by ``body``."""
-    readme = os.path.join(REPO, "README.md")
-    with open(readme) as f:
+    """Replace the text between the one pair of ``marker`` lines by ``body``: in ``README.md`` or the ``docs/`` page
+    that holds it (the benchmark tables live in docs/benchmarks.md and docs/scale.md)."""
+    import glob
+
+    pattern = re.escape(marker) + ".*?" + re.escape(marker)
+    candidates = [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
+    holders = [path for path in candidates if len(re.findall(pattern, open(path, encoding="utf-8").read(), flags=re.S)) == 1]
+    if len(holders) != 1:
+        raise SystemExit(f"exactly one of README.md and docs/*.md must contain one pair of {marker} markers (found {len(holders)})")
+    path = holders[0]
+    with open(path, encoding="utf-8") as f:
         text = f.read()
-    new, count = re.subn(re.escape(marker) + ".*?" + re.escape(marker), lambda _: f"{marker}\n{body}{marker}", text, flags=re.S)
-    if count != 1:
-        raise SystemExit(f"README.md must contain exactly one pair of {marker} markers")
-    with open(readme, "w") as f:
+    new = re.sub(pattern, lambda _: f"{marker}\n{body}{marker}", text, flags=re.S)
+    with open(path, "w", encoding="utf-8") as f:
         f.write(new)
-    print("README.md updated")
+    print(f"{os.path.relpath(path, REPO)} updated")
 
 
 def run_training_script(method: str, data_dir: str, encoder: str, output_dir: str, extra: list[str]) -> tuple[dict, float]:
