@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import re
@@ -163,16 +164,22 @@ def read_queries(path: str, text_fields: Sequence[str] = ("title",)) -> list[str
     return texts
 
 
-def prediction_records(model, texts: Sequence[str], k: int, batch_size: int) -> Iterator[dict[str, Any]]:
-    """``{"text", "labels": [{"id", "uid", "text", "score"}, ...]}`` per query, best label first (``model.predict``
-    top-``k``; empty slots, when ``k`` exceeds the label count, are dropped)."""
+def prediction_records(model, texts: Sequence[Optional[str]], k: int, batch_size: int, images: Optional[Sequence[Optional[str]]] = None) -> Iterator[dict[str, Any]]:
+    """``{"text", "labels": [{"id", "uid", "text", "score"}, ...]}`` per query (``"image"`` too when given), best label
+    first (``model.predict`` top-``k``; empty slots, when ``k`` exceeds the label count, are dropped)."""
     uids, names = model.label_uids, model.label_texts
     for start in range(0, len(texts), PREDICT_CHUNK):
         chunk = list(texts[start : start + PREDICT_CHUNK])
-        pred = model.predict(chunk, k=k, batch_size=batch_size)
-        for text, ids, scores in zip(chunk, pred.label_ids.tolist(), pred.scores.tolist()):
-            labels = [{"id": i, "uid": uids[i], "text": names[i], "score": s} for i, s in zip(ids, scores) if i >= 0]
-            yield {"text": text, "labels": labels}
+        extra = {}
+        if images is not None:
+            extra["images"] = [[] if image is None else [image] for image in images[start : start + PREDICT_CHUNK]]
+        pred = model.predict(chunk if any(t is not None for t in chunk) else None, k=k, batch_size=batch_size, **extra)
+        for i, (text, ids, scores) in enumerate(zip(chunk, pred.label_ids.tolist(), pred.scores.tolist())):
+            labels = [{"id": j, "uid": uids[j], "text": names[j], "score": s} for j, s in zip(ids, scores) if j >= 0]
+            record = {"text": text, "labels": labels}
+            if images is not None:
+                record["image"] = images[start + i]
+            yield record
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -180,10 +187,27 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if args.k < 1:
         raise UserError(f"--k must be at least 1, got {args.k}")
     _require_file(args.input_file, "--input_file")
-    texts = args.text if args.text is not None else read_queries(args.input_file, tuple(args.text_fields.split(",")))
+    images = None
+    if args.image:
+        for image in args.image:
+            if not image.startswith("file://"):
+                _require_file(image, "--image")
+        if args.input_file:
+            raise UserError("--image goes with --text (one text per image, or none), not with --input_file")
+        texts = args.text
+        if texts is not None and len(texts) != len(args.image):
+            raise UserError(f"got {len(texts)} --text but {len(args.image)} --image: give one text per image, or only images")
+        texts = texts if texts is not None else [None] * len(args.image)
+        images = args.image
+    else:
+        if args.text is None and args.input_file is None:
+            raise UserError("give --text, --input_file or --image")
+        texts = args.text if args.text is not None else read_queries(args.input_file, tuple(args.text_fields.split(",")))
     model = load_model(args.model)
     _pick_device(model, args.device)
-    records = prediction_records(model, texts, args.k, args.batch_size)
+    if images is not None and "images" not in inspect.signature(model.predict).parameters:
+        raise UserError(f"{args.model}: a {type(model).__name__} ranks texts only; --image needs a MUFIN model")
+    records = prediction_records(model, texts, args.k, args.batch_size, images)
     if args.output_file is None:
         _write_json_lines(sys.stdout, records)
     else:
@@ -327,9 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description='Rank the model\'s labels for each query; one JSON line per query: {"text": ..., '
                        '"labels": [{"id", "uid", "text", "score"}, ...]}, best first.')
     p.add_argument("model", help="model directory or Hub repo id")
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--text", action="append", help="a query (repeat for several)")
     src.add_argument("--input_file", help="plain text (one query per line) or XC raw JSON lines (.json/.json.gz)")
+    p.add_argument("--image", action="append", help="MUFIN: a query image, a path or file:// URL (repeat for several; "
+                   "with --text, one text per image)")
     p.add_argument("--text_fields", default="title", help="JSON fields joined into a query text (JSON input)")
     p.add_argument("--k", type=int, default=5, help="labels per query")
     p.add_argument("--batch_size", type=int, default=128, help="encoding batch size")

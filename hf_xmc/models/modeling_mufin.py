@@ -84,6 +84,7 @@ LABEL_BAGS_FILE = "mufin_label_bags.safetensors"
 LABEL_CENTROIDS_FILE = "mufin_label_centroids.safetensors"
 LABEL_IMAGES_FILE = "mufin_label_images.safetensors"
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+PROCESSOR_FILE = "processor_config.json"  # MUFINProcessor (tokenizer + image processor) for AutoProcessor, with its auto_map
 MUFIN_STAGES = ("siamese", "ranker")
 
 
@@ -358,8 +359,13 @@ def select_siamese_pairs(
 
 
 def to_rgb(image: Any) -> Any:
-    """An image path, encoded image bytes (PNG, JPEG, ...) or PIL image as an RGB PIL image; transparent pixels become
-    white (``hf_xmc.data.load_image`` uses this too)."""
+    """An image path, a local ``file://`` URL, encoded image bytes (PNG, JPEG, ...) or PIL image as an RGB PIL image;
+    transparent pixels become white (``hf_xmc.data.load_image`` uses this too). Images are never fetched from the
+    network."""
+    if isinstance(image, str) and image.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        image = unquote(urlparse(image).path)
     if isinstance(image, (str, os.PathLike, bytes, bytearray, memoryview)):
         encoded = not isinstance(image, (str, os.PathLike))
         if Image is None:
@@ -1261,7 +1267,7 @@ class MUFINModel(MUFINPreTrainedModel):
         image processor, the label bags (needed), the centroids and the label images (optional)."""
         files = super().model_files()
         del files[LABEL_EMBEDDINGS_FILE], files[LABEL_EMBEDDINGS_INDEX_FILE]
-        files.update({IMAGE_PROCESSOR_FILE: True, LABEL_BAGS_FILE: True, LABEL_CENTROIDS_FILE: False, LABEL_IMAGES_FILE: False})
+        files.update({IMAGE_PROCESSOR_FILE: True, PROCESSOR_FILE: False, LABEL_BAGS_FILE: True, LABEL_CENTROIDS_FILE: False, LABEL_IMAGES_FILE: False})
         return files
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], *args, is_main_process: bool = True, **kwargs) -> None:
@@ -1273,6 +1279,11 @@ class MUFINModel(MUFINPreTrainedModel):
         save_directory = str(save_directory)
         if self.image_processor is not None:
             self.image_processor.save_pretrained(save_directory)
+            if self.tokenizer is not None:
+                # a relative import: processing_mufin.py travels with the remote code (AutoProcessor reads its auto_map)
+                from .processing_mufin import MUFINProcessor
+
+                MUFINProcessor(image_processor=self.image_processor, tokenizer=self.tokenizer).save_pretrained(save_directory)
         if self.label_vectors is not None:
             tensors = {"label_bag_rows": self.label_bag_rows, "label_bag_offsets": self.label_bag_offsets, "label_vectors": self.label_vectors}
             tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}

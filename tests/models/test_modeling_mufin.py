@@ -747,6 +747,67 @@ def test_pipeline_with_images_without_hf_xmc(trained_like, tmp_path):
     assert_same_rows(result["many"], want)
 
 
+REMOTE_PROCESSOR = """
+import json, sys
+sys.modules["hf_xmc"] = None  # the processor comes from the model directory, not the package
+from transformers import AutoProcessor
+processor = AutoProcessor.from_pretrained(sys.argv[1], trust_remote_code=True)
+request = json.loads(sys.argv[2])
+out = processor(text=request["texts"], images=request["images"], max_length=request["max_length"])
+print("RESULT " + json.dumps({"class": type(processor).__name__, "module": type(processor).__module__,
+                              "input_ids": out["input_ids"].tolist(), "pixel_values": out["pixel_values"].tolist()}))
+"""
+
+
+def test_auto_processor_without_hf_xmc(trained_like, tmp_path):
+    """AutoProcessor on a saved MUFIN model: the tokenizer and image processor as one MUFINProcessor, loaded through
+    remote code where hf_xmc cannot be imported, preparing inputs exactly as the model does (file:// URLs too)."""
+    import subprocess
+    import sys
+
+    model, rng = trained_like, np.random.default_rng(21)
+    paths = []
+    for i in range(2):
+        path = str(tmp_path / f"image_{i}.png")
+        random_image(rng).save(path)
+        paths.append(path)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    assert (model_dir / "processor_config.json").exists() and (model_dir / "processing_mufin.py").exists()
+    assert json.load(open(model_dir / "processor_config.json"))["auto_map"]["AutoProcessor"] == "processing_mufin.MUFINProcessor"
+    texts = ["red apple house tree cat", "blue"]
+    request = {"texts": texts, "images": [paths[0], "file://" + paths[1]], "max_length": model.config.max_seq_length}
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
+    proc = subprocess.run([sys.executable, "-c", REMOTE_PROCESSOR, str(model_dir), json.dumps(request)], capture_output=True,
+                          text=True, env=env, cwd=str(tmp_path), timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][0][7:])
+    assert result["class"] == "MUFINProcessor" and result["module"].startswith("transformers_modules")
+    bags = model.prepare_bags(texts=texts, images=[[paths[0]], [paths[1]]])
+    assert result["input_ids"] == bags["input_ids"].tolist()
+    np.testing.assert_allclose(np.array(result["pixel_values"]), bags["pixel_values"].numpy(), atol=1e-6)
+    # predict takes the same file:// URL as the path
+    url = model.predict(["red apple"], k=5, images=[["file://" + paths[0]]])
+    path = model.predict(["red apple"], k=5, images=[[paths[0]]])
+    np.testing.assert_array_equal(url.label_ids, path.label_ids)
+    # hf-xmc predict --image (an image-only query, and a text + image one)
+    import contextlib
+    import io
+
+    from hf_xmc.cli import main as cli_main
+
+    for argv, want in (
+        (["--image", paths[1]], model.predict(images=[paths[1]], k=3)),
+        (["--text", "red apple", "--image", "file://" + paths[0]], path),
+    ):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli_main(["predict", str(model_dir), "--k", "3", *argv]) == 0
+        record = json.loads(out.getvalue().splitlines()[0])
+        assert [label["id"] for label in record["labels"]] == want.label_ids[0, :3].tolist()
+        assert record["image"] == argv[-1]
+
+
 def test_push_uploads_exactly_the_model_files(trained_like, tmp_path, capsys):
     """MUFIN directories push (they hold label bags, no label_embeddings.safetensors) with their label images."""
     check_push_uploads_exactly_the_model_files(trained_like, tmp_path, capsys)
