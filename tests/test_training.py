@@ -93,6 +93,35 @@ def test_trainer_learns_the_planted_task(tiny_encoder_dir, tiny_task, tmp_path):
     assert after["eval_PSP@5"] > before["test_PSP@5"] + 10
 
 
+def test_release_training_state_frees_the_optimizer_and_keeps_evaluation(tiny_encoder_dir, tiny_task, tmp_path):
+    """After training, the optimizer (its AdamW moments), scheduler and collator are released before evaluation and
+    saving (at 1.3M labels the moments alone are 4 GB); evaluate and save_model give what they gave before."""
+    import gc
+    import weakref
+
+    data = tiny_task[0]
+    torch.manual_seed(0)
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir, max_seq_length=16, label_max_seq_length=16)
+    args = XMCTrainingArguments(output_dir=str(tmp_path), num_train_epochs=1, per_device_train_batch_size=32,
+                                save_strategy="no", seed=0, disable_tqdm=True, report_to="none")
+    evaluator = XMCEvaluator(data.test, data.label_texts, train_targets=data.train.targets)
+    trainer = XMCTrainer(model=model, args=args, train_dataset=data.train, label_texts=data.label_texts, evaluator=evaluator)
+    trainer.train()
+    before = trainer.evaluate()
+    inner = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert inner.state  # AdamW moments exist
+    optimizer, collator = weakref.ref(inner), weakref.ref(trainer.data_collator)
+    del inner
+    trainer.release_training_state()
+    gc.collect()
+    assert optimizer() is None and collator() is None and trainer.optimizer is None
+    after = trainer.evaluate()
+    assert {k: v for k, v in after.items() if "P@" in k or "R@" in k} == {k: v for k, v in before.items() if "P@" in k or "R@" in k}
+    trainer.save_model(str(tmp_path / "saved"))
+    reloaded = DEXMLModel.from_pretrained(tmp_path / "saved")
+    np.testing.assert_array_equal(reloaded.predict(data.test.texts[:4], k=3).label_ids, model.predict(data.test.texts[:4], k=3).label_ids)
+
+
 def test_trainer_refuses_remove_unused_columns(tiny_encoder_dir, tiny_task, tmp_path):
     from transformers import TrainingArguments
 

@@ -242,6 +242,7 @@ def train_and_evaluate(
         **trainer_kwargs,
     )
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.release_training_state()  # the optimizer's moments and the batches' data: not needed from here on
     metrics = dict(train_result.metrics)
     metrics.update(trainer.evaluate(metric_key_prefix=evaluator.name))
     metrics.pop("epoch", None)
