@@ -19,6 +19,8 @@ from .xc_raw import XMCDataset
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
 
+    from .xc_raw import XCData
+
 __all__ = ["to_hf_dataset", "from_hf_dataset", "labels_to_hf_dataset", "load_hf_xc_data", "xc_data_to_hf_dataset_dict"]
 
 
@@ -257,7 +259,7 @@ def load_hf_xc_data(
     train_files: str | None = None,
     test_files: str | None = None,
     image_cache_dir: str | None = None,
-) -> "XCData":
+) -> XCData:
     """An XMC task read with ``datasets``, as transformers' example scripts read theirs.
 
     Points come from ``dataset_name`` (a Hub id, a ``save_to_disk`` directory, or data files), splits

@@ -300,7 +300,7 @@ class LabelIndex:
                 self._index.add(chunk.numpy())
         self._torch_labels = None
 
-    def select(self, rows: np.ndarray | torch.Tensor) -> "LabelIndex":
+    def select(self, rows: np.ndarray | torch.Tensor) -> LabelIndex:
         """A new index over the vectors of ``rows`` (in that order, renumbered from 0): labels removed. An IVF index
         keeps its trained lists (the kept vectors are re-added, no k-means); HNSW, which faiss cannot delete from, is
         rebuilt. Memory: one copy of the kept vectors."""

@@ -604,7 +604,7 @@ def cut_after_words(texts: Sequence[str], num_words: int) -> tuple[list[str], in
     returns the texts and how many were cut. The cut keeps the original characters (no re-joining of words)."""
     pattern = _word_prefix_patterns.get(num_words)
     if pattern is None:  # possessive quantifiers: a text with fewer words fails without backtracking
-        pattern = _word_prefix_patterns[num_words] = re.compile(r"\s*+(?:\S++\s++){%d}\S++" % (num_words - 1))
+        pattern = _word_prefix_patterns[num_words] = re.compile(r"\s*+(?:\S++\s++){" + str(num_words - 1) + r"}\S++")
     out, cut = [], 0
     for text in texts:
         match = pattern.match(text) if len(text) > 2 * num_words else None
