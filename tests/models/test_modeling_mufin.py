@@ -660,13 +660,19 @@ def test_save_and_reload_same_predictions(trained_like, tmp_path):
     torch.testing.assert_close(again, model.label_vectors[text_only], atol=1e-5, rtol=1e-5)
 
 
-def test_remote_code_reload_without_hf_xmc(trained_like, tmp_path):
-    model, rng = trained_like, np.random.default_rng(13)
+def save_random_images(directory, rng, count: int) -> list[str]:
+    """``count`` random images written as PNG files (``image_<i>.png``): images travel as paths."""
     paths = []
-    for i in range(3):  # images travel as PNG paths
-        path = str(tmp_path / f"image_{i}.png")
+    for i in range(count):
+        path = str(directory / f"image_{i}.png")
         random_image(rng).save(path)
         paths.append(path)
+    return paths
+
+
+def test_remote_code_reload_without_hf_xmc(trained_like, tmp_path):
+    model, rng = trained_like, np.random.default_rng(13)
+    paths = save_random_images(tmp_path, rng, 3)
     request = {"texts": ["red apple", None, "green tree cat"], "images": [[paths[0], paths[1]], [paths[2]], []]}
     before = model.predict(request["texts"], k=5, images=request["images"])
     model_dir = tmp_path / "model"
@@ -724,11 +730,7 @@ def test_pipeline_with_images_without_hf_xmc(trained_like, tmp_path):
     from hf_xmc.models import XMC_PIPELINE_TASK
 
     model, rng = trained_like, np.random.default_rng(14)
-    paths = []
-    for i in range(2):
-        path = str(tmp_path / f"image_{i}.png")
-        random_image(rng).save(path)
-        paths.append(path)
+    paths = save_random_images(tmp_path, rng, 2)
     want = pipeline_rows(model.predict(["red apple", None, "green tree cat"], k=5, images=[[paths[0]], [paths[1]], []]), 5)
     # a text + image item (the image as a file:// URL), an image-only item (a PIL image in process, a path remotely), a text
     pipe = pipeline(XMC_PIPELINE_TASK, model=model, device="cpu")
@@ -766,11 +768,7 @@ def test_auto_processor_without_hf_xmc(trained_like, tmp_path):
     import sys
 
     model, rng = trained_like, np.random.default_rng(21)
-    paths = []
-    for i in range(2):
-        path = str(tmp_path / f"image_{i}.png")
-        random_image(rng).save(path)
-        paths.append(path)
+    paths = save_random_images(tmp_path, rng, 2)
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     assert (model_dir / "processor_config.json").exists() and (model_dir / "processing_mufin.py").exists()
@@ -878,11 +876,7 @@ def test_open_clip_vision_tower(encoders, open_clip_dir, tmp_path):
     fit_dimensions(dims, encoders[0], "open_clip:local-dir:" + clip_dir)  # train_mufin.py's sizing of D
     assert dims == {"embed_dim": 16, "attention_heads": 4}  # the CLIP's 16-d projection is the narrowest width
 
-    paths = []
-    for i in range(2):
-        path = str(tmp_path / f"image_{i}.png")
-        random_image(rng).save(path)
-        paths.append(path)
+    paths = save_random_images(tmp_path, rng, 2)
     request = {"texts": ["red apple", None], "images": [[paths[0]], [paths[1]]]}
     before = model.predict(request["texts"], k=5, images=request["images"])
     model_dir = tmp_path / "model"
