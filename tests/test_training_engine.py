@@ -155,3 +155,48 @@ def test_resume_mid_epoch_matches_uninterrupted_run(tiny_encoder_dir, tiny_task,
         assert got[key] == pytest.approx(expected[key], abs=1e-6), key
     for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+class _RunsCode:
+    """Unpickling this object would create a file: the proof that a pickle was (not) loaded."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_checkpoint_state_is_safetensors_and_json_and_no_pickle_is_loaded(tiny_encoder_dir, tiny_task, tmp_path):
+    """The trainer's own checkpoint state (sampler, memory bank, shortlist) is written as safetensors + JSON and read
+    back equal; an old-style ``xmc_training_state.pt`` holding a pickle that runs code is refused, and the code does
+    not run."""
+    from hf_xmc.training.trainer import XMCEpochCallback
+
+    data = tiny_task[0]
+    engine = dict(num_train_epochs=2, cluster_batching=True, cluster_init_size=8, cluster_curriculum_epochs=[1],
+                  cluster_refresh_interval=1, hard_negatives=2, hard_negative_start_epoch=1, hard_negative_top_k=10,
+                  save_strategy="epoch")
+    trainer = make_trainer(tiny_encoder_dir, data, tmp_path / "run", **engine)
+    trainer.train()
+    checkpoint = sorted((tmp_path / "run").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+    assert (checkpoint / XMCEpochCallback.STATE_FILE).exists() and (checkpoint / XMCEpochCallback.STATE_META_FILE).exists()
+    assert not (checkpoint / XMCEpochCallback.LEGACY_STATE_FILE).exists()
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, XMCEpochCallback))
+    state, read = callback.state_dict(), XMCEpochCallback.read_state(str(checkpoint))
+    assert read["mined_epoch"] == state["mined_epoch"] == 1
+    np.testing.assert_array_equal(read["shortlist"], state["shortlist"])
+    torch.testing.assert_close(read["sampler"]["assignment"], state["sampler"]["assignment"])
+    assert {k: v for k, v in read["sampler"].items() if k != "assignment"} == {k: v for k, v in state["sampler"].items() if k != "assignment"}
+    assert XMCEpochCallback.read_state(str(tmp_path)) is None  # no state: nothing to restore
+    # a planted pickle in the old file name is never unpickled
+    legacy = tmp_path / "old-checkpoint"
+    legacy.mkdir()
+    marker = tmp_path / "code-ran"
+    torch.save({"mined_epoch": _RunsCode(marker)}, legacy / XMCEpochCallback.LEGACY_STATE_FILE)
+    with pytest.raises(ValueError, match="not loaded, it is a pickle"):
+        XMCEpochCallback.read_state(str(legacy))
+    assert not marker.exists()
+    # an old file of plain tensors (what weights_only reads) still resumes
+    torch.save({"mined_epoch": None, "sampler": None, "memory_bank": None, "shortlist": None}, legacy / XMCEpochCallback.LEGACY_STATE_FILE)
+    assert XMCEpochCallback.read_state(str(legacy))["shortlist"] is None

@@ -217,10 +217,10 @@ class XMCTrainer(Trainer):
 
             path = get_last_checkpoint(self.args.output_dir)
         if isinstance(path, str):
-            state_file = os.path.join(path, XMCEpochCallback.STATE_FILE)
             callback = next((c for c in self.callback_handler.callbacks if isinstance(c, XMCEpochCallback)), None)
-            if callback is not None and os.path.exists(state_file):
-                callback.load_state_dict(torch.load(state_file, weights_only=False))
+            saved = XMCEpochCallback.read_state(path) if callback is not None else None
+            if saved is not None:
+                callback.load_state_dict(saved)
         elif getattr(self.model, "needs_label_state", False) and self.xmc_train_data is not None:
             # a fresh PRIME-style model: free-vector clusters and centroids come from the initial encoder
             data = self.xmc_train_data
@@ -568,7 +568,10 @@ class XMCEpochCallback(TrainerCallback):
     """Start-of-epoch work of :class:`XMCTrainer` (collator epoch, NGAME re-clustering, hard-negative refresh), and
     the checkpointing of what that work produced, so a resumed run continues with the same batches."""
 
-    STATE_FILE = "xmc_training_state.pt"
+    # the checkpoint's own state, with no pickle: tensors in safetensors, the rest in JSON
+    STATE_FILE = "xmc_training_state.safetensors"
+    STATE_META_FILE = "xmc_training_state.json"
+    LEGACY_STATE_FILE = "xmc_training_state.pt"  # written by hf_xmc before; read with weights_only=True only
 
     def __init__(self, trainer: XMCTrainer):
         self.trainer = trainer
@@ -598,10 +601,64 @@ class XMCEpochCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", self.STATE_FILE)
-            if os.path.isdir(os.path.dirname(path)):
-                torch.save(self.state_dict(), path)
+            directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            if os.path.isdir(directory):
+                self.write_state(directory, self.state_dict())
         return control
+
+    @classmethod
+    def write_state(cls, directory: str, state: dict) -> None:
+        """:meth:`state_dict` as ``xmc_training_state.safetensors`` (the tensors: cluster assignment, memory bank,
+        shortlist) + ``xmc_training_state.json`` (epochs, seed, sizes), each written atomically: nothing a resume
+        reads is a pickle. Memory: one CPU copy of the shortlist (``4 K`` bytes per training point)."""
+        from safetensors.torch import save_file
+
+        from ..models.label_index import atomic_write, write_json
+
+        tensors: dict[str, torch.Tensor] = {}
+        meta = {"mined_epoch": state["mined_epoch"], "sampler": None, "memory_bank": state["memory_bank"] is not None, "shortlist": state["shortlist"] is not None}
+        if state["sampler"] is not None:
+            meta["sampler"] = {k: v for k, v in state["sampler"].items() if k != "assignment"}
+            if state["sampler"]["assignment"] is not None:
+                tensors["sampler.assignment"] = state["sampler"]["assignment"]
+        if state["memory_bank"] is not None:
+            tensors.update({f"memory_bank.{k}": v for k, v in state["memory_bank"].items()})
+        if state["shortlist"] is not None:
+            tensors["shortlist"] = torch.as_tensor(state["shortlist"])
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        atomic_write(os.path.join(directory, cls.STATE_FILE), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+        atomic_write(os.path.join(directory, cls.STATE_META_FILE), lambda p: write_json(p, meta))
+
+    @classmethod
+    def read_state(cls, directory: str) -> Optional[dict]:
+        """What :meth:`write_state` wrote in a checkpoint directory, as :meth:`state_dict` returns it; None without
+        it. A checkpoint of an older hf_xmc holds ``xmc_training_state.pt``: it is read with ``weights_only=True`` (no
+        code runs), and refused with a one-line message when that cannot read it."""
+        import json
+
+        from safetensors.torch import load_file
+
+        meta_path, tensor_path = os.path.join(directory, cls.STATE_META_FILE), os.path.join(directory, cls.STATE_FILE)
+        if os.path.exists(meta_path) and os.path.exists(tensor_path):
+            with open(meta_path, encoding="utf-8") as f:
+                meta = json.load(f)
+            tensors = load_file(tensor_path)
+            sampler = None
+            if meta["sampler"] is not None:
+                sampler = {**meta["sampler"], "assignment": tensors.get("sampler.assignment")}
+            bank = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("memory_bank.")} if meta["memory_bank"] else None
+            shortlist = tensors["shortlist"].numpy() if meta["shortlist"] else None
+            return {"mined_epoch": meta["mined_epoch"], "sampler": sampler, "memory_bank": bank, "shortlist": shortlist}
+        legacy = os.path.join(directory, cls.LEGACY_STATE_FILE)
+        if not os.path.exists(legacy):
+            return None
+        try:
+            return torch.load(legacy, weights_only=True)
+        except Exception as err:  # a pickle of arbitrary objects: never unpickled
+            raise ValueError(
+                f"{legacy}: not loaded, it is a pickle that torch.load(weights_only=True) refuses ({type(err).__name__}); "
+                "resume from a checkpoint written by this version, or start the run again"
+            ) from None
 
     def state_dict(self) -> dict:
         """Sampler (assignment and the epoch it was made for), memory bank, shortlist and its epoch."""
