@@ -261,3 +261,30 @@ def faiss_centroids(ivf) -> np.ndarray:
     import faiss
 
     return faiss.rev_swig_ptr(faiss.downcast_index(ivf.quantizer).get_xb(), ivf.nlist * ivf.d).reshape(ivf.nlist, ivf.d).copy()
+
+
+def test_faiss_file_is_checked_against_its_recorded_sha256(tmp_path, monkeypatch, caplog):
+    """label_index.json records the faiss file's sha256 and the label count; a file that does not match (here: a
+    valid faiss index of other vectors, which faiss would read happily) is not read but rebuilt, with a warning."""
+    import logging
+
+    import faiss
+
+    rng = np.random.default_rng(7)
+    labels = rng.standard_normal((300, 16)).astype("float32")
+    queries = rng.standard_normal((5, 16)).astype("float32")
+    LabelIndex(labels, kind="hnsw").save(str(tmp_path))
+    meta = json.load(open(tmp_path / "label_index.json"))
+    assert meta["num_labels"] == 300 and len(meta["sha256"]) == 64
+    index_path = str(tmp_path / "label_index.faiss")
+    assert LabelIndex.load(labels, str(tmp_path / "label_index.json"), index_path)._index.ntotal == 300
+    # swap in another, valid HNSW file of the same shape and parameters: only the hash tells
+    other = LabelIndex(rng.standard_normal((300, 16)).astype("float32"), kind="hnsw")
+    faiss.write_index(other._index, index_path)
+    reads = []
+    monkeypatch.setattr(label_index_module.faiss, "read_index", lambda *a: reads.append(a) or faiss.read_index(*a))
+    with caplog.at_level(logging.WARNING, logger=label_index_module.logger.name):
+        loaded = LabelIndex.load(labels, str(tmp_path / "label_index.json"), index_path)
+    assert not reads and "does not match the sha256" in caplog.text
+    exact = LabelIndex(labels, kind="torch").search(queries, 5)[1]
+    assert np.mean([len(set(a) & set(b)) / 5 for a, b in zip(loaded.search(queries, 5)[1], exact)]) > 0.9
