@@ -7,6 +7,7 @@ import importlib.util
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -274,6 +275,13 @@ def test_bad_model_dirs(trained, tiny_encoder_dir, capsys, tmp_path):
     assert tiny_encoder_dir in line and "not an hf_xmc model" in line
     line = one_line_error(*run_cli(capsys, "push", empty / "x", "org/name"))
     assert "no such model directory" in line
+    # a truncated weights file (an interrupted download): named, with what to do, not a bare SafetensorError
+    truncated = tmp_path / "truncated"
+    shutil.copytree(trained[2], truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5])
+    line = one_line_error(*run_cli(capsys, "predict", truncated, "--text", "x"))
+    assert str(truncated) in line and "not valid safetensors" in line and "download it again" in line
 
 
 def test_bad_data_names_the_file_and_line(trained, capsys, tmp_path):

@@ -604,3 +604,40 @@ def test_load_debtags_stats():
     assert {data.label_uids[lab] for lab in data.test.label_lists()[j]} == {
         "game::strategy", "interface::graphical", "interface::x11", "role::program", "uitoolkit::sdl",
         "uitoolkit::wxwidgets", "use::gameplaying", "x11::application"}
+
+
+def _write_gz_lines(path, rows):
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+
+
+def test_empty_label_file_and_unlabelled_training_set_are_named(tmp_path):
+    """Faults that used to surface as 'label id 25 out of range (num_labels=0)' and as a metrics-module error."""
+    _write_gz_lines(tmp_path / "lbl.json.gz", [])
+    _write_gz_lines(tmp_path / "trn.json.gz", [{"uid": "a", "title": "x", "target_ind": [0]}])
+    _write_gz_lines(tmp_path / "tst.json.gz", [{"uid": "b", "title": "y", "target_ind": [0]}])
+    with pytest.raises(XMCDataError, match=r"lbl\.json\.gz: the label file is empty"):
+        load_xc_dataset(tmp_path / "trn.json.gz", tmp_path / "tst.json.gz", tmp_path / "lbl.json.gz")
+    _write_gz_lines(tmp_path / "lbl.json.gz", [{"uid": "l0", "title": "red"}])
+    _write_gz_lines(tmp_path / "trn.json.gz", [{"uid": "a", "title": "x", "target_ind": []}, {"uid": "c", "title": "z", "target_ind": []}])
+    with pytest.raises(XMCDataError, match=r"trn\.json\.gz: no training point has a label \(2 point\(s\) without one\)"):
+        load_xc_dataset(tmp_path / "trn.json.gz", tmp_path / "tst.json.gz", tmp_path / "lbl.json.gz")
+
+
+def test_duplicate_uids_are_reported_with_count_and_first_lines(tmp_path, caplog):
+    rows = [{"uid": u, "title": "t", "target_ind": [0]} for u in ["a", "b", "c", "b", "a", "b"]]
+    _write_gz_lines(tmp_path / "trn.json.gz", rows)
+    with caplog.at_level(logging.WARNING, logger="hf_xmc.data.xc_raw"):
+        read_xc_raw(tmp_path / "trn.json.gz", num_labels=1)
+    assert "trn.json.gz: 3 point(s) repeat a uid seen before (first: lines 2 and 4 share uid 'b')" in caplog.text
+    caplog.clear()
+    _write_gz_lines(tmp_path / "lbl.json.gz", [{"uid": "x", "title": "t"}, "", {"uid": "y", "title": "u"}, {"uid": "x", "title": "v"}])
+    with caplog.at_level(logging.WARNING, logger="hf_xmc.data.xc_raw"):
+        uids, _ = read_xc_labels(tmp_path / "lbl.json.gz")
+    assert uids == ["x", "y", "x"] and "1 label(s) repeat a uid seen before (first: lines 1 and 4 share uid 'x')" in caplog.text
+    caplog.clear()
+    _write_gz_lines(tmp_path / "ok.json.gz", [{"uid": u, "title": "t", "target_ind": [0]} for u in "abc"])
+    with caplog.at_level(logging.WARNING, logger="hf_xmc.data.xc_raw"):
+        read_xc_raw(tmp_path / "ok.json.gz", num_labels=1)
+    assert "repeat a uid" not in caplog.text

@@ -361,6 +361,7 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
     indices = array.array("q")
     indptr = array.array("q", [0])
     records: list[int] = []
+    lines = array.array("q")  # the line of each kept point, for the duplicate-uid warning (8 bytes per point)
     skipped = 0
     max_id = -1
     record = -1
@@ -394,12 +395,14 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
             uids.append(uid)
             images.append(item_images)
             records.append(record)
+            lines.append(lineno)
             indices.extend(ind)
             indptr.append(len(indices))
     if num_labels is None:
         num_labels = max_id + 1
     if skipped:
         logger.warning("%s: skipped %d point(s) with no labels", os.fspath(path), skipped)
+    warn_duplicate_uids(path, uids, lines, "point")
     targets = sp.csr_matrix(
         (np.ones(len(indices), dtype=np.float32), np.frombuffer(indices, dtype=np.int64),
          np.frombuffer(indptr, dtype=np.int64)),
@@ -408,6 +411,24 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
     return XMCDataset(texts=texts, targets=targets, uids=uids, num_skipped=skipped,
                       source_rows=np.asarray(records, dtype=np.int64) if skipped else None,
                       images=_finish_images(images))
+
+
+def warn_duplicate_uids(path: PathLike, uids: Sequence[str], lines: Sequence[int], what: str) -> int:
+    """Log a warning when ``uids`` repeat: how many entries repeat an earlier uid, and the first two lines that share
+    one. Returns that count. Memory: one sort of the uids (an index array of 8 bytes per entry)."""
+    if len(uids) < 2:
+        return 0
+    values = np.array(uids, dtype=object)
+    order = np.argsort(values, kind="stable")
+    ranked = values[order]
+    repeats = np.flatnonzero(ranked[1:] == ranked[:-1])
+    if not repeats.size:
+        return 0
+    line_of = np.frombuffer(lines, dtype=np.int64) if isinstance(lines, array.array) else np.asarray(lines, dtype=np.int64)
+    first = repeats[np.argmin(line_of[order[repeats + 1]])]  # the pair whose second line comes first
+    a, b = sorted((int(line_of[order[first]]), int(line_of[order[first + 1]])))
+    logger.warning("%s: %d %s(s) repeat a uid seen before (first: lines %d and %d share uid %r)", os.fspath(path), repeats.size, what, a, b, ranked[first])
+    return int(repeats.size)
 
 
 def read_xc_labels(path: PathLike, text_fields: Sequence[str] = ("title",), return_images: bool = False,
@@ -423,6 +444,7 @@ def read_xc_labels(path: PathLike, text_fields: Sequence[str] = ("title",), retu
     uids: list[str] = []
     texts: list[str] = []
     images: list[list[str] | None] = []
+    lines = array.array("q")
     with _open_text(path) as f:
         for lineno, line in _iter_lines(f, path):
             if not line.strip():
@@ -431,6 +453,10 @@ def read_xc_labels(path: PathLike, text_fields: Sequence[str] = ("title",), retu
             uids.append(_get_uid(obj, path, lineno))
             texts.append(_get_text(obj, fields, path, lineno))
             images.append(_get_images(obj, base_dir, check_images, path, lineno))
+            lines.append(lineno)
+    if not uids:
+        raise XMCDataError(path, None, "the label file is empty: it has no label line")
+    warn_duplicate_uids(path, uids, lines, "label")
     if return_images:
         return uids, texts, _finish_images(images)
     return uids, texts
@@ -533,5 +559,7 @@ def load_xc_dataset(train_file: PathLike, test_file: PathLike, label_file: PathL
         label_file, text_fields=label_text_fields or text_fields, return_images=True, check_images=check_images)
     num_labels = len(label_uids)
     train = read_xc_raw(train_file, num_labels=num_labels, text_fields=text_fields, check_images=check_images)
+    if len(train) == 0:
+        raise XMCDataError(train_file, None, f"no training point has a label ({train.num_skipped} point(s) without one)")
     test = read_xc_raw(test_file, num_labels=num_labels, text_fields=text_fields, check_images=check_images)
     return XCData(train=train, test=test, label_texts=label_texts, label_uids=label_uids, label_images=label_images)

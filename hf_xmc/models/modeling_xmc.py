@@ -1145,8 +1145,17 @@ class XMCPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """Load weights and config, then the tokenizer, labels, label vectors and index saved beside them."""
-        model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        """Load weights and config, then the tokenizer, labels, label vectors and index saved beside them. A weights file
+        that is not valid safetensors (truncated by an interrupted download or copy) is named in the error."""
+        from safetensors import SafetensorError
+
+        try:
+            model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        except SafetensorError as err:
+            raise OSError(
+                f"{pretrained_model_name_or_path}: the weights file is not valid safetensors ({err}); it is truncated or "
+                "corrupt: download it again (or save the model again)"
+            ) from None
         hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
         model._load_artifacts(str(pretrained_model_name_or_path), hub)
         return model
