@@ -259,7 +259,7 @@ def train_worker(cfg: dict) -> dict:
     argv = [
         "--train_file", os.path.join(d, "trn.json.gz"), "--test_file", os.path.join(d, "tst.json.gz"),
         "--label_file", os.path.join(d, "lbl.json.gz"), "--model_name_or_path", cfg["encoder"],
-        "--output_dir", cfg["output_dir"], "--max_steps", str(cfg["steps"]),
+        "--output_dir", cfg["output_dir"], "--overwrite_output_dir", "true", "--max_steps", str(cfg["steps"]),
         "--per_device_train_batch_size", str(cfg["batch_size"]), "--max_seq_length", str(cfg["max_seq_length"]),
         "--save_strategy", "no", "--logging_steps", "25", "--disable_tqdm", "true", "--seed", "0",
         "--eval_batch_size", "1024", "--propensity_a", "0.6", "--propensity_b", "2.6", "--dataset_name", "synthetic-lf-1.3m-shape",

@@ -215,3 +215,20 @@ def test_unidec_one_cluster_per_batch_under_accelerate_two_processes(tiny_task, 
     assert "clustered 480 queries into clusters of 16" in log
     results = json.load(open(out / "eval_results.json"))
     assert all(0 <= results[k] <= 100 for k in CONTRACT_KEYS)
+
+
+def test_training_into_a_finished_model_refuses_unless_asked(tiny_task, tiny_encoder_dir, tmp_path):
+    """A second run into a directory that holds a finished model stops before any work (the model is untouched)
+    unless --overwrite_output_dir is given."""
+    from hf_xmc.training.recipes.dexml import main
+
+    _, task_dir = tiny_task
+    out = tmp_path / "out"
+    argv = contract_args(task_dir, tiny_encoder_dir, str(out), epochs="1") + ["--save_strategy", "no"]
+    main(argv)
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    with pytest.raises(ValueError, match="already holds a finished model; pass --overwrite_output_dir true"):
+        main(argv)
+    assert (out / "model.safetensors").stat().st_mtime_ns == before
+    main(argv + ["--overwrite_output_dir", "true"])
+    assert (out / "model.safetensors").stat().st_mtime_ns != before

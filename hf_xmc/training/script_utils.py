@@ -104,8 +104,26 @@ def parse_script_args(model_arguments: type, training_arguments: type, argv: Opt
     setup_logging(training_args)
     if preset:
         logger.info("preset %s sets the defaults (flags given explicitly win): %s", data_args.preset, ", ".join(f"{k}={v}" for k, v in preset.items()))
+    check_output_dir(training_args)
     set_seed(training_args.seed)
     return model_args, data_args, training_args
+
+
+def check_output_dir(training_args) -> None:
+    """Refuse to train into a directory that holds a finished model (``config.json`` beside weights or
+    ``eval_results.json``) unless ``--overwrite_output_dir`` is given or ``--resume_from_checkpoint`` continues a run
+    there: checked before any work, so an hour of mining is not spent on a run that would overwrite a model."""
+    out = training_args.output_dir
+    if not out or training_args.overwrite_output_dir or training_args.resume_from_checkpoint:
+        return
+    finished = os.path.isfile(os.path.join(out, "config.json")) and any(
+        os.path.isfile(os.path.join(out, name)) for name in (EVAL_RESULTS_FILE, "model.safetensors", "model.safetensors.index.json")
+    )
+    if finished:
+        raise ValueError(
+            f"{out}: already holds a finished model; pass --overwrite_output_dir true to train over it, "
+            "--resume_from_checkpoint to continue a run there, or another --output_dir"
+        )
 
 
 def _resolve_preset(parser: HfArgumentParser, method: Optional[str], name: Optional[str]) -> dict:

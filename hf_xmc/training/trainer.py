@@ -59,6 +59,9 @@ class XMCTrainingArguments(TrainingArguments):
     save_strategy: SaveStrategy | str = field(default="epoch", metadata={"help": "Checkpoint strategy: 'no', 'epoch' or 'steps'."})
     save_total_limit: Optional[int] = field(default=2, metadata={"help": "Checkpoints kept."})
     logging_steps: float = field(default=50, metadata={"help": "Log every N steps."})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Train into an output directory that already holds a finished model (transformers' old flag)."}
+    )
 
     # --- how batches and label pools are built (hf_xmc) ---
     positive_sampling: str = field(default="uniform", metadata={"help": "Positive sampling: 'uniform' or 'propensity' (by inverse propensity, favours tail labels)."})
