@@ -97,13 +97,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     main = get_recipe(args.method)
     # The recipe parses sys.argv like its script does (help shows 'hf-xmc train <method>', and one .json argument
     # is read as a config file); the caller's sys.argv comes back afterwards.
+    from .training.script_utils import run_script
+
     saved = sys.argv
     sys.argv = [f"{PROG} train {args.method}", *args.recipe_args]
     try:
-        main()
+        return run_script(lambda argv: main(argv), [a for a in args.recipe_args], prog=f"{PROG} train")
     finally:
         sys.argv = saved
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------- evaluate

@@ -173,9 +173,14 @@ def test_train_script_reports_bad_input(tiny_task, tiny_encoder_dir, tmp_path):
     with gzip.open(bad / "trn.json.gz", "at") as f:
         f.write(json.dumps({"uid": "x", "title": "w", "target_ind": [999]}) + "\n")
     proc = run_script(contract_args(str(bad), tiny_encoder_dir, str(tmp_path / "out")))
-    assert proc.returncode != 0
-    assert "trn.json.gz, line 481" in proc.stderr and "label id 999 out of range" in proc.stderr
+    # one line naming the file, the line and the fault; exit status 2; no traceback, nothing written
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert last.startswith("train_dexml.py: ") and "trn.json.gz, line 481: label id 999 out of range" in last
     assert not (tmp_path / "out" / "eval_results.json").exists()
+    # --debug gives the traceback back
+    proc = run_script(contract_args(str(bad), tiny_encoder_dir, str(tmp_path / "out")) + ["--debug"])
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "label id 999 out of range" in proc.stderr
 
 
 @pytest.mark.slow

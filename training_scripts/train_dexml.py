@@ -18,4 +18,8 @@ so do the training-engine flags of XMCTrainingArguments: --cluster_batching, --h
 from hf_xmc.training.recipes.dexml import main
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from hf_xmc.training.script_utils import run_script
+
+    sys.exit(run_script(main))  # an input fault: one line and exit status 2 (--debug: the traceback)

@@ -17,4 +17,8 @@ trust_remote_code=True), image processor and label index included) and OUT/eval_
 from hf_xmc.training.recipes.mufin import main
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from hf_xmc.training.script_utils import run_script
+
+    sys.exit(run_script(main))  # an input fault: one line and exit status 2 (--debug: the traceback)

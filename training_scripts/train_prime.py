@@ -21,4 +21,8 @@ spec's loss constants. Every TrainingArguments flag works, and so do the engine 
 from hf_xmc.training.recipes.prime import main
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from hf_xmc.training.script_utils import run_script
+
+    sys.exit(run_script(main))  # an input fault: one line and exit status 2 (--debug: the traceback)

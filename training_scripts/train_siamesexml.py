@@ -16,4 +16,8 @@ OUT/eval_results.json. The modules, their defaults and flags: hf_xmc/training/re
 from hf_xmc.training.recipes.siamesexml import main
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from hf_xmc.training.script_utils import run_script
+
+    sys.exit(run_script(main))  # an input fault: one line and exit status 2 (--debug: the traceback)

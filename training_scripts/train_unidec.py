@@ -25,4 +25,8 @@ lost on both datasets at this budget, see README). --use_classifier false trains
 from hf_xmc.training.recipes.unidec import main
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from hf_xmc.training.script_utils import run_script
+
+    sys.exit(run_script(main))  # an input fault: one line and exit status 2 (--debug: the traceback)

@@ -109,6 +109,32 @@ def parse_script_args(model_arguments: type, training_arguments: type, argv: Opt
     return model_args, data_args, training_args
 
 
+DEBUG_ENV = "HF_XMC_DEBUG"  # set (to anything but 0) for the full traceback of an input fault
+
+
+def run_script(main, argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
+    """Run a training script's ``main``: a fault in the input (a data file, a model or output directory, an argument
+    value; ``ValueError`` / ``OSError``, which name the file and the fault) ends as ONE line on stderr, ``<prog>:
+    <message>``, and exit status 2, nothing written by the run. ``--debug`` (or ``HF_XMC_DEBUG=1``) re-raises it
+    with its traceback. Returns the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    args = [a for a in args if a != "--debug"]
+    prog = prog or os.path.basename(sys.argv[0])
+    try:
+        main(args)
+    except (ValueError, OSError) as err:  # XMCDataError is a ValueError
+        if debug:
+            raise
+        if isinstance(err, OSError) and err.filename and err.strerror:  # "[Errno 2] No such file ..." -> "<file>: no such file or directory"
+            message = f"{err.filename}: {err.strerror[:1].lower()}{err.strerror[1:]}"
+        else:
+            message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"{prog}: {message}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def check_output_dir(training_args) -> None:
     """Refuse to train into a directory that holds a finished model (``config.json`` beside weights or
     ``eval_results.json``) unless ``--overwrite_output_dir`` is given or ``--resume_from_checkpoint`` continues a run
