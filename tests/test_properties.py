@@ -68,7 +68,7 @@ def naive(topk, truth, k):
     dense = truth.toarray() > 0
     p, r, nd = [], [], []
     for row, pos in zip(topk, dense):
-        hits = [bool(l >= 0 and pos[l]) for l in row[:k]]
+        hits = [bool(label >= 0 and pos[label]) for label in row[:k]]
         p.append(sum(hits) / k)
         r.append(sum(hits) / pos.sum() if pos.sum() else 0.0)
         dcg = sum(h / np.log2(rank + 2) for rank, h in enumerate(hits))
