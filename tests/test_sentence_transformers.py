@@ -59,9 +59,14 @@ def test_checkpoint_pooling_and_normalisation_are_used(tiny_encoder_dir, tiny_ta
     # the model embeds as sentence-transformers does with the same directory (its CLS pooling, its normalisation)
     expected = sentence_transformers.SentenceTransformer(str(st_dir), device="cpu").encode(texts, convert_to_tensor=True)
     torch.testing.assert_close(model.encode_queries(texts), expected.cpu(), atol=1e-5, rtol=1e-4)
-    # no Normalize module: no normalisation; values the caller gives win, and the log says so
+    # no Normalize module: the method keeps its cosine scoring (PRIME requires it), and the log says so
     plain = make_st_checkpoint(tiny_encoder_dir, tmp_path / "plain", pooling="mean", normalize=False, legacy=False)
-    assert not DEXMLModel.from_encoder_pretrained(str(plain)).config.normalize
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_xmc.models.modeling_xmc"):
+        assert DEXMLModel.from_encoder_pretrained(str(plain)).config.normalize
+        assert PRIMEModel.from_encoder_pretrained(str(plain), label_space_size=40).config.pooling == "mean"
+    assert "normalize kept at the method's (cosine scores; the checkpoint has no Normalize module)" in caplog.text
+    assert not DEXMLModel.from_encoder_pretrained(str(plain), normalize=False).config.normalize  # unless asked
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="hf_xmc.models.modeling_xmc"):
         asked = UniDECModel.from_encoder_pretrained(str(st_dir), label_space_size=40, pooling="mean", normalize=False)

@@ -432,6 +432,11 @@ def _config_from_sentence_transformers(path: str, config_kwargs: dict) -> dict:
                     f"{path}: the sentence-transformers checkpoint pools with {layout['pooling']!r}, which hf_xmc encoders do not "
                     f"support ({', '.join(POOLERS)}); pass pooling='mean' or 'cls' to use its encoder anyway"
                 )
+            if key == "normalize" and not layout["normalize"]:
+                # every method here scores cosine similarities (PRIME requires it, DEXML's temperature assumes it):
+                # a checkpoint without a Normalize module does not turn that off; normalize=False does, when asked
+                chosen.append("normalize kept at the method's (cosine scores; the checkpoint has no Normalize module)")
+                continue
             kwargs[key] = layout[key]
             chosen.append(f"{key}={layout[key]!r} from the checkpoint")
     logger.info("%s is a sentence-transformers checkpoint: %s", path, ", ".join(chosen))
@@ -699,8 +704,9 @@ class XMCPreTrainedModel(PreTrainedModel):
         """Build a fresh model whose encoder (and tokenizer) start from a pretrained checkpoint.
 
         ``config_kwargs`` are the method's configuration fields (e.g. ``temperature=0.05``). A sentence-transformers
-        checkpoint (``modules.json``) lends its pooling mode and normalisation to ``pooling`` / ``normalize`` left out
-        or None (a log line says which); values given here win.
+        checkpoint (``modules.json``) lends its pooling mode to ``pooling`` left out or None, and its normalisation
+        when it has a Normalize module (one without keeps the method's cosine scoring); a log line says which; values
+        given here win.
         """
         config_kwargs = _config_from_sentence_transformers(encoder_name_or_path, config_kwargs)
         encoder = AutoModel.from_pretrained(encoder_name_or_path)
