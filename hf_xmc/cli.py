@@ -102,7 +102,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     saved = sys.argv
     sys.argv = [f"{PROG} train {args.method}", *args.recipe_args]
     try:
-        return run_script(lambda argv: main(argv), [a for a in args.recipe_args], prog=f"{PROG} train")
+        return run_script(main, list(args.recipe_args), prog=f"{PROG} train")
     finally:
         sys.argv = saved
 

@@ -222,12 +222,17 @@ class LabelIndex:
         """Up to ``IVF_TRAIN_POINTS_PER_LIST * nlist`` label vectors (fixed seed, float32) to train the IVF lists on."""
         n = min(self.num_labels, IVF_TRAIN_POINTS_PER_LIST * self.ivf_nlist)
         rows = np.sort(np.random.default_rng(0).choice(self.num_labels, n, replace=False))
+        return self._gather(rows).float().numpy()
+
+    def _gather(self, rows: np.ndarray) -> torch.Tensor:
+        """The vectors of increasing label ids ``rows``, in the store's precision, block by block (no copy of the
+        whole store)."""
         parts, offset = [], 0
         for block in self.blocks:
             local = rows[(rows >= offset) & (rows < offset + block.shape[0])] - offset
-            parts.append(block[torch.from_numpy(local)].float())
+            parts.append(block[torch.from_numpy(local)])
             offset += block.shape[0]
-        return torch.cat(parts).numpy()
+        return torch.cat(parts)
 
     def _faiss_search_index(self):
         if self.kind == "hnsw":
@@ -307,12 +312,7 @@ class LabelIndex:
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (np.any(np.diff(rows) <= 0) or rows[0] < 0 or rows[-1] >= self.num_labels):
             raise ValueError(f"rows must be increasing label ids in [0, {self.num_labels})")
-        parts, offset = [], 0
-        for block in self.blocks:  # block by block: no copy of the whole store
-            local = rows[(rows >= offset) & (rows < offset + block.shape[0])] - offset
-            parts.append(block[torch.from_numpy(local)])
-            offset += block.shape[0]
-        kept = torch.cat(parts)
+        kept = self._gather(rows)
         params = dict(kind=self.kind, use_gpu=self.use_gpu, hnsw_m=self.hnsw_m, hnsw_ef_construction=self.hnsw_ef_construction,
                       hnsw_ef_search=self.hnsw_ef_search, ivf_nlist=self.ivf_nlist, ivf_nprobe=self.ivf_nprobe, chunk_size=self.chunk_size)
         reuse = None

@@ -884,17 +884,10 @@ class MUFINModel(MUFINPreTrainedModel):
         """Remove labels added after training (ids >= ``label_space_size``; MUFIN's classifiers are laid out by training
         order, so trained labels stay). Returns the old ids of the kept labels."""
         self._require_label_store()
-        wanted = {str(u) for u in ([uids] if isinstance(uids, str) else uids)}
-        positions = {u: i for i, u in enumerate(self.label_uids)}
-        unknown = sorted(wanted - set(positions))
-        if unknown:
-            raise ValueError(f"no label has uid {unknown[0]!r}")
-        trained = sorted(u for u in wanted if positions[u] < self.config.label_space_size)
-        if trained:
-            raise ValueError(f"label {trained[0]!r} has a trained classifier: MUFIN removes only labels added after training")
-        keep = np.array([i for i, u in enumerate(self.label_uids) if u not in wanted], dtype=np.int64)
-        if keep.size == 0:
-            raise ValueError("cannot remove every label: a model needs at least one")
+        keep = self._kept_label_ids(uids)
+        gone = np.setdiff1d(np.arange(len(self.label_uids)), keep)
+        if gone.size and gone[0] < self.config.label_space_size:
+            raise ValueError(f"label {self.label_uids[gone[0]]!r} has a trained classifier: MUFIN removes only labels added after training")
         rows = torch.from_numpy(keep)
         starts, ends = self.label_bag_offsets[rows], self.label_bag_offsets[rows + 1]
         self.label_bag_rows = torch.cat([self.label_bag_rows[a:b] for a, b in zip(starts.tolist(), ends.tolist())]).contiguous()

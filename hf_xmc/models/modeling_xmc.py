@@ -924,13 +924,7 @@ class XMCPreTrainedModel(PreTrainedModel):
         its label state. Returns the old ids of the kept labels (new id i = old id ``result[i]``). Memory: one copy of
         the kept vectors."""
         labels = self._require_labels()
-        wanted = {str(u) for u in ([uids] if isinstance(uids, str) else uids)}
-        unknown = wanted - set(self.label_uids)
-        if unknown:
-            raise ValueError(f"no label has uid {sorted(unknown)[0]!r}")
-        keep = np.array([i for i, u in enumerate(self.label_uids) if u not in wanted], dtype=np.int64)
-        if keep.size == 0:
-            raise ValueError("cannot remove every label: a model needs at least one")
+        keep = self._kept_label_ids(uids)
         index = self.ensure_label_index()
         same_rows = self._select_label_state(torch.from_numpy(keep))
         self.label_texts = [labels[i] for i in keep]
@@ -948,11 +942,24 @@ class XMCPreTrainedModel(PreTrainedModel):
         uids = [str(first + i) for i in range(count)] if uids is None else [str(u) for u in uids]
         if len(uids) != count:
             raise ValueError(f"got {count} labels but {len(uids)} uids")
-        taken = set(self.label_uids)
-        clash = [u for u in uids if u in taken] or [u for i, u in enumerate(uids) if u in uids[:i]]
-        if clash:
-            raise ValueError(f"label uids must be new and distinct: {clash[0]!r} is taken")
+        seen = set(self.label_uids)
+        for u in uids:  # one pass: new uids are checked against the model's and the earlier new ones
+            if u in seen:
+                raise ValueError(f"label uids must be new and distinct: {u!r} is taken")
+            seen.add(u)
         return uids
+
+    def _kept_label_ids(self, uids: Sequence[str]) -> np.ndarray:
+        """Ids of the labels that stay when those with ``uids`` go; refuses an unknown uid and removing every label."""
+        self._require_labels()
+        wanted = {str(u) for u in ([uids] if isinstance(uids, str) else uids)}
+        unknown = wanted - set(self.label_uids)
+        if unknown:
+            raise ValueError(f"no label has uid {sorted(unknown)[0]!r}")
+        keep = np.array([i for i, u in enumerate(self.label_uids) if u not in wanted], dtype=np.int64)
+        if keep.size == 0:
+            raise ValueError("cannot remove every label: a model needs at least one")
+        return keep
 
     def _grow_label_state(self, texts: list[str], batch_size: int, show_progress_bar: Optional[bool]) -> Optional[torch.Tensor]:
         """Grow the per-label tables for appended labels and return their search vectors (``(n, dim)``, the index's

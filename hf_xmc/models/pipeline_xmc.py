@@ -14,7 +14,6 @@ Memory: one batch of queries at a time (``batch_size``, default 64) plus the ``t
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any, Optional
 
 from transformers import Pipeline
@@ -103,20 +102,10 @@ class XMCPipeline(Pipeline):
                     raise ValueError(f"input {i}: unknown keys {sorted(unknown)} (expected 'text', 'image' or 'images')")
                 bag = list(item.get("images") or []) + ([item["image"]] if item.get("image") is not None else [])
                 texts.append(item.get("text"))
-                bags.append([_image_path(x) for x in bag] or None)
+                bags.append(bag or None)  # paths and file:// URLs are read by the model (MUFIN's to_rgb)
             else:
                 raise TypeError(f"input {i}: expected a text, a PIL image or a dict with 'text' / 'image', got {type(item).__name__}")
         if all(b is None for b in bags):
             return texts, None
         return (None if all(t is None for t in texts) else texts), bags
 
-
-def _image_path(value: Any) -> Any:
-    """A ``file://`` URL as a local path (images are never fetched from the network); paths and PIL images as given."""
-    if isinstance(value, str) and value.startswith("file://"):
-        from urllib.parse import unquote, urlparse
-
-        return unquote(urlparse(value).path)
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    return value

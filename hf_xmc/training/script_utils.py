@@ -17,6 +17,7 @@ from transformers import HfArgumentParser, set_seed
 
 from ..data import XCData, load_xc_dataset, read_filter_file
 from ..models.label_index import atomic_write
+from ..models.modeling_xmc import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from .evaluation import XMCEvaluator
 from .presets import known_presets, preset_values
 from .trainer import XMCTrainer, XMCTrainingArguments
@@ -143,7 +144,7 @@ def check_output_dir(training_args) -> None:
     if not out or training_args.overwrite_output_dir or training_args.resume_from_checkpoint:
         return
     finished = os.path.isfile(os.path.join(out, "config.json")) and any(
-        os.path.isfile(os.path.join(out, name)) for name in (EVAL_RESULTS_FILE, "model.safetensors", "model.safetensors.index.json")
+        os.path.isfile(os.path.join(out, name)) for name in (EVAL_RESULTS_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE)
     )
     if finished:
         raise ValueError(
