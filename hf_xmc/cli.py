@@ -232,9 +232,6 @@ def _write_json_lines(out: str | IO[str], records: Iterator[dict[str, Any]]) -> 
 # ---------------------------------------------------------------------------------------------------------- labels
 def cmd_add_labels(args: argparse.Namespace) -> int:
     """Add the labels of an XC label file (and remove labels by uid) without retraining; save the grown model."""
-    import shutil
-    import tempfile
-
     from .data import read_xc_labels
 
     _require_file(args.label_file, "label_file")
@@ -257,21 +254,7 @@ def cmd_add_labels(args: argparse.Namespace) -> int:
         new_ids = model.add_labels(list(texts), uids=list(uids), batch_size=args.batch_size) if texts else []
     except ValueError as err:  # a uid taken
         raise UserError(f"{args.label_file}: {_first_line(err)}") from None
-    # a complete directory or none: written beside the target, then moved into place
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-add-labels-", dir=os.path.dirname(out))
-    try:
-        model.save_pretrained(tmp)
-        old = None
-        if os.path.exists(out):
-            old = out + ".old-" + os.path.basename(tmp)
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    model.save_pretrained(out)  # a complete directory or none: staged beside the target, then moved into place
     print(json.dumps({"model": out, "labels": len(model.label_texts), "added": len(new_ids), "removed": len([u for u in (args.remove or "").split(",") if u])}))
     return 0
 

@@ -329,3 +329,25 @@ def test_loads_and_predicts_texts_without_an_image_backend(task, tmp_path, monke
     np.testing.assert_array_equal(reloaded.predict(data.test.texts[:4], k=3).label_ids, expected.label_ids)
     with pytest.raises(ImportError, match="PIL"):
         reloaded.predict(["x"], images=[data.test.images[0]], k=3)
+
+
+@pytest.mark.slow
+def test_train_mufin_resumes_after_kill_to_the_same_metrics(task, tmp_path):
+    """Killed (SIGKILL) after Module IV's first checkpoint, the resumed run reads Module I back and ends with the
+    uninterrupted run's metrics."""
+    from tests.test_reliability import assert_same_metrics, run_killed_and_resumed
+
+    _, root, text_dir, vision_dir = task
+    out = str(tmp_path / "out")
+    cmd = [
+        sys.executable, os.path.join(ROOT, "training_scripts", "train_mufin.py"),
+        "--train_file", str(root / "trn.json.gz"), "--test_file", str(root / "tst.json.gz"), "--label_file", str(root / "lbl.json.gz"),
+        "--model_name_or_path", text_dir, "--vision_model_name_or_path", vision_dir, "--output_dir", out,
+        "--embed_dim", "8", "--attention_heads", "2", "--shortlist_size", "6", "--max_seq_length", "8",
+        "--siamese_epochs", "2", "--num_train_epochs", "3", "--per_device_train_batch_size", "16", "--save_strategy", "epoch",
+        "--learning_rate", "2e-3", "--ranker_learning_rate", "2e-3", "--ranker_negatives", "3", "--hard_negative_top_k", "6",
+        "--vision_trainable_layers", "-1", "--disable_tqdm", "true", "--use_cpu", "true", "--report_to", "none",
+    ]
+    results = run_killed_and_resumed(cmd, out, str(tmp_path / "reference"))
+    assert_same_metrics(results)
+    assert f"resuming from {out}/checkpoint-" in results["log"] and "the stage finished before; its weights are read back" in results["log"]

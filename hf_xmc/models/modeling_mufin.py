@@ -1263,13 +1263,10 @@ class MUFINModel(MUFINPreTrainedModel):
         files.update({IMAGE_PROCESSOR_FILE: True, PROCESSOR_FILE: False, LABEL_BAGS_FILE: True, LABEL_CENTROIDS_FILE: False, LABEL_IMAGES_FILE: False})
         return files
 
-    def save_pretrained(self, save_directory: Union[str, os.PathLike], *args, is_main_process: bool = True, **kwargs) -> None:
-        """Save weights, config, tokenizer and labels (base class) plus the image processor, the cached label bags,
-        the label images (``config.save_label_images``), the centroids and the shortlist index."""
-        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
-        if not is_main_process:
-            return
-        save_directory = str(save_directory)
+    def _save_model_files(self, save_directory: str, *args, **kwargs) -> None:
+        """Weights, config, tokenizer and labels (base class) plus the image processor, the cached label bags, the label
+        images (``config.save_label_images``), the centroids and the shortlist index."""
+        super()._save_model_files(save_directory, *args, **kwargs)
         if self.image_processor is not None:
             self.image_processor.save_pretrained(save_directory)
             if self.tokenizer is not None:

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -249,6 +250,88 @@ def save_label_store(
         if name not in written:
             os.remove(os.path.join(directory, name))
     return written
+
+
+WEIGHT_SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+STAGING_PREFIX = ".tmp-save-"
+
+
+def staged_directory_path(directory: str) -> str:
+    """A fresh, empty staging directory beside ``directory`` (same filesystem: it can be renamed into place), named
+    ``.tmp-save-<pid>-<name>-*`` so that a later save can tell one left by a killed process (and remove it)."""
+    parent, name = os.path.split(directory)
+    os.makedirs(parent, exist_ok=True)
+    for stale in os.listdir(parent):  # left behind by a save that was killed: its process is gone
+        match = re.fullmatch(re.escape(STAGING_PREFIX) + r"(\d+)-" + re.escape(name) + r"-\w+", stale)
+        if match and not _process_alive(int(match.group(1))):
+            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-{name}-", dir=parent)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process, or a platform without signals: assume it lives
+        return True
+    return True
+
+
+def commit_staged_directory(staging: str, directory: str, replaced: Callable[[str], bool]) -> None:
+    """Move the complete directory ``staging`` into place at ``directory`` in one step.
+
+    A missing ``directory`` is a plain rename. An existing one first lends ``staging`` what it holds beyond the model
+    (``checkpoint-*``, ``runs/``, ``eval_results.json``, a card: every entry that ``staging`` lacks and ``replaced``
+    does not claim as a file of the previous model), as hard links, so nothing is copied; then the two directories
+    are exchanged atomically (Linux ``renameat2(RENAME_EXCHANGE)``) and the old one, now at ``staging``, is removed.
+    A process killed at any point leaves ``directory`` holding either the old model or the new one, never a mix.
+    Where the exchange is not available (another OS or filesystem) two renames do it, with a moment in between
+    where ``directory`` is absent.
+
+    Disk: the old and the new model side by side until the exchange (twice the model's size for a moment).
+    """
+    if not os.path.isdir(directory):
+        os.rename(staging, directory)
+        return
+    for name in os.listdir(directory):
+        if name.startswith(".tmp-") or replaced(name) or os.path.lexists(os.path.join(staging, name)):
+            continue
+        source, target = os.path.join(directory, name), os.path.join(staging, name)
+        if os.path.isdir(source) and not os.path.islink(source):
+            shutil.copytree(source, target, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(source, target)
+    _exchange_directories(staging, directory)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), target)
+        return
+    try:
+        os.link(source, target)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(source, target)
+
+
+def _exchange_directories(a: str, b: str) -> None:
+    """Swap two directories of one filesystem: atomically with ``renameat2(RENAME_EXCHANGE)``, else by renames."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        renameat2 = None
+    if renameat2 is not None:
+        at_fdcwd, rename_exchange = -100, 2
+        if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+            return
+    aside = a + ".old"
+    os.rename(b, aside)
+    os.rename(a, b)
+    os.rename(aside, a)
 
 
 def load_label_store(fetch: Callable[[str], Optional[str]]) -> Optional[list[torch.Tensor]]:
@@ -680,6 +763,8 @@ class XMCPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     # rows of the label store (and index) per label: 2 for SiameseXML, whose index holds label-text vectors and centroids
     label_store_rows_per_label = 1
+    # set by XMCTrainer while it writes a checkpoint: weights under the modules' own names (see save_pretrained)
+    trainer_checkpoint_keys = False
 
     def __init__(self, config: XMCConfig):
         super().__init__(config)
@@ -1098,15 +1183,49 @@ class XMCPreTrainedModel(PreTrainedModel):
         (the files of :meth:`model_files`). The label vectors are written in ``config.label_embeddings_dtype``, in
         shards of at most ``label_shard_size`` bytes (:func:`save_label_store`). The config names the XMC pipeline
         (``config.custom_pipelines``), whose file travels with the remote code, so ``pipeline(model=dir,
-        trust_remote_code=True)`` works on the saved directory."""
+        trust_remote_code=True)`` works on the saved directory.
+
+        Nothing is lost: the model is written into a staging directory beside ``save_directory`` and moved into place
+        in one step (:func:`commit_staged_directory`), so a process killed while saving leaves the previous model
+        loadable. What the directory holds beyond the model (checkpoints, logs, metrics) stays; the previous model's
+        own files that this save does not write again (stale shards, another tokenizer's vocabulary) go."""
+        if self.trainer_checkpoint_keys:
+            # a Trainer checkpoint: Trainer resumes by load_state_dict, which expects the module's own parameter names,
+            # not the original checkpoint names that save_pretrained converts some back to (ViT's in MUFIN)
+            kwargs.setdefault("save_original_format", False)
+        if not is_main_process:
+            super().save_pretrained(save_directory, *args, is_main_process=False, **kwargs)
+            return
+        save_directory = os.path.realpath(str(save_directory))
+        if os.path.isfile(save_directory):
+            raise ValueError(f"{save_directory}: is a file, save_pretrained needs a directory")
+        staging = staged_directory_path(save_directory)
+        try:
+            self._save_model_files(staging, *args, label_shard_size=label_shard_size, **kwargs)
+            commit_staged_directory(staging, save_directory, self._replaced_on_save)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    @classmethod
+    def _replaced_on_save(cls, name: str) -> bool:
+        """Whether ``name`` in a directory being saved over is a file of the previous model (dropped unless the new save
+        writes it again): config, weights and their shards, and :meth:`model_files` but the card (which a training run
+        writes after the model)."""
+        if name in (MODEL_CARD_FILE, *MODEL_CARD_ASSETS):
+            return False
+        return (
+            name in cls.model_files() or name in (CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, "generation_config.json")
+            or bool(WEIGHT_SHARD_PATTERN.fullmatch(name) or LABEL_SHARD_PATTERN.fullmatch(name))
+        )
+
+    def _save_model_files(self, save_directory: str, *args, label_shard_size: int | str = LABEL_SHARD_SIZE, **kwargs) -> None:
+        """Write every file of the model into the (new, empty) directory ``save_directory``."""
         # a relative import: transformers copies pipeline_xmc.py with the modeling files (and into the remote-code cache)
         from .pipeline_xmc import XMC_PIPELINE_INFO, XMC_PIPELINE_TASK
 
         self.config.custom_pipelines = {XMC_PIPELINE_TASK: dict(XMC_PIPELINE_INFO)}
-        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
-        if not is_main_process:
-            return
-        save_directory = str(save_directory)
+        super().save_pretrained(save_directory, *args, **kwargs)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(save_directory)
         if self.label_texts is not None:

@@ -116,12 +116,19 @@ DEBUG_ENV = "HF_XMC_DEBUG"  # set (to anything but 0) for the full traceback of 
 def run_script(main, argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     """Run a training script's ``main``: a fault in the input (a data file, a model or output directory, an argument
     value; ``ValueError`` / ``OSError``, which name the file and the fault) ends as ONE line on stderr, ``<prog>:
-    <message>``, and exit status 2, nothing written by the run. ``--debug`` (or ``HF_XMC_DEBUG=1``) re-raises it
-    with its traceback. Returns the exit status."""
+    <message>``, and exit status 2, nothing written by the run; running out of memory ends as one line with what to
+    lower, exit status 1. In a run of several processes the line names the rank (``<prog> (rank 1): ...``); the
+    launcher (``accelerate launch`` / ``torchrun``) then stops the other ranks, which would wait for it forever.
+    ``--debug`` (or ``HF_XMC_DEBUG=1``) re-raises with the traceback. Returns the exit status."""
+    import torch
+
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     args = [a for a in args if a != "--debug"]
     prog = prog or os.path.basename(sys.argv[0])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        prog = f"{prog} (rank {os.environ.get('RANK', '?')})"
+    out_of_memory = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
     try:
         main(args)
     except (ValueError, OSError) as err:  # XMCDataError is a ValueError
@@ -130,10 +137,65 @@ def run_script(main, argv: Optional[list[str]] = None, prog: Optional[str] = Non
         if isinstance(err, OSError) and err.filename and err.strerror:  # "[Errno 2] No such file ..." -> "<file>: no such file or directory"
             message = f"{err.filename}: {err.strerror[:1].lower()}{err.strerror[1:]}"
         else:
-            message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            message = _first_line(err)
         print(f"{prog}: {message}", file=sys.stderr)
         return 2
+    except out_of_memory as err:
+        if debug:
+            raise
+        print(
+            f"{prog}: out of memory ({_first_line(err)}): lower --per_device_train_batch_size, or set "
+            "--gradient_cache_chunk_size to encode a batch in chunks (docs/scale.md gives the memory per label and query)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def resume_argument(training_args) -> Optional[str | bool]:
+    """``--resume_from_checkpoint``: ``true`` / ``last`` resume from the newest complete checkpoint of
+    ``--output_dir`` (``True`` for :meth:`XMCTrainer.train`); anything else names a checkpoint directory."""
+    value = training_args.resume_from_checkpoint
+    if value is None or value is True:
+        return value
+    if str(value).lower() in ("true", "last"):
+        return True
+    if not os.path.isdir(value):
+        raise ValueError(f"{value}: --resume_from_checkpoint names no checkpoint directory (use 'true' for the last one in --output_dir)")
+    return value
+
+
+STAGE_WEIGHTS_FILE = "stage_weights.safetensors"  # an earlier stage's result, for a resumed run to start from
+STAGE_DONE_FILE = "stage_complete.json"
+
+
+def train_stage(trainer: XMCTrainer, resume) -> None:
+    """Train an earlier stage of a multi-stage recipe (SiameseXML's and MUFIN's Module I, PRIME before its classifier
+    stage) in its own directory under ``--output_dir``, so that a run killed at any point resumes (``resume``: what
+    :func:`resume_argument` gives) to the metrics of an uninterrupted one: a finished stage is not trained again but
+    its weights are read back (``stage_weights.safetensors``, then ``stage_complete.json``, written when the stage
+    ends if the run saves checkpoints at all); a stage killed midway resumes from its last complete checkpoint.
+
+    Disk: one copy of the model's weights per finished stage (PRIME at 1.3M labels: its centroid bank, 2 GB)."""
+    from safetensors.torch import load_model, save_model
+
+    out = trainer.args.output_dir
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    weights, done = os.path.join(out, STAGE_WEIGHTS_FILE), os.path.join(out, STAGE_DONE_FILE)
+    if resume and os.path.isfile(done):
+        load_model(model, weights, strict=True, device=str(trainer.args.device))
+        logger.info("%s: the stage finished before; its weights are read back, not trained again", out)
+        return
+    trainer.train(resume_from_checkpoint=trainer.last_complete_checkpoint() if resume else None)
+    if trainer.args.save_strategy != "no" and trainer.is_world_process_zero():
+        atomic_write(weights, lambda p: save_model(model, p, metadata={"format": "pt"}))
+        write_json_atomic(done, {"global_step": trainer.state.global_step, "weights": STAGE_WEIGHTS_FILE})
+    trainer.accelerator.wait_for_everyone()
 
 
 def check_output_dir(training_args) -> None:
@@ -286,7 +348,14 @@ def train_and_evaluate(
         evaluator=evaluator,
         **trainer_kwargs,
     )
-    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    resume = resume_argument(training_args)
+    if resume is True:
+        resume = trainer.last_complete_checkpoint()
+        if resume is None:  # killed before its first checkpoint (or, in a multi-stage recipe, in an earlier stage)
+            logger.warning("%s: no complete checkpoint to resume from: training from the start", training_args.output_dir)
+    if resume:
+        logger.info("resuming from %s", resume)
+    train_result = trainer.train(resume_from_checkpoint=resume)
     trainer.release_training_state()  # the optimizer's moments and the batches' data: not needed from here on
     metrics = dict(train_result.metrics)
     metrics.update(trainer.evaluate(metric_key_prefix=evaluator.name))

@@ -216,9 +216,9 @@ class XMCTrainer(Trainer):
         """``Trainer.train``; when resuming, the sampler, memory bank and shortlist of the checkpoint come back too."""
         path = resume_from_checkpoint
         if path is True:
-            from transformers.trainer_utils import get_last_checkpoint
-
-            path = get_last_checkpoint(self.args.output_dir)
+            path = resume_from_checkpoint = self.last_complete_checkpoint()
+            if path is None:
+                raise ValueError(f"{self.args.output_dir}: no complete checkpoint to resume from")
         if isinstance(path, str):
             callback = next((c for c in self.callback_handler.callbacks if isinstance(c, XMCEpochCallback)), None)
             saved = XMCEpochCallback.read_state(path) if callback is not None else None
@@ -432,6 +432,43 @@ class XMCTrainer(Trainer):
 
     # ------------------------------------------------------------------ saving and pushing
     TRAINING_ARGS_JSON = "training_args.json"
+    CHECKPOINT_COMPLETE_FILE = "trainer_state.json"  # what Trainer._save_checkpoint writes last
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """``Trainer._save_checkpoint``, with hf_xmc's own state (sampler, memory bank, shortlist) written into the
+        checkpoint first, so that ``trainer_state.json``, written last, marks a checkpoint as complete: a run killed
+        while it saves leaves an incomplete ``checkpoint-N`` that :meth:`last_complete_checkpoint` passes over."""
+        callback = next((c for c in self.callback_handler.callbacks if isinstance(c, XMCEpochCallback)), None)
+        if callback is not None and self.args.should_save:
+            directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            os.makedirs(directory, exist_ok=True)
+            callback.write_state(directory, callback.state_dict())
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        unwrapped.trainer_checkpoint_keys = True  # resume loads the weights with load_state_dict
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            unwrapped.trainer_checkpoint_keys = False
+
+    def last_complete_checkpoint(self) -> Optional[str]:
+        """The newest ``checkpoint-N`` of ``output_dir`` that a save finished (it holds ``trainer_state.json``), or
+        None. Newer ones that a killed save left half-written are removed, with a warning naming them."""
+        import re
+        import shutil
+
+        out = self.args.output_dir
+        if not os.path.isdir(out):
+            return None
+        steps = sorted(
+            (int(m.group(1)), name) for name in os.listdir(out)
+            if (m := re.fullmatch(r"checkpoint-(\d+)", name)) and os.path.isdir(os.path.join(out, name))
+        )
+        while steps and not os.path.isfile(os.path.join(out, steps[-1][1], self.CHECKPOINT_COMPLETE_FILE)):
+            name = steps.pop()[1]
+            logger.warning("%s: an incomplete checkpoint (its save was interrupted), removed; resuming from the one before", os.path.join(out, name))
+            if self.args.should_save:
+                shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+        return os.path.join(out, steps[-1][1]) if steps else None
 
     def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
         """``Trainer._save`` (model with its label store, tokenizer), with the training arguments as JSON
@@ -600,13 +637,6 @@ class XMCEpochCallback(TrainerCallback):
             collator.set_shortlist(mine_hard_negatives(trainer.model, data.texts, data.targets, top_k=args.hard_negative_top_k, show_progress_bar=not args.disable_tqdm))
             trainer.model.invalidate_label_index()
             self.mined_epoch = epoch
-        return control
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            if os.path.isdir(directory):
-                self.write_state(directory, self.state_dict())
         return control
 
     @classmethod

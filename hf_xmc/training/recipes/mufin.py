@@ -35,7 +35,15 @@ from ...data import XCData, XMCDataset
 from ...models import MUFINModel
 from ..evaluation import XMCEvaluator
 from ..mufin import MUFINCentroidCallback, MUFINDataCollator, mine_mufin_shortlist
-from ..script_utils import build_evaluator, load_data, model_config_kwargs, parse_script_args, train_and_evaluate
+from ..script_utils import (
+    build_evaluator,
+    load_data,
+    model_config_kwargs,
+    parse_script_args,
+    resume_argument,
+    train_and_evaluate,
+    train_stage,
+)
 from ..trainer import XMCTrainer, XMCTrainingArguments
 
 logger = logging.getLogger("train_mufin")
@@ -185,7 +193,7 @@ def pretrain_and_mine(model: MUFINModel, data: XCData, args: MUFINTrainingArgume
         siamese = _stage_args(args, "siamese")
         collator = build_collator(model, data, siamese, "siamese")
         train = collator.anchor_label_dataset() if args.siamese_batch_over == "labels" else data.train
-        XMCTrainer(model=model, args=siamese, train_dataset=train, data_collator=collator).train()
+        train_stage(XMCTrainer(model=model, args=siamese, train_dataset=train, data_collator=collator), resume_argument(args))
     collator = build_collator(model, data, args, "ranker")
     collator.set_shortlist(
         mine_mufin_shortlist(model, data.train.texts, data.train.images, data.train.targets, top_k=args.hard_negative_top_k, show_progress_bar=not args.disable_tqdm)

@@ -45,7 +45,9 @@ from hf_xmc.training.script_utils import (
     load_data,
     model_config_kwargs,
     parse_script_args,
+    resume_argument,
     train_and_evaluate,
+    train_stage,
 )
 
 logger = logging.getLogger(__name__)
@@ -110,8 +112,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     evaluator = build_evaluator(data, data_args)
     if not training_args.classifier_stage:
         return train_and_evaluate(model, data, evaluator, training_args)
-    XMCTrainer(model=model, args=dataclasses.replace(training_args, output_dir=os.path.join(training_args.output_dir, "prime"), push_to_hub=False),
-               train_dataset=data.train, label_texts=data.label_texts, label_uids=data.label_uids).train()
+    stage = dataclasses.replace(training_args, output_dir=os.path.join(training_args.output_dir, "prime"), push_to_hub=False)
+    train_stage(XMCTrainer(model=model, args=stage, train_dataset=data.train, label_texts=data.label_texts, label_uids=data.label_uids),
+                resume_argument(training_args))
     collator = prepare_classifier_stage(model, data, training_args)
     stage = dataclasses.replace(
         training_args, num_train_epochs=training_args.classifier_epochs, learning_rate=training_args.classifier_learning_rate,

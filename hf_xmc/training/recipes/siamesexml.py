@@ -42,7 +42,9 @@ from hf_xmc.training.script_utils import (
     load_data,
     model_config_kwargs,
     parse_script_args,
+    resume_argument,
     train_and_evaluate,
+    train_stage,
 )
 from hf_xmc.training.siamesexml import (
     LabelDrawDataset,
@@ -139,7 +141,8 @@ def train_siamese(model: SiameseXMLModel, data, args: SiameseXMLTrainingArgument
         draws_per_epoch=draws,
     )
     logger.info("SiameseXML Module I: %d label draws per epoch, %g epochs", draws, args.num_train_epochs)
-    XMCTrainer(model=model, args=_module_args(args, "siamese"), train_dataset=LabelDrawDataset(draws), data_collator=collator).train()
+    trainer = XMCTrainer(model=model, args=_module_args(args, "siamese"), train_dataset=LabelDrawDataset(draws), data_collator=collator)
+    train_stage(trainer, resume_argument(args))
 
 
 def mine(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments):
