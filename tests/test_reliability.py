@@ -221,3 +221,24 @@ def test_two_process_run_resumes_after_kill_to_the_same_metrics(tiny_task, tiny_
     results = run_killed_and_resumed(cmd, out, str(tmp_path / "reference"), **{"29563": "29564"})
     assert_same_metrics(results)
     assert f"resuming from {out}/checkpoint-" in results["log"]
+
+
+def test_resume_passes_over_a_half_written_checkpoint(tmp_path, caplog):
+    """A save killed midway leaves checkpoint-N without trainer_state.json (written last): resuming picks the newest
+    complete checkpoint and removes the half-written one."""
+    from types import SimpleNamespace
+
+    from hf_xmc.training import XMCTrainer
+
+    for step, complete in ((10, True), (20, True), (30, False)):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"x")
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-x").mkdir()  # not a checkpoint name
+    trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path), should_save=True), CHECKPOINT_COMPLETE_FILE=XMCTrainer.CHECKPOINT_COMPLETE_FILE)
+    assert XMCTrainer.last_complete_checkpoint(trainer) == str(tmp_path / "checkpoint-20")
+    assert not (tmp_path / "checkpoint-30").exists() and (tmp_path / "checkpoint-10").exists()
+    assert "checkpoint-30: an incomplete checkpoint" in caplog.text
+    trainer.args.output_dir = str(tmp_path / "absent")
+    assert XMCTrainer.last_complete_checkpoint(trainer) is None

@@ -400,6 +400,8 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
             indptr.append(len(indices))
     if num_labels is None:
         num_labels = max_id + 1
+    if texts and not any(texts) and not any(images):
+        raise XMCDataError(path, None, f"no point has a text in the field(s) {', '.join(repr(f) for f in fields)} (--text_fields)")
     if skipped:
         logger.warning("%s: skipped %d point(s) with no labels", os.fspath(path), skipped)
     warn_duplicate_uids(path, uids, lines, "point")
@@ -559,6 +561,8 @@ def load_xc_dataset(train_file: PathLike, test_file: PathLike, label_file: PathL
         label_file, text_fields=label_text_fields or text_fields, return_images=True, check_images=check_images)
     num_labels = len(label_uids)
     train = read_xc_raw(train_file, num_labels=num_labels, text_fields=text_fields, check_images=check_images)
+    if len(train) == 0 and not train.num_skipped:
+        raise XMCDataError(train_file, None, "the training file is empty: it has no point line")
     if len(train) == 0:
         raise XMCDataError(train_file, None, f"no training point has a label ({train.num_skipped} point(s) without one)")
     test = read_xc_raw(test_file, num_labels=num_labels, text_fields=text_fields, check_images=check_images)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -69,6 +70,12 @@ class XMCDataArguments:
         metadata={"help": "The paper's configuration for a dataset (e.g. lf-amazontitles-1.3m; 'list' names them): its values become the defaults, explicit flags win."},
     )
 
+    def __post_init__(self):
+        for name in ("max_seq_length", "label_max_seq_length", "eval_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name} must be >= 1, got {value}")
+
 
 def setup_logging(training_args: XMCTrainingArguments) -> None:
     """Log INFO on the main process and warnings elsewhere, for this package and transformers."""
@@ -87,6 +94,7 @@ def parse_script_args(model_arguments: type, training_arguments: type, argv: Opt
     the JSON file) win. An unknown name, or ``list``, prints the known presets on one line and exits with status 2.
     """
     parser = HfArgumentParser((model_arguments, XMCDataArguments, training_arguments))
+    parser.error = functools.partial(_one_line_parser_error, parser)
     args = sys.argv[1:] if argv is None else list(argv)
     if len(args) == 1 and args[0].endswith(".json"):
         with open(os.path.abspath(args[0]), encoding="utf-8") as f:
@@ -102,12 +110,32 @@ def parse_script_args(model_arguments: type, training_arguments: type, argv: Opt
                 action.required = False
         parser.set_defaults(**preset)
         model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=args)
+    check_model_path(getattr(model_args, "model_name_or_path", None))
     setup_logging(training_args)
     if preset:
         logger.info("preset %s sets the defaults (flags given explicitly win): %s", data_args.preset, ", ".join(f"{k}={v}" for k, v in preset.items()))
     check_output_dir(training_args)
     set_seed(training_args.seed)
     return model_args, data_args, training_args
+
+
+def _one_line_parser_error(parser: argparse.ArgumentParser, message: str) -> None:
+    """argparse's error without the usage block (hundreds of flags): ``<prog>: error: <message>``, exit status 2."""
+    print(f"{parser.prog}: error: {message} (--help lists the flags)", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_model_path(path: Optional[str]) -> None:
+    """Name a ``--model_name_or_path`` that is meant as a local directory but is none (an absolute or ``./`` path,
+    or more than one ``/``: a Hub id is ``name`` or ``org/name``), or a directory without ``config.json``, before
+    transformers turns it into a Hub-id error."""
+    if not path or os.path.isfile(os.path.join(path, "config.json")):
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: not a model directory (no config.json); --model_name_or_path takes a saved encoder or model, or a Hub id")
+    local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
+    if local:
+        raise ValueError(f"{path}: no such model directory (--model_name_or_path); a Hub id is 'name' or 'org/name'")
 
 
 DEBUG_ENV = "HF_XMC_DEBUG"  # set (to anything but 0) for the full traceback of an input fault
@@ -203,6 +231,9 @@ def check_output_dir(training_args) -> None:
     ``eval_results.json``) unless ``--overwrite_output_dir`` is given or ``--resume_from_checkpoint`` continues a run
     there: checked before any work, so an hour of mining is not spent on a run that would overwrite a model."""
     out = training_args.output_dir
+    if out and os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"{out}: --output_dir is a file, not a directory")
+    resume_argument(training_args)  # a checkpoint that does not exist is named before any work
     if not out or training_args.overwrite_output_dir or training_args.resume_from_checkpoint:
         return
     finished = os.path.isfile(os.path.join(out, "config.json")) and any(

@@ -90,9 +90,15 @@ class XMCTrainingArguments(TrainingArguments):
             raise ValueError(f"cluster_batch_mode must be one of {ClusterBatchSampler.MODES}, got {self.cluster_batch_mode!r}")
         if self.positive_sampling not in ("uniform", "propensity"):
             raise ValueError(f"positive_sampling must be 'uniform' or 'propensity', got {self.positive_sampling!r}")
-        for name in ("num_positives", "cluster_init_size", "cluster_refresh_interval", "hard_negative_top_k", "hard_negative_refresh_interval"):
+        for name in ("num_positives", "cluster_init_size", "cluster_refresh_interval", "hard_negative_top_k", "hard_negative_refresh_interval",
+                     "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_train_epochs", "learning_rate", "hard_negatives", "gradient_cache_chunk_size", "weight_decay", "warmup_steps"):
+            if getattr(self, name, 0) < 0:
+                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.hard_negatives > self.hard_negative_top_k:
+            raise ValueError(f"--hard_negatives {self.hard_negatives} exceeds the shortlist they are drawn from (--hard_negative_top_k {self.hard_negative_top_k})")
         super().__post_init__()
 
 
