@@ -9,6 +9,10 @@ Environment:
     HF_XMC_REVISION: optional Hub revision (branch, tag or commit) to pin.
     HF_XMC_MAX_CHARS / HF_XMC_MAX_K: input bounds (defaults ``MAX_CHARS`` / ``MAX_K``).
 
+Input bounds: a text of at most ``MAX_CHARS`` characters; ``k`` within the slider's range (1 to ``MAX_K`` or the label
+count; the API refuses values outside it); one image per request, of at most ``MAX_IMAGE_BYTES`` and
+``MAX_IMAGE_PIXELS`` (checked from its header: a decompression bomb is never decoded). Each is refused with a message.
+
 Run locally: ``HF_XMC_MODEL=outputs/quickstart-dexml-debtags python spaces/app.py`` (the quickstart's model).
 """
 
@@ -28,6 +32,8 @@ DEFAULT_MODEL = "your-org/hf-xmc-dexml-debtags"  # placeholder: also listed unde
 MAX_CHARS = 2000  # a query is a title or a short document; longer input only costs time (models truncate tokens)
 MAX_K = 20
 MAX_IMAGE_SIDE = 1024  # image encoders resize to ~224 px anyway; this only bounds the work on huge uploads
+MAX_IMAGE_BYTES = 10 * 1024 * 1024  # an upload larger than this is refused (by Gradio on upload, and here)
+MAX_IMAGE_PIXELS = 40_000_000  # width x height read from the header: a decompression bomb is refused before decoding
 TABLE_HEADERS = ["rank", "label id", "label text", "score"]
 
 
@@ -93,9 +99,38 @@ def check_text(text: Optional[str], max_chars: int, required: bool = True) -> st
 
 def bound_image(image: Image.Image) -> Image.Image:
     """An RGB copy no larger than ``MAX_IMAGE_SIDE`` on its longer side."""
+    _check_pixels(*image.size)
     image = image.convert("RGB")  # convert() copies, so the caller's image is left alone
     image.thumbnail((MAX_IMAGE_SIDE, MAX_IMAGE_SIDE))
     return image
+
+
+def open_image(image: str | os.PathLike | Image.Image) -> Image.Image:
+    """An uploaded image (the file path ``gr.Image(type="filepath")`` gives, or a PIL image) as a bounded RGB image.
+
+    ``gr.Error`` for a file over ``MAX_IMAGE_BYTES``, an image over ``MAX_IMAGE_PIXELS`` (told by its header, so a
+    decompression bomb is never decoded) or a file that is not an image. Memory: one decoded image of at most
+    ``MAX_IMAGE_PIXELS`` pixels (3 bytes each), then its copy of at most ``MAX_IMAGE_SIDE`` on its longer side.
+    """
+    if isinstance(image, Image.Image):
+        return bound_image(image)
+    size = os.path.getsize(image)
+    if size > MAX_IMAGE_BYTES:
+        raise gr.Error(f"The image file has {size / 2**20:.1f} MB; this demo accepts at most {MAX_IMAGE_BYTES / 2**20:.0f} MB.", print_exception=False)
+    try:
+        with Image.open(image) as opened:  # reads the header only
+            _check_pixels(*opened.size)
+            opened.draft("RGB", (MAX_IMAGE_SIDE, MAX_IMAGE_SIDE))  # JPEG decodes straight at a reduced scale
+            return bound_image(opened)
+    except gr.Error:
+        raise
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise gr.Error(f"The file is not an image this demo can read ({err}).", print_exception=False) from None
+
+
+def _check_pixels(width: int, height: int) -> None:
+    if width * height > MAX_IMAGE_PIXELS:
+        raise gr.Error(f"The image has {width} x {height} pixels; this demo accepts at most {MAX_IMAGE_PIXELS:,}.", print_exception=False)
 
 
 def format_prediction(label_ids: Sequence[int], scores: Sequence[float], label_texts: Sequence[str]) -> tuple[dict[str, float], list[list]]:
@@ -145,12 +180,12 @@ def make_predict_fn(model: Any, *, max_chars: int = MAX_CHARS, max_k: int = MAX_
 
         return predict_text
 
-    def predict_multimodal(text: str, image: Optional[Image.Image], k: float) -> tuple[dict[str, float], list[list]]:
-        """Top-k labels of a text, an image, or both."""
+    def predict_multimodal(text: str, image: Optional[str | Image.Image], k: float) -> tuple[dict[str, float], list[list]]:
+        """Top-k labels of a text, an image (a file path or a PIL image), or both."""
         text = check_text(text, max_chars, required=image is None)
         if image is None:
             return run([text], k)
-        return run([text], k, images=[bound_image(image)])
+        return run([text], k, images=[open_image(image)])
 
     return predict_multimodal
 
@@ -190,7 +225,8 @@ def build_demo(model: Any, *, max_chars: int = MAX_CHARS, max_k: int = MAX_K, ti
                 )
                 inputs: list[gr.components.Component] = [text]
                 if with_image:
-                    inputs.append(gr.Image(type="pil", label="Image (optional)", elem_id="query-image"))
+                    # a file path: open_image checks bytes and pixels before anything is decoded
+                    inputs.append(gr.Image(type="filepath", label="Image (optional)", elem_id="query-image"))
                 k = gr.Slider(1, k_max, value=min(5, k_max), step=1, label="k (labels to show)", elem_id="k-slider")
                 inputs.append(k)
                 button = gr.Button("Predict", variant="primary", elem_id="predict-button")
@@ -223,4 +259,4 @@ model = load_model(os.environ.get("HF_XMC_MODEL", "").strip() or DEFAULT_MODEL, 
 demo = build_demo(model, max_chars=_env_int("HF_XMC_MAX_CHARS", MAX_CHARS), max_k=_env_int("HF_XMC_MAX_K", MAX_K))
 
 if __name__ == "__main__":
-    demo.launch()
+    demo.launch(max_file_size=MAX_IMAGE_BYTES)  # larger uploads are refused before they reach the app

@@ -45,9 +45,9 @@ def test_kill_during_save_leaves_the_previous_model_loadable(saved_dexml, tmp_pa
         import sys, torch
         from hf_xmc.models import DEXMLModel
         model = DEXMLModel.from_pretrained({str(out)!r})
-        n = 300_000
+        n, dim = 300_000, model.label_embeddings.shape[1]
         model.set_labels([f"label {{i}}" for i in range(n)])
-        model.label_embeddings = torch.randn(n, model.label_embeddings.shape[1])
+        model.label_embeddings = torch.randn(n, dim)
         print("saving", flush=True)
         while True:
             model.save_pretrained({str(out)!r}, label_shard_size="256KB")

@@ -12,12 +12,8 @@ import importlib.util
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
-import textwrap
-import time
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -87,47 +83,21 @@ def app(saved_model):
     return _import_app(saved_model[1])
 
 
-SERVE = textwrap.dedent(
-    """
-    import runpy, sys
-    sys.modules["hf_xmc"] = None  # as on a Space: hf_xmc is not installed, the model directory brings its own code
-    runpy.run_path(sys.argv[1], run_name="__main__")  # the Space's entry point: demo.launch()
-    """
-)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+SERVER_PIDS: dict[str, int] = {}  # URL of a served app -> its process id
 
 
 @pytest.fixture(scope="module")
 def served(saved_model, tmp_path_factory):
     """``python spaces/app.py`` in a process where hf_xmc cannot be imported (remote code only); yields its URL."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_XMC_MAX_") and k != "HF_XMC_REVISION"}
-    env.update(HF_XMC_MODEL=saved_model[1], GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port),
-               GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1")
+    from benchmarks.bench_space_load import start_space
+
     log_dir = tmp_path_factory.mktemp("space_server")
-    log = open(log_dir / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(APP_FILE)], cwd=log_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"spaces/app.py exited with code {proc.returncode}:\n{log.read()[-4000:]}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"spaces/app.py did not answer on {url} within 180 s")
-            time.sleep(0.25)
+        proc, url = start_space(saved_model[1], str(log_dir / "server.log"))
+    except RuntimeError as err:
+        pytest.fail(str(err))
+    SERVER_PIDS[url] = proc.pid
+    try:
         yield url
     finally:
         proc.send_signal(signal.SIGINT)  # gradio closes its server on KeyboardInterrupt
@@ -136,7 +106,6 @@ def served(saved_model, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
 
 
 def _expected(model, text: str, k: int) -> tuple[list[int], list[str], np.ndarray]:
@@ -342,7 +311,7 @@ def test_image_input_reaches_predict(app):
     model = StandInMultimodalModel()
     demo = app.build_demo(model, max_k=6)
     (image_input,) = _blocks(demo, gr.Image)
-    assert image_input.type == "pil"
+    assert image_input.type == "filepath"  # the app opens the upload itself, after checking bytes and pixels
     predict = app.make_predict_fn(model, max_k=6)
     red = Image.new("RGB", (40, 30), (200, 10, 10))
 
@@ -415,3 +384,46 @@ def test_a_real_mufin_model_gets_the_image_input(app, tmp_path):
         _, rows = predict(text, img, 3)
         assert [r[1] for r in rows] == expected.label_ids[0].tolist()
         np.testing.assert_allclose([r[3] for r in rows], expected.scores[0], rtol=1e-5)
+
+
+def test_image_bounds_are_refused_with_a_message(app, tmp_path, monkeypatch):
+    """An upload over the byte limit, an image over the pixel limit (told by its header: a decompression bomb of
+    50M pixels in a small PNG is refused without decoding it) and a file that is not an image: each a gr.Error."""
+    model = StandInMultimodalModel()
+    predict = app.make_predict_fn(model, max_k=6)
+    bomb = tmp_path / "bomb.png"
+    Image.new("1", (10_000, 5_000)).save(bomb)  # 50M pixels, a few KB on disk
+    assert bomb.stat().st_size < 100_000
+    with pytest.raises(gr.Error, match="10000 x 5000 pixels; this demo accepts at most 40,000,000"):
+        predict("", str(bomb), 3)
+    junk = tmp_path / "junk.png"
+    junk.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
+    with pytest.raises(gr.Error, match="not an image this demo can read"):
+        predict("", str(junk), 3)
+    small = tmp_path / "small.png"
+    Image.new("RGB", (64, 48), (0, 90, 200)).save(small)
+    _, rows = predict("a title", str(small), 3)  # within bounds: opened and passed on
+    assert model.calls[-1][1][0].size == (64, 48) and len(rows) == 3
+    monkeypatch.setattr(app, "MAX_IMAGE_BYTES", 100)
+    with pytest.raises(gr.Error, match="this demo accepts at most 0 MB"):
+        predict("", str(small), 3)
+    with pytest.raises(gr.Error, match="accepts at most 40,000,000"):
+        predict("", Image.new("1", (10_000, 5_000)), 3)  # a PIL image (a direct call) is bounded too
+
+
+def test_fifty_concurrent_requests_complete_with_flat_memory(app, served, tiny_task):
+    """50 requests at once through gradio_client, twice: every answer is the model's top-k and the server's resident
+    memory after the second round is where the first left it (benchmarks/bench_space_load.py measures more rounds)."""
+    from benchmarks.bench_space_load import fire_concurrent, rss_mib
+
+    texts = list(tiny_task[0].test.texts[:50])
+    client = Client(served, verbose=False, analytics_enabled=False)
+    pid = SERVER_PIDS[served]
+    memory = []
+    for _ in range(2):
+        results, _, errors = fire_concurrent(client, texts, 5)
+        assert not errors, errors[:3]
+        for text, (_, table) in zip(texts, results):
+            assert [row[1] for row in table["data"]] == _expected(app.model, text, 5)[0]
+        memory.append(rss_mib(pid))
+    assert memory[1] - memory[0] < 20, memory  # MiB
