@@ -344,7 +344,7 @@ def test_train_mufin_resumes_after_kill_to_the_same_metrics(task, tmp_path):
         "--train_file", str(root / "trn.json.gz"), "--test_file", str(root / "tst.json.gz"), "--label_file", str(root / "lbl.json.gz"),
         "--model_name_or_path", text_dir, "--vision_model_name_or_path", vision_dir, "--output_dir", out,
         "--embed_dim", "8", "--attention_heads", "2", "--shortlist_size", "6", "--max_seq_length", "8",
-        "--siamese_epochs", "2", "--num_train_epochs", "3", "--per_device_train_batch_size", "16", "--save_strategy", "epoch",
+        "--siamese_epochs", "1", "--num_train_epochs", "2", "--per_device_train_batch_size", "16", "--save_strategy", "epoch",
         "--learning_rate", "2e-3", "--ranker_learning_rate", "2e-3", "--ranker_negatives", "3", "--hard_negative_top_k", "6",
         "--vision_trainable_layers", "-1", "--disable_tqdm", "true", "--use_cpu", "true", "--report_to", "none",
     ]

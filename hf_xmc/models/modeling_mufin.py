@@ -840,11 +840,15 @@ class MUFINModel(MUFINPreTrainedModel):
         self.label_images = bags if any(bags) else None
         self.label_images_missing = False
         rows = self.label_centroids.shape[0] if self.label_centroids is not None else n
-        if rows < n:  # appended labels: no training positives, so no centroid
-            self.label_centroids = torch.cat([self.label_centroids, self.label_centroids.new_zeros(n - rows, self.label_centroids.shape[1])])
-            self.label_centroid_counts = torch.cat([self.label_centroid_counts, self.label_centroid_counts.new_zeros(n - rows)])
+        if rows < n:
+            self._extend_centroids(n - rows)
         elif rows > n:
             self.label_centroids = self.label_centroid_counts = None
+
+    def _extend_centroids(self, count: int) -> None:
+        """Zero centroids (count 0) for ``count`` appended labels: they have no training positives."""
+        self.label_centroids = torch.cat([self.label_centroids, self.label_centroids.new_zeros(count, self.label_centroids.shape[1])])
+        self.label_centroid_counts = torch.cat([self.label_centroid_counts, self.label_centroid_counts.new_zeros(count)])
 
     @torch.no_grad()
     def add_labels(
@@ -873,9 +877,7 @@ class MUFINModel(MUFINPreTrainedModel):
         self.label_texts = list(self.label_texts) + ["" if t is None else t for t in norm_texts]
         self.label_uids = list(self.label_uids) + uids
         if self.label_centroids is not None:
-            n = len(norm_texts)
-            self.label_centroids = torch.cat([self.label_centroids, self.label_centroids.new_zeros(n, self.label_centroids.shape[1])])
-            self.label_centroid_counts = torch.cat([self.label_centroid_counts, self.label_centroid_counts.new_zeros(n)])
+            self._extend_centroids(len(norm_texts))
         self.build_shortlist_index()
         return np.arange(first, len(self.label_texts), dtype=np.int64)
 
