@@ -226,8 +226,8 @@ def test_resume_after_kill_gives_the_same_metrics(method, tiny_task, tiny_encode
 
 @pytest.mark.slow
 def test_two_process_run_resumes_after_kill_to_the_same_metrics(tiny_task, tiny_encoder_dir, tmp_path):
-    """accelerate launch, 2 processes (gloo): the launcher and both ranks killed with SIGKILL after the first
-    checkpoint; the resumed 2-process run ends with the uninterrupted run's metrics."""
+    """accelerate launch, 2 processes (gloo), a LoRA adapter on the encoder: the launcher and both ranks killed with
+    SIGKILL after the first checkpoint; the resumed 2-process run ends with the uninterrupted run's metrics."""
     _, task_dir = tiny_task
     out = str(tmp_path / "out")
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
@@ -236,10 +236,15 @@ def test_two_process_run_resumes_after_kill_to_the_same_metrics(tiny_task, tiny_
                       "--train_file", f"{task_dir}/trn.json.gz", "--test_file", f"{task_dir}/tst.json.gz", "--label_file", f"{task_dir}/lbl.json.gz",
                       "--model_name_or_path", tiny_encoder_dir, "--output_dir", out, "--per_device_train_batch_size", "16", "--max_seq_length", "16",
                       "--learning_rate", "5e-4", "--seed", "1", "--save_strategy", "epoch", "--disable_tqdm", "true", "--report_to", "none",
-                      *RESUME_RUNS["dexml"]]
+                      *RESUME_RUNS["dexml"], "--peft", "lora", "--lora_r", "4"]
     results = run_killed_and_resumed(cmd, out, str(tmp_path / "reference"), **{"29563": "29564"})
     assert_same_metrics(results)
     assert f"resuming from {out}/checkpoint-" in results["log"]
+    checkpoint = sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))[-1]
+    with open(os.path.join(out, checkpoint, "config.json")) as f:  # checkpoints keep the adapter, the final model has it merged
+        assert json.load(f)["encoder_adapter"]["r"] == 4
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["encoder_adapter"] is None
 
 
 def test_resume_passes_over_a_half_written_checkpoint(tmp_path, caplog):

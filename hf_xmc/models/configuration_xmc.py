@@ -42,6 +42,14 @@ class XMCConfig(PreTrainedConfig):
         propensity_a / propensity_b (`float`, *optional*):
             Constants of the inverse-propensity model used for PSP@k (pyxclib: 0.55/1.5 by default,
             0.6/2.6 Amazon, 0.5/0.4 Wikipedia).
+        encoder_base_model (`str`, *optional*):
+            The pretrained encoder the model started from (Hub id or path); set by `from_encoder_pretrained`.
+        encoder_adapter (`dict`, *optional*):
+            A peft adapter config (its `to_dict()`) that wraps the encoder (`add_encoder_adapter`); None for a plain
+            encoder, as after a merged save.
+        encoder_adapter_only (`bool`, *optional*, defaults to `False`):
+            The saved weights hold the encoder's adapter (`adapter_model.safetensors`), not the encoder: loading
+            rebuilds it from `encoder_base_model` plus the adapter (needs peft).
     """
 
     model_type = "hf_xmc"
@@ -58,6 +66,9 @@ class XMCConfig(PreTrainedConfig):
     label_embeddings_dtype: str = "float32"
     propensity_a: float = 0.55
     propensity_b: float = 1.5
+    encoder_base_model: str | None = None
+    encoder_adapter: dict | None = None
+    encoder_adapter_only: bool = False
 
     def validate_xmc(self) -> None:
         """Raise a ValueError naming the first invalid field."""

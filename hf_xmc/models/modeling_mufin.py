@@ -560,6 +560,7 @@ class MUFINModel(MUFINPreTrainedModel):
                 hint = " (a vision checkpoint without pooler: use vision_pooling='cls')" if any(k.startswith("pooler") for k in missing) else ""
                 raise ValueError(f"{name} encoder weights of {source.name_or_path} do not fit: missing={missing} unexpected={unexpected}{hint}")
         model.tokenizer, model.image_processor = tokenizer, image_processor
+        model.config.encoder_base_model = str(text_name_or_path)  # what an adapter-only save of the text tower names
         return model
 
     @classmethod

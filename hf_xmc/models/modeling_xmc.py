@@ -22,6 +22,7 @@ safetensors, tqdm and its siblings.
 """
 
 
+import copy
 import json
 import math
 import os
@@ -30,6 +31,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Optional
 
 import numpy as np
@@ -41,7 +43,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel
-from transformers.utils import ModelOutput, logging
+from transformers.utils import ModelOutput, is_peft_available, logging
 from transformers.utils.hub import cached_file, convert_file_size_to_int
 
 from .configuration_xmc import XMCConfig
@@ -67,6 +69,12 @@ MODEL_CARD_FILE = "README.md"
 MODEL_CARD_ASSETS = ("xmc_metrics.png",)  # files the card shows; they travel with it
 EVAL_RESULTS_FILE = "eval_results.json"  # a training run's metrics (the training script contract); pushed with the card
 CONFIG_FILE = "config.json"
+# an adapter-only save: the encoder's peft adapter, in peft's own layout (PeftModel.from_pretrained(base, repo,
+# subfolder="encoder_adapter") reads it), in a subfolder: transformers takes a top-level adapter_config.json for an
+# adapter of the whole model and would load it as one
+ADAPTER_DIR = "encoder_adapter"
+ADAPTER_CONFIG_FILE = f"{ADAPTER_DIR}/adapter_config.json"
+ADAPTER_WEIGHTS_FILE = f"{ADAPTER_DIR}/adapter_model.safetensors"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 # what tokenizer classes write with save_pretrained (a tokenizer writes some of these)
@@ -725,6 +733,45 @@ def tokenize_texts(tokenizer, texts: Sequence[str], max_length: int, **kwargs):
     return tokenizer(texts, truncation=True, max_length=max_length, **kwargs)
 
 
+def _import_peft():
+    """The peft module, or an ImportError that names it (models with an encoder adapter need it)."""
+    if is_peft_available():  # transformers' remote-code import check skips imports guarded like this
+        import peft
+
+        return peft
+    raise ImportError("this model's encoder has a peft adapter (config.encoder_adapter): pip install peft")
+
+
+def _saved_adapter_only(path: str, hub: dict) -> bool:
+    """Whether the saved model at ``path`` keeps its encoder as an adapter (its weights load after the rest)."""
+    config_path = cached_file(path, CONFIG_FILE, _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False, **hub)
+    if config_path is None:
+        return False
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            return bool(json.load(f).get("encoder_adapter_only"))
+    except ValueError:
+        return False  # from_pretrained names the bad file
+
+
+def _peft_config(values: dict):
+    """A peft config object from its ``to_dict()`` (any adapter type peft knows)."""
+    return _import_peft().get_peft_config(dict(values))
+
+
+def _json_safe(value):
+    """``value`` with sets as sorted lists and enums as their values: what config.json can hold."""
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(_json_safe(v) for v in value)
+    if isinstance(value, Enum):  # peft's PeftType / TaskType are str enums
+        return value.value
+    return value
+
+
 def _repair_tokenizer(tokenizer, encoder_config, name_or_path: str):
     """Rebuild a WordPiece tokenizer from ``vocab.txt`` when its saved ``tokenizer.json`` lost the vocabulary.
 
@@ -770,7 +817,10 @@ class XMCPreTrainedModel(PreTrainedModel):
         super().__init__(config)
         config.validate_xmc()
         self.encoder = self.build_encoder(config)
+        if config.encoder_adapter and not config.encoder_adapter_only:  # a checkpoint: its weights load into the wrapper
+            self.encoder = _import_peft().get_peft_model(self.encoder, _peft_config(config.encoder_adapter))
         self.embedding_dropout = nn.Dropout(config.embedding_dropout)
+        self.save_adapter_only = False  # save_pretrained's default: merged (the adapter folded into the encoder)
         self.tokenizer = None
         self.label_texts: Optional[list[str]] = None
         self.label_uids: Optional[list[str]] = None
@@ -802,7 +852,47 @@ class XMCPreTrainedModel(PreTrainedModel):
         if unexpected or [k for k in missing if not k.endswith("position_ids")]:
             raise ValueError(f"encoder weights of {encoder_name_or_path} do not fit: missing={missing} unexpected={unexpected}")
         model.tokenizer = tokenizer
+        model.config.encoder_base_model = str(encoder_name_or_path)
         return model
+
+    # ------------------------------------------------------------------ encoder adapters (peft)
+    @property
+    def has_encoder_adapter(self) -> bool:
+        """Whether the encoder is wrapped in a peft adapter (:meth:`add_encoder_adapter`)."""
+        return bool(self.config.encoder_adapter)
+
+    def add_encoder_adapter(self, peft_config) -> None:
+        """Wrap the encoder in a peft adapter (``peft.LoraConfig(...)``, any peft config, or its ``to_dict()``): only
+        the adapter's weights train in the encoder, while heads, label tables and prototypes outside it stay fully
+        trainable. The config records it (``config.encoder_adapter``), so checkpoints reload with it in place.
+        Saving folds it into the encoder by default (:meth:`save_pretrained`); ``model.save_adapter_only = True``
+        saves the adapter alone. Memory: the adapter's weights (LoRA: ``2 r (d_in + d_out)`` per wrapped matrix),
+        their gradients and optimizer moments; the encoder's own weights get neither."""
+        peft = _import_peft()
+        if self.has_encoder_adapter:
+            raise ValueError("the encoder already has an adapter: merge_encoder_adapter() first, or keep training this one")
+        if not hasattr(self.encoder, "config") or not hasattr(self.encoder, "get_input_embeddings"):
+            raise ValueError(f"{type(self.encoder).__name__} is not a transformers encoder: peft adapters need one (SiameseXML: encoder_type='transformer')")
+        peft_config = _peft_config(peft_config) if isinstance(peft_config, dict) else peft_config
+        self.encoder = peft.get_peft_model(self.encoder, peft_config)
+        self.config.encoder_adapter = _json_safe(peft_config.to_dict())
+
+    def merge_encoder_adapter(self) -> None:
+        """Fold the adapter into the encoder's weights (peft ``merge_and_unload``): a plain encoder again, that saves
+        and loads without peft. Training on from here updates every encoder weight."""
+        if not self.has_encoder_adapter:
+            raise ValueError("the encoder has no adapter to merge")
+        self.encoder = self.encoder.merge_and_unload()
+        self.config.encoder_adapter = None
+        self.config.encoder_adapter_only = False
+
+    def _merged_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights with the adapter folded into a copy of the encoder, under a plain encoder's names.
+        Memory: one copy of the encoder."""
+        merged = copy.deepcopy(self.encoder).merge_and_unload()
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("encoder.")}
+        state.update({f"encoder.{k}": v for k, v in merged.state_dict().items()})
+        return state
 
     # ------------------------------------------------------------------ encoding
     def pooled_embedding(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **encoder_kwargs) -> torch.Tensor:
@@ -1081,12 +1171,15 @@ class XMCPreTrainedModel(PreTrainedModel):
     def runtime_requirements(self) -> dict[str, str]:
         """The pip requirements of loading and predicting with this model (no hf_xmc needed), each with why it is
         needed; ``""`` = always. The model card lists them."""
-        return {
+        requirements = {
             "torch": "",
             "transformers>=5.23,<6": "",
             "safetensors": "",
             "faiss-cpu": "the fastest label search (faiss-gpu on a GPU); without it search falls back to exact torch.topk",
         }
+        if self.has_encoder_adapter and (self.save_adapter_only or self.config.encoder_adapter_only):
+            requirements["peft>=0.12"] = "the encoder is saved as an adapter: loading rebuilds it from its base encoder and the adapter"
+        return requirements
 
     # ------------------------------------------------------------------ the query encoder as a sentence-transformers checkpoint
     def query_encoder_modules(self) -> list[dict]:
@@ -1167,7 +1260,7 @@ class XMCPreTrainedModel(PreTrainedModel):
         stands in for ``label_embeddings.safetensors``; its shards are read from it."""
         files = dict.fromkeys(TOKENIZER_FILES, False)
         files.update({"tokenizer_config.json": True, LABELS_FILE: True, LABEL_EMBEDDINGS_FILE: True, LABEL_EMBEDDINGS_INDEX_FILE: False})
-        files.update({INDEX_FILE: False, INDEX_META_FILE: False})
+        files.update({INDEX_FILE: False, INDEX_META_FILE: False, ADAPTER_CONFIG_FILE: False, ADAPTER_WEIGHTS_FILE: False})
         files.update(dict.fromkeys((MODEL_CARD_FILE, *MODEL_CARD_ASSETS), False))
         return files
 
@@ -1207,6 +1300,31 @@ class XMCPreTrainedModel(PreTrainedModel):
             shutil.rmtree(staging, ignore_errors=True)
             raise
 
+    def _save_adapted_weights(self, save_directory: str, *args, **kwargs) -> None:
+        """The weights of a model whose encoder has an adapter: merged (the default: the adapter folded in, the config
+        without it, loadable without peft), or adapter-only (``save_adapter_only``: ``adapter_config.json`` +
+        ``adapter_model.safetensors`` for the encoder, the weights outside it in ``model.safetensors``, the base
+        encoder named by ``config.encoder_base_model``)."""
+        kwargs.pop("state_dict", None)  # the Trainer hands its (unmerged) state dict: the weights are chosen here
+        adapter, adapter_only = self.config.encoder_adapter, self.config.encoder_adapter_only
+        try:
+            if self.save_adapter_only:
+                if not self.config.encoder_base_model:
+                    raise ValueError("an adapter-only save needs config.encoder_base_model (the encoder the adapter was trained on)")
+                self.config.encoder_adapter_only = True
+                state = {k: v for k, v in self.state_dict().items() if not k.startswith("encoder.")}
+                if state:  # (transformers empties the dict it is given)
+                    super().save_pretrained(save_directory, *args, state_dict=state, **kwargs)
+                else:  # DEXML: nothing outside the encoder, for which transformers would write no weights file
+                    super().save_pretrained(save_directory, *args, state_dict={}, **kwargs)
+                    save_file({}, os.path.join(save_directory, WEIGHTS_FILE), metadata={"format": "pt"})
+                self.encoder.save_pretrained(os.path.join(save_directory, ADAPTER_DIR))  # adapter_config.json + adapter_model.safetensors
+            else:
+                self.config.encoder_adapter, self.config.encoder_adapter_only = None, False
+                super().save_pretrained(save_directory, *args, state_dict=self._merged_state_dict(), **kwargs)
+        finally:
+            self.config.encoder_adapter, self.config.encoder_adapter_only = adapter, adapter_only
+
     @classmethod
     def _replaced_on_save(cls, name: str) -> bool:
         """Whether ``name`` in a directory being saved over is a file of the previous model (dropped unless the new save
@@ -1215,7 +1333,7 @@ class XMCPreTrainedModel(PreTrainedModel):
         if name in (MODEL_CARD_FILE, *MODEL_CARD_ASSETS):
             return False
         return (
-            name in cls.model_files() or name in (CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, "generation_config.json")
+            name in cls.model_files() or name in (CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, "generation_config.json", ADAPTER_DIR)
             or bool(WEIGHT_SHARD_PATTERN.fullmatch(name) or LABEL_SHARD_PATTERN.fullmatch(name))
         )
 
@@ -1225,7 +1343,10 @@ class XMCPreTrainedModel(PreTrainedModel):
         from .pipeline_xmc import XMC_PIPELINE_INFO, XMC_PIPELINE_TASK
 
         self.config.custom_pipelines = {XMC_PIPELINE_TASK: dict(XMC_PIPELINE_INFO)}
-        super().save_pretrained(save_directory, *args, **kwargs)
+        if self.has_encoder_adapter and not self.trainer_checkpoint_keys:
+            self._save_adapted_weights(save_directory, *args, **kwargs)
+        else:  # a plain encoder, or a Trainer checkpoint (the adapter's own weights and names: resume loads them)
+            super().save_pretrained(save_directory, *args, **kwargs)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(save_directory)
         if self.label_texts is not None:
@@ -1281,16 +1402,40 @@ class XMCPreTrainedModel(PreTrainedModel):
         that is not valid safetensors (truncated by an interrupted download or copy) is named in the error."""
         from safetensors import SafetensorError
 
+        hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
+        quiet = _saved_adapter_only(str(pretrained_model_name_or_path), hub)  # the encoder's weights come later: no "missing" report
+        verbosity = logging.get_verbosity()
         try:
+            if quiet:
+                logging.set_verbosity_error()
             model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         except SafetensorError as err:
             raise OSError(
                 f"{pretrained_model_name_or_path}: the weights file is not valid safetensors ({err}); it is truncated or "
                 "corrupt: download it again (or save the model again)"
             ) from None
-        hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
+        finally:
+            logging.set_verbosity(verbosity)
         model._load_artifacts(str(pretrained_model_name_or_path), hub)
         return model
+
+    def _load_encoder_from_base_and_adapter(self, path: str, adapter_path: Optional[str], hub: dict) -> None:
+        """An adapter-only save: the encoder's weights from ``config.encoder_base_model``, then the adapter's."""
+        from safetensors.torch import load_file
+
+        peft = _import_peft()
+        if adapter_path is None:
+            raise ValueError(f"{path}: config.json says the encoder is saved as an adapter, but there is no {ADAPTER_WEIGHTS_FILE}")
+        base_hub = {k: v for k, v in hub.items() if k in ("cache_dir", "token", "local_files_only")}  # the base's own revision
+        base = AutoModel.from_pretrained(self.config.encoder_base_model, **base_hub)
+        missing, unexpected = self.encoder.load_state_dict(base.state_dict(), strict=False)
+        if unexpected or [k for k in missing if not k.endswith("position_ids")]:
+            raise ValueError(f"{self.config.encoder_base_model}: its weights do not fit this model's encoder (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        self.encoder = peft.get_peft_model(self.encoder, _peft_config(self.config.encoder_adapter)).to(next(self.parameters()).device)
+        result = peft.set_peft_model_state_dict(self.encoder, load_file(adapter_path))
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"{adapter_path}: adapter weights that the encoder has no place for: {result.unexpected_keys[:3]}")
+        self.encoder.train(self.training)  # from_pretrained left the model in eval mode: the adapter's dropout too
 
     @staticmethod
     def _fetch_artifact(path: str, name: str, hub: dict) -> Optional[str]:
@@ -1300,6 +1445,9 @@ class XMCPreTrainedModel(PreTrainedModel):
     def _load_artifacts(self, path: str, hub: dict) -> None:
         def fetch(name: str) -> Optional[str]:
             return self._fetch_artifact(path, name, hub)
+
+        if self.config.encoder_adapter_only:
+            self._load_encoder_from_base_and_adapter(path, fetch(ADAPTER_WEIGHTS_FILE), hub)
 
         if fetch("tokenizer_config.json") is not None:
             # Hand over the encoder's config so AutoTokenizer does not re-read config.json (with its auto_map,

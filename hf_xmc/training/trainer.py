@@ -79,6 +79,15 @@ class XMCTrainingArguments(TrainingArguments):
     label_pool: str = field(default="in_batch", metadata={"help": "'in_batch' (sampled positives [+ hard negatives]), 'psl' (UniDEC pick-some-labels: sampled positives, hard negatives and the batch's other positives, capped at max_label_pool) or 'all' (every label re-encoded each step: DEXML brute force)."})
     max_label_pool: int = field(default=0, metadata={"help": "label_pool='psl': most labels in a pool (0 = no cap)."})
 
+    # --- a peft adapter on the encoder (hf_xmc; heads, label tables and prototypes stay fully trainable) ---
+    peft: Optional[str] = field(default=None, metadata={"help": "'lora': train a LoRA adapter on the encoder instead of all its weights (needs peft)."})
+    lora_r: int = field(default=8, metadata={"help": "--peft lora: rank of the update matrices."})
+    lora_alpha: float = field(default=16, metadata={"help": "--peft lora: scaling (the update is alpha / r x B A)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "--peft lora: dropout on the adapter's input."})
+    lora_target_modules: Optional[str] = field(default=None, metadata={"help": "--peft lora: comma-separated module names (default: peft's choice for the encoder type, e.g. query,value for BERT)."})
+    peft_config: Optional[str] = field(default=None, metadata={"help": "A JSON file of any peft config (its to_dict(), with peft_type), instead of --peft lora."})
+    save_adapter_only: bool = field(default=False, metadata={"help": "Save the encoder's adapter alone (encoder_adapter/) on its named base encoder, not merged into the encoder's weights."})
+
     def __post_init__(self):
         if not _accelerator_present():
             self.use_cpu = True
@@ -97,9 +106,35 @@ class XMCTrainingArguments(TrainingArguments):
         for name in ("num_train_epochs", "learning_rate", "hard_negatives", "gradient_cache_chunk_size", "weight_decay", "warmup_steps"):
             if getattr(self, name, 0) < 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.peft not in (None, "lora"):
+            raise ValueError(f"--peft takes 'lora' (or give any peft config with --peft_config FILE), got {self.peft!r}")
+        if self.peft and self.peft_config:
+            raise ValueError("give --peft lora or --peft_config FILE, not both")
+        if self.save_adapter_only and not (self.peft or self.peft_config):
+            raise ValueError("--save_adapter_only needs an adapter: --peft lora or --peft_config FILE")
         if self.hard_negatives > self.hard_negative_top_k:
             raise ValueError(f"--hard_negatives {self.hard_negatives} exceeds the shortlist they are drawn from (--hard_negative_top_k {self.hard_negative_top_k})")
         super().__post_init__()
+
+
+def encoder_adapter_config(args: XMCTrainingArguments):
+    """The peft config that ``--peft lora`` (with ``--lora_*``) or ``--peft_config FILE`` asks for; None for neither."""
+    if not (getattr(args, "peft", None) or getattr(args, "peft_config", None)):
+        return None
+    from ..models.modeling_xmc import _import_peft
+
+    peft = _import_peft()
+    if args.peft_config:
+        import json
+
+        try:
+            with open(args.peft_config, encoding="utf-8") as f:
+                values = json.load(f)
+            return peft.get_peft_config(values)
+        except (ValueError, KeyError, TypeError) as err:  # not JSON, or not a peft config
+            raise ValueError(f"{args.peft_config}: not a peft config ({type(err).__name__}: {err}); write a LoraConfig(...).to_dict() with its peft_type") from None
+    modules = [m.strip() for m in args.lora_target_modules.split(",") if m.strip()] if args.lora_target_modules else None
+    return peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=modules)
 
 
 def _accelerator_present() -> bool:
@@ -150,6 +185,11 @@ class XMCTrainer(Trainer):
     ):
         if args is not None and args.remove_unused_columns:
             raise ValueError("XMCTrainer needs TrainingArguments(remove_unused_columns=False): the collator reads raw columns")
+        adapter = encoder_adapter_config(args)
+        if adapter is not None:
+            if not model.has_encoder_adapter:  # the next stage of a multi-stage recipe trains the same adapter on
+                model.add_encoder_adapter(adapter)
+            model.save_adapter_only = args.save_adapter_only
         if (
             getattr(args, "gradient_cache_chunk_size", 0)
             and args.world_size > 1
