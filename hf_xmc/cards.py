@@ -194,23 +194,6 @@ def _config_rows(model) -> list[tuple[str, str]]:
     return rows
 
 
-def encoder_adapter_summary(model) -> Optional[str]:
-    """One line on the encoder's peft adapter for the card: its type and settings, its trainable parameters, and how
-    the model is saved (merged into the encoder, or the adapter alone on a named base encoder); None without one."""
-    adapter = model.config.encoder_adapter
-    if not adapter:
-        return None
-    kind = str(adapter.get("peft_type", "adapter"))
-    settings = ", ".join(f"{k}={_format(adapter[k])}" for k in ("r", "lora_alpha", "lora_dropout", "target_modules") if adapter.get(k) is not None)
-    encoder = model.encoder
-    trainable = sum(p.numel() for p in encoder.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in encoder.parameters())
-    line = f"{kind} ({settings}), {trainable:,} trainable of the encoder's {total:,} parameters; "
-    if model.save_adapter_only or model.config.encoder_adapter_only:
-        return line + f"saved alone (`encoder_adapter/`) on the base encoder `{model.config.encoder_base_model}`, which loading downloads (needs `peft`)"
-    return line + "merged into the encoder's weights (loads without `peft`)"
-
-
 def _training_rows(training_args, train_metrics: Optional[Mapping[str, float]]) -> list[tuple[str, str]]:
     rows = []
     if training_args is not None:
@@ -311,7 +294,7 @@ def generate_model_card(
         method=method,
         num_labels=f"{num_labels:,}",
         base_models=base_models,
-        adapter=encoder_adapter_summary(model),
+        adapter=model.encoder_adapter_summary(),
         requirements=model.runtime_requirements(),
         dataset_name=dataset_name,
         summary=summary,

@@ -175,3 +175,28 @@ def test_training_script_flags_train_an_adapter_and_save_it_alone(tiny_task, tin
     # a flag without an adapter, or an adapter type it does not know, is one line and exit status 2
     bad = subprocess.run(cmd[:-8] + ["--save_adapter_only", "true"], capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("--save_adapter_only needs an adapter: --peft lora or --peft_config FILE")
+
+
+def test_adapter_only_push_and_load_by_repo_id(tiny_encoder_dir, tiny_task, tmp_path):
+    """push_to_hub of an adapter-only model uploads the adapter (not the encoder) and a card that says so; the repo,
+    laid out as the HF cache holds it, loads by its id (remote code) and predicts the same top-k."""
+    from tests.test_hub import FakeHubApi, build_hf_cache
+
+    data = tiny_task[0]
+    model = build("unidec", tiny_encoder_dir, data)
+    model.add_encoder_adapter(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query", "value"]))
+    _randomise_adapter(model)
+    model.save_adapter_only = True
+    texts = list(data.test.texts[:8])
+    expected = model.predict(texts, k=5)
+    api = FakeHubApi()
+    model.push_to_hub("org/unidec-lora", api=api)
+    files = api.uploads[-1]["files"]
+    assert {"encoder_adapter/adapter_config.json", "encoder_adapter/adapter_model.safetensors", "model.safetensors", "README.md"} <= set(files)
+    assert len(files["model.safetensors"]) < 20_000  # the heads and the classifier table, not the encoder
+    assert b"saved alone (`encoder_adapter/`)" in files["README.md"]
+    build_hf_cache(tmp_path / "hf", "org/unidec-lora", files, api.uploads[-1]["sha"])
+    loaded = AutoModel.from_pretrained("org/unidec-lora", trust_remote_code=True, cache_dir=str(tmp_path / "hf" / "hub"), local_files_only=True)
+    got = loaded.predict(texts, k=5)
+    np.testing.assert_array_equal(got.label_ids, expected.label_ids)
+    np.testing.assert_allclose(got.scores, expected.scores, atol=1e-5)

@@ -450,9 +450,12 @@ def default_model_card(model: "XMCPreTrainedModel", repo_id: str, tags: Optional
         tags=["extreme-classification", "xmc", "hf_xmc", model.config.model_type, *(tags or [])],
     )
     num_labels = len(model.label_texts) if model.label_texts is not None else 0
+    adapter = model.encoder_adapter_summary()
     text = (
         f"---\n{data.to_yaml()}\n---\n\n# {repo_id.split('/')[-1]}\n\n"
         f"An extreme multi-label classification model (`{type(model).__name__}`, {num_labels:,} labels) from hf_xmc.\n\n"
+        + (f"Encoder adapter: {adapter}.\n\n" if adapter else "")
+        +
         "```python\nfrom transformers import AutoModel\n\n"
         f'model = AutoModel.from_pretrained("{repo_id}", trust_remote_code=True)\n'
         'pred = model.predict(["a query text"], k=5)  # label_ids, scores, label_texts\n```\n'
@@ -885,6 +888,23 @@ class XMCPreTrainedModel(PreTrainedModel):
         self.encoder = self.encoder.merge_and_unload()
         self.config.encoder_adapter = None
         self.config.encoder_adapter_only = False
+
+    def encoder_adapter_summary(self) -> Optional[str]:
+        """One line on the encoder's adapter for a model card: its type and settings, its trainable parameters, and how
+        the model saves (merged into the encoder, or the adapter alone on its base encoder); None without one."""
+        adapter = self.config.encoder_adapter
+        if not adapter:
+            return None
+        settings = ", ".join(
+            f"{k}={', '.join(map(str, v)) if isinstance(v, list) else v}" for k in ("r", "lora_alpha", "lora_dropout", "target_modules")
+            if (v := adapter.get(k)) is not None
+        )
+        trainable = sum(p.numel() for p in self.encoder.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in self.encoder.parameters())
+        line = f"{adapter.get('peft_type', 'adapter')} ({settings}), {trainable:,} trainable of the encoder's {total:,} parameters; "
+        if self.save_adapter_only or self.config.encoder_adapter_only:
+            return line + f"saved alone (`{ADAPTER_DIR}/`) on the base encoder `{self.config.encoder_base_model}`, which loading fetches (needs `peft`)"
+        return line + "merged into the encoder's weights (loads without `peft`)"
 
     def _merged_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights with the adapter folded into a copy of the encoder, under a plain encoder's names.
