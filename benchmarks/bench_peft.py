@@ -72,9 +72,6 @@ def main() -> None:
     ap.add_argument("--update_readme", action="store_true")
     args = ap.parse_args()
     rows = []
-    if os.path.exists(args.out):  # runs of other datasets / methods are kept (replaced when run again)
-        with open(args.out) as f:
-            rows = [r for r in json.load(f)["rows"] if not (r["dataset"] in args.datasets and r["method"] in args.methods)]
     with tempfile.TemporaryDirectory() as work:
         for dataset in args.datasets:
             data_dir, encoder, budget = prepare(dataset, work)
@@ -88,6 +85,9 @@ def main() -> None:
                     row = {"dataset": dataset, "method": method, "variant": name, **run(method, data_dir, encoder, out, budget + ["--seed", "42"] + extra)}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+    if os.path.exists(args.out):  # rows of other datasets / methods (read now: a run beside this one may have written)
+        with open(args.out) as f:
+            rows += [r for r in json.load(f)["rows"] if not (r["dataset"] in args.datasets and r["method"] in args.methods)]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"lora_learning_rate": args.lora_learning_rate, "cpu_count": os.cpu_count(), "rows": rows}, f, indent=2)

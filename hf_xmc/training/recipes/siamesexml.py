@@ -156,8 +156,8 @@ def mine(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments):
     shortlist = mine_classifier_shortlist(model, points, targets, args.train_shortlist_size, args.knn_neighbors, args.knn_weight, show_progress_bar=show)
     logger.info("SiameseXML Module II: shortlists of %d negatives for %d training points", shortlist.shape[1], shortlist.shape[0])
     frozen = not args.train_encoder_in_classifier_stage
-    for p in model.encoder.parameters():
-        p.requires_grad_(not frozen)
+    for p in model.encoder.parameters():  # with an adapter, only its weights (the trainable ones) train on in Module IV
+        p.requires_grad_(not frozen and (p.requires_grad or not model.has_encoder_adapter))
     return ClassifierStageCollator(
         targets=targets,
         shortlist=shortlist,
