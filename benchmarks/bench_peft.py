@@ -62,6 +62,19 @@ def run(method: str, data_dir: str, encoder: str, out: str, extra: list[str]) ->
     }
 
 
+def write_results(args, rows: list[dict]) -> list[dict]:
+    """Write ``rows`` to ``args.out`` with the rows already there for other (dataset, method, variant) runs (read now:
+    a run beside this one may have written); returns all of them."""
+    done = {(r["dataset"], r["method"], r["variant"]) for r in rows}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            rows = rows + [r for r in json.load(f)["rows"] if (r["dataset"], r["method"], r["variant"]) not in done]
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"lora_learning_rate": args.lora_learning_rate, "cpu_count": os.cpu_count(), "rows": rows}, f, indent=2)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters", "tiny"])
@@ -70,10 +83,11 @@ def main() -> None:
     ap.add_argument("--lora_learning_rate", default="1e-3", help="Learning rate of the LoRA runs (the encoder's; heads keep their multipliers).")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "peft.json"))
     ap.add_argument("--update_readme", action="store_true")
+    ap.add_argument("--table_only", action="store_true", help="Print (and with --update_readme write) the table of --out; run nothing.")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as work:
-        for dataset in args.datasets:
+        for dataset in args.datasets if not args.table_only else ():
             data_dir, encoder, budget = prepare(dataset, work)
             for method in args.methods:
                 variants = [("full", [])] + [
@@ -85,12 +99,8 @@ def main() -> None:
                     row = {"dataset": dataset, "method": method, "variant": name, **run(method, data_dir, encoder, out, budget + ["--seed", "42"] + extra)}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    if os.path.exists(args.out):  # rows of other datasets / methods (read now: a run beside this one may have written)
-        with open(args.out) as f:
-            rows += [r for r in json.load(f)["rows"] if not (r["dataset"] in args.datasets and r["method"] in args.methods)]
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"lora_learning_rate": args.lora_learning_rate, "cpu_count": os.cpu_count(), "rows": rows}, f, indent=2)
+                    write_results(args, rows)  # after every run: a long benchmark stopped midway keeps what it measured
+    rows = write_results(args, rows)
     table = ["| dataset | method | encoder training | P@1 | PSP@5 | trainable parameters | peak memory (MiB) | wall (s) | saved model files (MB) |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (r["dataset"], r["method"], r["variant"] != "full", r["variant"])):
