@@ -48,7 +48,7 @@ TRAIN_CASES = {
     "train_file_empty": ({"k.json.gz": ""}, {"--train_file": "{w}/k.json.gz"}, "{w}/k.json.gz: the training file is empty: it has no point line"),
     "train_no_point_labelled": ({"l.json.gz": '{"uid": "x", "title": "a", "target_ind": []}\n'}, {"--train_file": "{w}/l.json.gz"}, "{w}/l.json.gz: no training point has a label (1 point(s) without one)"),
     "train_not_utf8": ({"m.json.gz": GOOD.encode() + b'{"uid": "x", "title": "\xff\xfe", "target_ind": [0]}\n'}, {"--train_file": "{w}/m.json.gz"}, "{w}/m.json.gz, line 1: cannot read/decode file: 'utf-8' codec can't decode"),
-    "train_text_fields_absent": ({}, {"--text_fields": "content"}, "trn.json.gz: no point has a text in the field(s) 'content' (--text_fields)"),
+    "train_text_fields_absent": ({}, {"--text_fields": "content"}, "trn.json.gz: no line has the text field(s) 'content' (--text_fields)"),
     "label_file_empty": ({"n.json.gz": ""}, {"--label_file": "{w}/n.json.gz"}, "{w}/n.json.gz: the label file is empty: it has no label line"),
     "label_title_missing": ({"o.json.gz": '{"uid": "l0"}\n'}, {"--label_file": "{w}/o.json.gz"}, "{w}/o.json.gz, line 1: missing field 'title'"),
     "test_target_out_of_range": ({"p.json.gz": '{"uid": "x", "title": "a", "target_ind": [999]}\n'}, {"--test_file": "{w}/p.json.gz"}, "{w}/p.json.gz, line 1: label id 999 out of range (num_labels=40)"),

@@ -365,6 +365,7 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
     skipped = 0
     max_id = -1
     record = -1
+    fields_seen = False
     with _open_text(path) as f:
         for lineno, line in _iter_lines(f, path):
             if not line.strip():
@@ -373,6 +374,7 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
             obj = _parse_object(line, path, lineno)
             uid = _get_uid(obj, path, lineno)
             text = _get_text(obj, fields, path, lineno)
+            fields_seen = fields_seen or any(field in obj for field in fields)
             item_images = _get_images(obj, base_dir, check_images, path, lineno)
             if "target_ind" not in obj:
                 raise XMCDataError(path, lineno, "missing field 'target_ind'")
@@ -400,8 +402,8 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
             indptr.append(len(indices))
     if num_labels is None:
         num_labels = max_id + 1
-    if texts and not any(texts) and not any(images):
-        raise XMCDataError(path, None, f"no point has a text in the field(s) {', '.join(repr(f) for f in fields)} (--text_fields)")
+    if record >= 0 and not fields_seen:  # every line lacks every text field asked for: a typo in --text_fields
+        raise XMCDataError(path, None, f"no line has the text field(s) {', '.join(repr(f) for f in fields)} (--text_fields)")
     if skipped:
         logger.warning("%s: skipped %d point(s) with no labels", os.fspath(path), skipped)
     warn_duplicate_uids(path, uids, lines, "point")
