@@ -29,7 +29,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.sweep_defaults import prepare, update_readme_block  # noqa: E402
+from benchmarks.sweep_defaults import prepare, publish_table  # noqa: E402
 
 
 def run(method: str, data_dir: str, encoder: str, out: str, extra: list[str]) -> dict:
@@ -106,10 +106,7 @@ def main() -> None:
     for r in sorted(rows, key=lambda r: (r["dataset"], r["method"], r["variant"] != "full", r["variant"])):
         trainable = f"{r['trainable_params']:,}" if r["trainable_params"] else "-"
         table.append(f"| {r['dataset']} | {r['method']} | {r['variant']} | {r['P@1']:.2f} | {r['PSP@5']:.2f} | {trainable} | {r['peak_rss_mib']:,} | {r['wall_seconds']:.0f} | {r['saved_mb']:.1f} |")
-    text = "\n".join(table)
-    print(text)
-    if args.update_readme:
-        update_readme_block("<!-- bench:peft -->", text)
+    publish_table("\n".join(table), "<!-- bench:peft -->", args.update_readme)
 
 
 if __name__ == "__main__":

@@ -171,12 +171,9 @@ def main() -> None:
             table.append(f"| warm-up | {row['requests']} | 0 | | | | | {row['rss_mib']} |")
         else:
             table.append(f"| {row['round']} | {row['requests']} | {row['errors']} | {row['wall_s']} | {row['requests_per_s']} | {row['p50_s']} | {row['max_s']} | {row['rss_mib']} |")
-    text = "\n".join(table)
-    print(text)
-    if args.update_readme:
-        from benchmarks.sweep_defaults import update_readme_block
+    from benchmarks.sweep_defaults import publish_table
 
-        update_readme_block("<!-- bench:space-load -->", text)
+    publish_table("\n".join(table), "<!-- bench:space-load -->", args.update_readme)
 
 
 if __name__ == "__main__":

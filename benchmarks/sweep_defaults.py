@@ -50,6 +50,13 @@ def update_readme_block(marker: str, body: str) -> None:
     print(f"{os.path.relpath(path, REPO)} updated")
 
 
+def publish_table(text: str, marker: str, update_readme: bool) -> None:
+    """Print a benchmark's markdown table and, with ``update_readme``, write it between its ``marker`` lines."""
+    print(text)
+    if update_readme:
+        update_readme_block(marker, text)
+
+
 def run_training_script(method: str, data_dir: str, encoder: str, output_dir: str, extra: list[str]) -> tuple[dict, float]:
     """Run ``train_<method>.py`` through the training script contract; returns ``eval_results.json`` and wall seconds."""
     cmd = [sys.executable, os.path.join(REPO, "training_scripts", f"train_{method}.py"),
