@@ -54,7 +54,7 @@ def publish_table(text: str, marker: str, update_readme: bool) -> None:
     """Print a benchmark's markdown table and, with ``update_readme``, write it between its ``marker`` lines."""
     print(text)
     if update_readme:
-        update_readme_block(marker, text)
+        update_readme_block(marker, text.rstrip("\n") + "\n")
 
 
 def run_training_script(method: str, data_dir: str, encoder: str, output_dir: str, extra: list[str]) -> tuple[dict, float]:
