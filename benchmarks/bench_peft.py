@@ -29,15 +29,12 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.sweep_defaults import prepare, publish_table  # noqa: E402
+from benchmarks.sweep_defaults import prepare, publish_table, training_command  # noqa: E402
 
 
 def run(method: str, data_dir: str, encoder: str, out: str, extra: list[str]) -> dict:
     """One training run: its metrics, trainable parameters, peak RSS (MiB), wall seconds and saved model bytes."""
-    cmd = [sys.executable, os.path.join(REPO, "training_scripts", f"train_{method}.py"),
-           "--train_file", f"{data_dir}/trn.json.gz", "--test_file", f"{data_dir}/tst.json.gz", "--label_file", f"{data_dir}/lbl.json.gz",
-           "--model_name_or_path", encoder, "--output_dir", out, "--save_strategy", "no", "--disable_tqdm", "true"] + extra
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    cmd, env = training_command(method, data_dir, encoder, out, extra)
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)

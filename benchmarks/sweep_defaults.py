@@ -57,14 +57,21 @@ def publish_table(text: str, marker: str, update_readme: bool) -> None:
         update_readme_block(marker, text.rstrip("\n") + "\n")
 
 
-def run_training_script(method: str, data_dir: str, encoder: str, output_dir: str, extra: list[str]) -> tuple[dict, float]:
-    """Run ``train_<method>.py`` through the training script contract; returns ``eval_results.json`` and wall seconds."""
+def training_command(method: str, data_dir: str, encoder: str, output_dir: str, extra: list[str]) -> tuple[list[str], dict]:
+    """The command line (and environment) of ``train_<method>.py`` through the training script contract."""
     cmd = [sys.executable, os.path.join(REPO, "training_scripts", f"train_{method}.py"),
            "--train_file", f"{data_dir}/trn.json.gz", "--test_file", f"{data_dir}/tst.json.gz",
            "--label_file", f"{data_dir}/lbl.json.gz", "--model_name_or_path", encoder, "--output_dir", output_dir,
            "--save_strategy", "no", "--disable_tqdm", "true"] + extra
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    return cmd, env
+
+
+def run_training_script(method: str, data_dir: str, encoder: str, output_dir: str, extra: list[str]) -> tuple[dict, float]:
+    """Run ``train_<method>.py`` through the training script contract; returns ``eval_results.json`` and wall seconds."""
+    cmd, env = training_command(method, data_dir, encoder, output_dir, extra)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))), cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode:
         print(proc.stderr[-3000:], file=sys.stderr)
         raise SystemExit(f"run failed: {' '.join(cmd)}")
