@@ -266,7 +266,7 @@ class XMCTrainer(Trainer):
             if path is None:
                 raise ValueError(f"{self.args.output_dir}: no complete checkpoint to resume from")
         if isinstance(path, str):
-            callback = next((c for c in self.callback_handler.callbacks if isinstance(c, XMCEpochCallback)), None)
+            callback = self._epoch_callback()
             saved = XMCEpochCallback.read_state(path) if callback is not None else None
             if saved is not None:
                 callback.load_state_dict(saved)
@@ -275,6 +275,10 @@ class XMCTrainer(Trainer):
             data = self.xmc_train_data
             initialize_label_state(self.model, data.texts, data.targets, seed=self.args.seed, show_progress_bar=not self.args.disable_tqdm)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _epoch_callback(self) -> Optional[XMCEpochCallback]:
+        """The trainer's :class:`XMCEpochCallback` (its checkpointed state), or None."""
+        return next((c for c in self.callback_handler.callbacks if isinstance(c, XMCEpochCallback)), None)
 
     def get_decay_parameter_names(self, model) -> list[str]:
         """transformers' choice (no decay on biases and norms) minus the model's ``no_weight_decay_parameters``."""
@@ -484,7 +488,7 @@ class XMCTrainer(Trainer):
         """``Trainer._save_checkpoint``, with hf_xmc's own state (sampler, memory bank, shortlist) written into the
         checkpoint first, so that ``trainer_state.json``, written last, marks a checkpoint as complete: a run killed
         while it saves leaves an incomplete ``checkpoint-N`` that :meth:`last_complete_checkpoint` passes over."""
-        callback = next((c for c in self.callback_handler.callbacks if isinstance(c, XMCEpochCallback)), None)
+        callback = self._epoch_callback()
         if callback is not None and self.args.should_save:
             directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             os.makedirs(directory, exist_ok=True)
