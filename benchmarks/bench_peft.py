@@ -107,11 +107,12 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
                     write_results(args, rows)  # after every run: a long benchmark stopped midway keeps what it measured
     rows = write_results(args, rows)
-    table = ["| dataset | method | encoder training | P@1 | PSP@5 | trainable parameters | peak memory (MiB) | wall (s) | saved model files (MB) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    table = ["| dataset | method | encoder training | P@1 | PSP@5 | trainable parameters | peak memory (MiB) | wall (s) | load | saved model files (MB) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (r["dataset"], r["method"], r["variant"] != "full", r["variant"])):
         trainable = f"{r['trainable_params']:,}" if r["trainable_params"] else "-"
-        table.append(f"| {r['dataset']} | {r['method']} | {r['variant']} | {r['P@1']:.2f} | {r['PSP@5']:.2f} | {trainable} | {r['peak_rss_mib']:,} | {r['wall_seconds']:.0f} | {r['saved_mb']:.1f} |")
+        load = f"{r['load_average_1m']:.1f}" if r.get("load_average_1m") is not None else "~1 (quiet)"
+        table.append(f"| {r['dataset']} | {r['method']} | {r['variant']} | {r['P@1']:.2f} | {r['PSP@5']:.2f} | {trainable} | {r['peak_rss_mib']:,} | {r['wall_seconds']:.0f} | {load} | {r['saved_mb']:.1f} |")
     publish_table("\n".join(table), "<!-- bench:peft -->", args.update_readme)
 
 
