@@ -109,7 +109,10 @@ def main() -> None:
     rows = write_results(args, rows)
     table = ["| dataset | method | encoder training | P@1 | PSP@5 | trainable parameters | peak memory (MiB) | wall (s) | load | saved model files (MB) |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in sorted(rows, key=lambda r: (r["dataset"], r["method"], r["variant"] != "full", r["variant"])):
+    def rank(variant: str) -> int:
+        return int(variant.rsplit("-r", 1)[1]) if variant.startswith("lora-r") else 0
+
+    for r in sorted(rows, key=lambda r: (r["dataset"], r["method"], r["variant"] != "full", rank(r["variant"]), r["variant"])):
         trainable = f"{r['trainable_params']:,}" if r["trainable_params"] else "-"
         load = f"{r['load_average_1m']:.1f}" if r.get("load_average_1m") is not None else "~1 (quiet)"
         table.append(f"| {r['dataset']} | {r['method']} | {r['variant']} | {r['P@1']:.2f} | {r['PSP@5']:.2f} | {trainable} | {r['peak_rss_mib']:,} | {r['wall_seconds']:.0f} | {load} | {r['saved_mb']:.1f} |")
