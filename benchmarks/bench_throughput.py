@@ -153,6 +153,7 @@ def worker_recipe(method: str, encoder: str, steps: int, warmup: int, work: str)
     """The recipe's own ``main`` through the training-script contract, timed by a callback on its XMCTrainer."""
     import importlib
 
+    from benchmarks.sweep_defaults import training_command
     from hf_xmc.data import DEBTAGS_DIR
     from hf_xmc.training import trainer as trainer_module
 
@@ -164,10 +165,9 @@ def worker_recipe(method: str, encoder: str, steps: int, warmup: int, work: str)
         self.add_callback(timer.callback)
 
     trainer_module.XMCTrainer.__init__ = init_with_timer
-    argv = ["--train_file", f"{DEBTAGS_DIR}/trn.json.gz", "--test_file", f"{DEBTAGS_DIR}/tst.json.gz",
-            "--label_file", f"{DEBTAGS_DIR}/lbl.json.gz", "--model_name_or_path", encoder, "--output_dir", work,
-            "--per_device_train_batch_size", str(BATCH), "--max_seq_length", str(SEQ), "--num_train_epochs", "1",
-            "--seed", "0", "--save_strategy", "no", "--disable_tqdm", "true", "--report_to", "none"]
+    extra = ["--per_device_train_batch_size", str(BATCH), "--max_seq_length", str(SEQ), "--num_train_epochs", "1",
+             "--seed", "0", "--report_to", "none"]
+    argv = training_command(method, str(DEBTAGS_DIR), encoder, work, extra)[0][2:]  # the script's arguments
     try:
         importlib.import_module(f"hf_xmc.training.recipes.{method}").main(argv)
     except StopBenchmark:

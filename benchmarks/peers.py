@@ -440,11 +440,9 @@ def _main() -> None:
         with open(args.out, "w") as f:
             json.dump({"dataset": args.dataset, "threads": args.threads, "cpu_count": os.cpu_count(),
                        "filtered": filt is not None, "rows": rows}, f, indent=2)
-    if args.update_docs:
-        from benchmarks.sweep_defaults import update_readme_block
+    from benchmarks.sweep_defaults import publish_table
 
-        update_readme_block(f"<!-- bench:peers_{os.path.basename(args.dataset.rstrip('/'))} -->", table)
-    print(table)
+    publish_table(table, f"<!-- bench:peers_{os.path.basename(args.dataset.rstrip('/'))} -->", args.update_docs)
     print("train s / predict q/s are end to end from raw text (TF-IDF featurization included, "
           f"{args.threads} threads); model-only: "
           + "; ".join(f"{r['key']} train {r['model_train_seconds']:.2f} s, {r['model_predict_queries_per_second']:,.0f} q/s"
