@@ -50,6 +50,10 @@ class XMCConfig(PreTrainedConfig):
         encoder_adapter_only (`bool`, *optional*, defaults to `False`):
             The saved weights hold the encoder's adapter (`adapter_model.safetensors`), not the encoder: loading
             rebuilds it from `encoder_base_model` plus the adapter (needs peft).
+        lexical_channel (`dict`, *optional*):
+            Fusion settings of the model's lexical channel (`ranker_weight`, `text_weight`, `dense_depth`, `ranker_depth`,
+            `beam_size`; see `lexical_channel.py`), whose TF-IDF vocabulary, label rows and ranker are saved in
+            `lexical_channel.safetensors`; None for a dense-only model.
     """
 
     model_type = "hf_xmc"
@@ -69,6 +73,7 @@ class XMCConfig(PreTrainedConfig):
     encoder_base_model: str | None = None
     encoder_adapter: dict | None = None
     encoder_adapter_only: bool = False
+    lexical_channel: dict | None = None
 
     def validate_xmc(self) -> None:
         """Raise a ValueError naming the first invalid field."""

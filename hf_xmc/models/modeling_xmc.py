@@ -56,6 +56,7 @@ from .label_index import (
     temp_path_for,
     write_json,
 )
+from .lexical_channel import LEXICAL_FILE, LexicalChannel
 
 logger = logging.get_logger(__name__)
 
@@ -830,6 +831,8 @@ class XMCPreTrainedModel(PreTrainedModel):
         self.label_embedding_blocks: Optional[list[torch.Tensor]] = None  # the label vectors, as row blocks
         self.label_index: Optional[LabelIndex] = None
         self.model_card: Optional[ModelCardFiles] = None
+        # TF-IDF ranker + label-text scores fused with the dense score (lexical_channel.py); None: dense only
+        self.lexical_channel: Optional[LexicalChannel] = None
 
     # ------------------------------------------------------------------ construction
     def build_encoder(self, config: XMCConfig) -> nn.Module:
@@ -1024,9 +1027,12 @@ class XMCPreTrainedModel(PreTrainedModel):
         """Attach the label space (texts in label-id order); drops any stale embeddings and index."""
         if uids is not None and len(uids) != len(texts):
             raise ValueError(f"got {len(texts)} label texts but {len(uids)} label uids")
+        previous = self.label_texts
         self.label_texts = [str(t) for t in texts]
         self.label_uids = [str(u) for u in uids] if uids is not None else [str(i) for i in range(len(texts))]
         self.invalidate_label_index()
+        if self.lexical_channel is not None and self.label_texts != previous:
+            self.lexical_channel.replace_labels(self.label_texts)
 
     def invalidate_label_index(self) -> None:
         """Forget label vectors and index (they no longer match the weights, e.g. after an optimiser step)."""
@@ -1067,6 +1073,28 @@ class XMCPreTrainedModel(PreTrainedModel):
         """Top-k label ids and scores for precomputed query vectors (builds the index on first use)."""
         return self.ensure_label_index().search(query_vectors, k)
 
+    def set_lexical_channel(self, channel: Optional[LexicalChannel]) -> None:
+        """Attach a fitted lexical channel (``hf_xmc.training.lexical.fit_lexical_channel``) whose scores
+        :meth:`predict` fuses with the dense ones, or ``None`` to rank by the dense score alone. ``config.lexical_channel``
+        keeps its fusion settings; ``save_pretrained`` writes it as ``lexical_channel.safetensors``."""
+        if channel is not None:
+            if "image" in self.input_modalities:
+                raise ValueError(f"{type(self).__name__} ranks texts and images through its own predict: the lexical channel is for text models")
+            labels = self._require_labels()
+            if channel.num_labels != len(labels):
+                raise ValueError(f"the lexical channel scores {channel.num_labels} labels but the model has {len(labels)}")
+        self.lexical_channel = channel
+        self.config.lexical_channel = dict(channel.settings) if channel is not None else None
+
+    def search_texts(self, texts: Sequence[str], query_vectors: torch.Tensor | np.ndarray, k: int = 5) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k ``(scores, ids)`` of queries given as texts and their search vectors: the dense search, fused with the
+        lexical channel when the model has one (its ``dense_depth`` dense hits and its ranker's hits re-scored)."""
+        channel = self.lexical_channel
+        if channel is None:
+            return self.search(query_vectors, k)
+        scores, ids = self.search(query_vectors, max(k, int(channel.settings["dense_depth"])))
+        return channel.fuse(texts, scores, ids, k)
+
     def ensure_label_index(self) -> LabelIndex:
         """The label index: built over the stored label vectors, or over freshly encoded labels, on first use."""
         if self.label_index is None:
@@ -1105,6 +1133,8 @@ class XMCPreTrainedModel(PreTrainedModel):
         vectors = self._grow_label_state(texts, batch_size, show_progress_bar)
         self.label_texts = list(labels) + texts
         self.label_uids = list(self.label_uids) + uids
+        if self.lexical_channel is not None:
+            self.lexical_channel.add_labels(texts)
         if vectors is None:  # the store's layout depends on the label count: rebuild from the label state
             self.build_label_index(batch_size=batch_size, show_progress_bar=show_progress_bar)
         else:
@@ -1124,6 +1154,8 @@ class XMCPreTrainedModel(PreTrainedModel):
         same_rows = self._select_label_state(torch.from_numpy(keep))
         self.label_texts = [labels[i] for i in keep]
         self.label_uids = [self.label_uids[i] for i in keep]
+        if self.lexical_channel is not None:
+            self.lexical_channel.select_labels(keep)
         if same_rows:
             self.label_index = index.select(keep)
             self.label_embedding_blocks = self.label_index.blocks
@@ -1178,7 +1210,7 @@ class XMCPreTrainedModel(PreTrainedModel):
             raise ValueError(f"k must be >= 1, got {k}")
         labels = self._require_labels()
         queries = self.query_search_vectors(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
-        scores, ids = self.search(queries, k)
+        scores, ids = self.search_texts(texts, queries, k)
         names = [[labels[i] if i >= 0 else "" for i in row] for row in ids.tolist()]
         return XMCPrediction(label_ids=ids, scores=scores, label_texts=names)
 
@@ -1197,6 +1229,8 @@ class XMCPreTrainedModel(PreTrainedModel):
             "safetensors": "",
             "faiss-cpu": "the fastest label search (faiss-gpu on a GPU); without it search falls back to exact torch.topk",
         }
+        if self.lexical_channel is not None and self.lexical_channel.ranker_files:
+            requirements["omikuji"] = "the lexical channel's ranker; without it predict fuses the dense and label-text scores only"
         if self.has_encoder_adapter and (self.save_adapter_only or self.config.encoder_adapter_only):
             requirements["peft>=0.12"] = "the encoder is saved as an adapter: loading rebuilds it from its base encoder and the adapter"
         return requirements
@@ -1280,7 +1314,7 @@ class XMCPreTrainedModel(PreTrainedModel):
         stands in for ``label_embeddings.safetensors``; its shards are read from it."""
         files = dict.fromkeys(TOKENIZER_FILES, False)
         files.update({"tokenizer_config.json": True, LABELS_FILE: True, LABEL_EMBEDDINGS_FILE: True, LABEL_EMBEDDINGS_INDEX_FILE: False})
-        files.update({INDEX_FILE: False, INDEX_META_FILE: False, ADAPTER_CONFIG_FILE: False, ADAPTER_WEIGHTS_FILE: False})
+        files.update({INDEX_FILE: False, INDEX_META_FILE: False, ADAPTER_CONFIG_FILE: False, ADAPTER_WEIGHTS_FILE: False, LEXICAL_FILE: False})
         files.update(dict.fromkeys((MODEL_CARD_FILE, *MODEL_CARD_ASSETS), False))
         return files
 
@@ -1363,6 +1397,7 @@ class XMCPreTrainedModel(PreTrainedModel):
         from .pipeline_xmc import XMC_PIPELINE_INFO, XMC_PIPELINE_TASK
 
         self.config.custom_pipelines = {XMC_PIPELINE_TASK: dict(XMC_PIPELINE_INFO)}
+        self.config.lexical_channel = dict(self.lexical_channel.settings) if self.lexical_channel is not None else None
         if self.has_encoder_adapter and not self.trainer_checkpoint_keys:
             self._save_adapted_weights(save_directory, *args, **kwargs)
         else:  # a plain encoder, or a Trainer checkpoint (the adapter's own weights and names: resume loads them)
@@ -1376,6 +1411,8 @@ class XMCPreTrainedModel(PreTrainedModel):
             save_label_store(save_directory, self.label_embedding_blocks, dtype, label_shard_size)
             if self.label_index is not None:
                 self.label_index.save(save_directory)
+        if self.lexical_channel is not None:
+            self.lexical_channel.save(os.path.join(save_directory, LEXICAL_FILE))
         if self.model_card is not None:
             self.model_card.save(save_directory)
 
@@ -1498,6 +1535,14 @@ class XMCPreTrainedModel(PreTrainedModel):
             self.label_index = LabelIndex.load(
                 blocks, meta_path=fetch(INDEX_META_FILE), index_path=fetch(INDEX_FILE), kind=self.config.index_kind
             )
+        if self.config.lexical_channel:
+            lexical_path = fetch(LEXICAL_FILE)
+            if lexical_path is None:
+                raise ValueError(f"{path}: config.json names a lexical channel but there is no {LEXICAL_FILE}")
+            channel = LexicalChannel.load(lexical_path, self.config.lexical_channel)
+            if self.label_texts is not None and channel.num_labels != len(self.label_texts):
+                raise ValueError(f"{path}: {LEXICAL_FILE} scores {channel.num_labels} labels but {LABELS_FILE} lists {len(self.label_texts)}")
+            self.lexical_channel = channel
         card_path = fetch(MODEL_CARD_FILE)
         if card_path is not None:
             files = {MODEL_CARD_FILE: card_path}

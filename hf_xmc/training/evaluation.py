@@ -79,6 +79,10 @@ class XMCEvaluator:
         self.chunk_size = int(chunk_size)
         # top-max(ks) label ids of the last evaluation (the model card's curves are computed from them)
         self.last_predictions: Optional[np.ndarray] = None
+        # a model with a lexical channel: the top-k of its dense search alone (reported as <name>_dense_<metric>)
+        self.dense_predictions: Optional[np.ndarray] = None
+        # skip re-encoding the labels once, when the model's index was just built over them with its final weights
+        self.reuse_label_index = False
 
     @property
     def top_k(self) -> int:
@@ -97,7 +101,10 @@ class XMCEvaluator:
             start = time.perf_counter()
             scores, ids = self._predict_items(model, k + extra, show_progress_bar)
         else:
-            model.build_label_index(self.label_texts, self.label_uids, batch_size=self.batch_size, show_progress_bar=show_progress_bar)
+            reuse = self.reuse_label_index and model.label_index is not None and model.label_texts == self.label_texts
+            self.reuse_label_index = False
+            if not reuse:
+                model.build_label_index(self.label_texts, self.label_uids, batch_size=self.batch_size, show_progress_bar=show_progress_bar)
             start = time.perf_counter()
             scores, ids = self._search_texts(model, k, extra, show_progress_bar)
             return ids, scores, time.perf_counter() - start
@@ -118,7 +125,18 @@ class XMCEvaluator:
         for start in tqdm(chunks, desc="Searching", disable=not show or len(chunks) < 2, unit="chunk"):
             stop = min(start + self.chunk_size, n)
             queries = model.query_search_vectors(texts[start:stop], batch_size=self.batch_size, show_progress_bar=show_progress_bar if len(chunks) < 2 else False)
-            chunk_scores, chunk_ids = model.search(queries, k + extra)
+            channel = getattr(model, "lexical_channel", None)
+            if channel is None:
+                chunk_scores, chunk_ids = model.search(queries, k + extra)
+            else:  # fused; the dense ranking alone is scored too (the channel's gain on the same model)
+                dense_scores, dense_ids = model.search(queries, max(k + extra, int(channel.settings["dense_depth"])))
+                chunk_scores, chunk_ids = channel.fuse(texts[start:stop], dense_scores, dense_ids, k + extra)
+                dense_ids, dense_scores = dense_ids[:, : k + extra], dense_scores[:, : k + extra]
+                if self.filter_matrix is not None:
+                    dense_ids, dense_scores = filter_predictions(dense_ids, dense_scores, self.filter_matrix[start:stop], k)
+                if self.dense_predictions is None:
+                    self.dense_predictions = np.full((n, k), -1, dtype=np.int64)
+                self.dense_predictions[start:stop] = dense_ids[:, :k]
             if self.filter_matrix is not None:
                 chunk_ids, chunk_scores = filter_predictions(chunk_ids, chunk_scores, self.filter_matrix[start:stop], k)
             ids[start:stop], scores[start:stop] = chunk_ids[:, :k], chunk_scores[:, :k]
@@ -141,12 +159,17 @@ class XMCEvaluator:
         return scores, ids
 
     def __call__(self, model, show_progress_bar: Optional[bool] = None) -> dict[str, float]:
-        """Evaluate ``model``; returns ``{<name>_<metric>: value}`` plus runtime and queries per second."""
+        """Evaluate ``model``; returns ``{<name>_<metric>: value}`` plus runtime and queries per second (and, for a model
+        with a lexical channel, its dense ranking alone as ``<name>_dense_<metric>``)."""
         start = time.perf_counter()
+        self.dense_predictions = None
         ids, _, query_seconds = self.predict(model, show_progress_bar)
         metrics = xmc_metrics(ids, self.data.targets, self.inv_propensity, ks=self.ks, recall_ks=self.recall_ks)
         self.last_predictions = np.ascontiguousarray(ids[:, : max(self.ks)])
         out = {f"{self.name}_{key}": float(value) for key, value in metrics.items()}
+        if self.dense_predictions is not None:
+            dense = xmc_metrics(self.dense_predictions, self.data.targets, self.inv_propensity, ks=self.ks, recall_ks=self.recall_ks)
+            out.update({f"{self.name}_dense_{key}": float(value) for key, value in dense.items()})
         out[f"{self.name}_runtime"] = round(time.perf_counter() - start, 4)
         out[f"{self.name}_samples_per_second"] = round(len(self.data) / max(query_seconds, 1e-9), 3)
         return out

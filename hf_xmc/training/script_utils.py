@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -368,6 +369,8 @@ def train_and_evaluate(
     ``output_dir``, write ``eval_results.json`` there and, with ``--push_to_hub``, upload the directory; returns
     the metrics (``train_*`` and ``<evaluator name>_*``). ``card_kwargs`` go to ``XMCTrainer.create_model_card``
     (``dataset``, ``finetuned_from``, ``model_name``, ``license``, ``tags``)."""
+    if training_args.lexical_channel != "none" and "image" in getattr(model, "input_modalities", ("text",)):
+        raise ValueError(f"--lexical_channel: {type(model).__name__} ranks texts and images through its own predict; the lexical channel is for text models")
     set_seed(training_args.seed)
     trainer = XMCTrainer(
         model=model,
@@ -389,6 +392,18 @@ def train_and_evaluate(
     train_result = trainer.train(resume_from_checkpoint=resume)
     trainer.release_training_state()  # the optimizer's moments and the batches' data: not needed from here on
     metrics = dict(train_result.metrics)
+    if training_args.lexical_channel != "none":
+        from .lexical import fit_lexical_channel
+
+        start = time.perf_counter()
+        channel = fit_lexical_channel(
+            model, data.train, data.label_texts, data.label_uids, ranker_weight=training_args.lexical_ranker_weight,
+            text_weight=training_args.lexical_text_weight, tune_queries=training_args.lexical_tune_queries, seed=training_args.seed,
+            batch_size=evaluator.batch_size,
+        )
+        metrics["lexical_fit_runtime"] = round(time.perf_counter() - start, 4)
+        metrics["lexical_ranker_weight"], metrics["lexical_text_weight"] = channel.settings["ranker_weight"], channel.settings["text_weight"]
+        evaluator.reuse_label_index = True  # the fit indexed the labels with the final weights
     metrics.update(trainer.evaluate(metric_key_prefix=evaluator.name))
     metrics.pop("epoch", None)
     trainer.save_model(training_args.output_dir)  # after evaluate: the saved index matches the final weights

@@ -88,6 +88,12 @@ class XMCTrainingArguments(TrainingArguments):
     peft_config: Optional[str] = field(default=None, metadata={"help": "A JSON file of any peft config (its to_dict(), with peft_type), instead of --peft lora."})
     save_adapter_only: bool = field(default=False, metadata={"help": "Save the encoder's adapter alone (encoder_adapter/) on its named base encoder, not merged into the encoder's weights."})
 
+    # --- the lexical channel: TF-IDF ranker + label-text scores fused with the dense score (hf_xmc.training.lexical) ---
+    lexical_channel: str = field(default="none", metadata={"help": "'omikuji': after training, fit a lexical channel (TF-IDF + an Omikuji ranker, needs omikuji and scikit-learn) that predict fuses with the dense score; 'none': dense only."})
+    lexical_ranker_weight: Optional[float] = field(default=None, metadata={"help": "--lexical_channel: weight of the ranker's score (default: tuned on held-out training queries)."})
+    lexical_text_weight: Optional[float] = field(default=None, metadata={"help": "--lexical_channel: weight of the label-text TF-IDF cosine (default: tuned)."})
+    lexical_tune_queries: int = field(default=2000, metadata={"help": "--lexical_channel: training queries held out from the ranker to tune the weights on (at most a tenth)."})
+
     def __post_init__(self):
         if not _accelerator_present():
             self.use_cpu = True
@@ -112,6 +118,14 @@ class XMCTrainingArguments(TrainingArguments):
             raise ValueError("give --peft lora or --peft_config FILE, not both")
         if self.save_adapter_only and not (self.peft or self.peft_config):
             raise ValueError("--save_adapter_only needs an adapter: --peft lora or --peft_config FILE")
+        if self.lexical_channel not in ("none", "omikuji"):
+            raise ValueError(f"--lexical_channel takes 'none' or 'omikuji', got {self.lexical_channel!r}")
+        if self.lexical_channel == "omikuji":
+            import importlib.util
+
+            missing = [name for name, module in (("omikuji", "omikuji"), ("scikit-learn", "sklearn")) if importlib.util.find_spec(module) is None]
+            if missing:
+                raise ValueError(f"--lexical_channel omikuji needs {' and '.join(missing)}: pip install 'hf_xmc[lexical]'")
         if self.hard_negatives > self.hard_negative_top_k:
             raise ValueError(f"--hard_negatives {self.hard_negatives} exceeds the shortlist they are drawn from (--hard_negative_top_k {self.hard_negative_top_k})")
         super().__post_init__()

@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""WordNet-XMC quality per CPU-minute: every method through its training script, with and without the lexical channel.
+
+    python benchmarks/make_wordnet.py                     # outputs/wordnet-xmc (once)
+    python benchmarks/bench_wordnet.py --rows zeroshot dexml --update_docs
+
+Each row runs ``training_scripts/train_<method>.py`` through the training-script contract on WordNet-XMC (the filter
+file applied), from all-MiniLM-L6-v2, with ``--lexical_channel omikuji``: the script reports the fused ranking
+(``test_*``) and the dense ranking of the same model alone (``test_dense_*``), so one run gives both lines of the
+table. ``zeroshot`` is the untrained encoder (label-text search) with a lexical channel fitted on the training
+queries, in-process. Wall minutes are the whole script (data, training, channel fit, evaluation, save). Rows already
+in ``--out`` are kept (``--rerun`` runs them again); ``--table_only`` re-renders the table. Compare wall minutes only
+between rows run on an equally loaded machine: each row records the 1-minute load average when it ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.sweep_defaults import minilm, publish_table, training_command  # noqa: E402
+from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
+
+DATA = os.path.join(REPO, "outputs", "wordnet-xmc")
+SHOWN = ("P@1", "P@5", "PSP@1", "PSP@5", "R@100")
+# the targets of issue 22: the best tree peer's P@1 and the label-text search's PSP@5 (docs/wordnet.md peers table)
+TARGETS = {"P@1": 39.15, "PSP@5": 39.41}
+# (method, description, training flags): budgets that fit 40 minutes of 2 CPU cores with the evaluation
+ROWS = {
+    "zeroshot": ("dexml", "MiniLM zero-shot (no training)", []),
+    "dexml": ("dexml", "DEXML, 900 steps", ["--max_steps", "900", "--per_device_train_batch_size", "64"]),
+}
+
+
+def run_row(name: str, work: str) -> dict:
+    method, description, flags = ROWS[name]
+    start = time.perf_counter()
+    if name == "zeroshot":
+        results = zero_shot(work)
+    else:
+        out = os.path.join(work, name)
+        cmd, env = training_command(method, DATA, minilm(), out, [
+            "--test_filter_file", os.path.join(DATA, "filter_labels_test.txt"), "--max_seq_length", "32", "--seed", "42",
+            "--lexical_channel", "omikuji", *flags,
+        ])
+        import subprocess
+
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+        if proc.returncode:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"{name}: the training script failed")
+        with open(os.path.join(out, "eval_results.json")) as f:
+            results = json.load(f)
+    return {"row": name, "method": method, "description": description, "flags": flags, "wall_seconds": round(time.perf_counter() - start, 1),
+            "load_1min": round(os.getloadavg()[0], 2), **results}
+
+
+def zero_shot(work: str) -> dict:
+    """The untrained MiniLM as a DEXML model, a lexical channel fitted on the training queries, the test evaluation."""
+    from hf_xmc.models import DEXMLModel
+    from hf_xmc.training.lexical import fit_lexical_channel
+    from hf_xmc.training.script_utils import XMCDataArguments, build_evaluator, load_data
+
+    data_args = XMCDataArguments(train_file=f"{DATA}/trn.json.gz", test_file=f"{DATA}/tst.json.gz", label_file=f"{DATA}/lbl.json.gz",
+                                 test_filter_file=f"{DATA}/filter_labels_test.txt")
+    data = load_data(data_args)
+    model = DEXMLModel.from_encoder_pretrained(minilm(), max_seq_length=32, label_max_seq_length=32)
+    start = time.perf_counter()
+    channel = fit_lexical_channel(model, data.train, data.label_texts, data.label_uids, batch_size=data_args.eval_batch_size)
+    fit_seconds = time.perf_counter() - start
+    evaluator = build_evaluator(data, data_args)
+    evaluator.reuse_label_index = True
+    results = evaluator(model)
+    results["lexical_fit_runtime"] = round(fit_seconds, 1)
+    results["lexical_ranker_weight"], results["lexical_text_weight"] = channel.settings["ranker_weight"], channel.settings["text_weight"]
+    results["lexical_tuning"] = channel.tuning
+    return results
+
+
+def table(rows: list[dict]) -> str:
+    head = "| model (all-MiniLM-L6-v2) | ranking | " + " | ".join(SHOWN) + " | wall min |\n|---|---|" + "---:|" * (len(SHOWN) + 1) + "\n"
+    lines = []
+    for r in rows:
+        lexical = f"+ lexical (ranker {r.get('lexical_ranker_weight', 0):g}, text {r.get('lexical_text_weight', 0):g})"
+        for label, prefix in (("dense", "test_dense_"), (lexical, "test_")):
+            if f"{prefix}P@1" not in r:
+                continue
+            cells = [f"**{r[prefix + m]:.2f}**" if m in TARGETS and r[prefix + m] > TARGETS[m] else f"{r[prefix + m]:.2f}" for m in SHOWN]
+            lines.append(f"| {r['description']} | {label} | " + " | ".join(cells) + f" | {r['wall_seconds'] / 60:.1f} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "wordnet_quality.json"))
+    ap.add_argument("--rerun", action="store_true", help="run rows already in --out again")
+    ap.add_argument("--table_only", action="store_true")
+    ap.add_argument("--update_docs", action="store_true", help="write the table into docs/wordnet.md (<!-- bench:wordnet_quality -->)")
+    args = ap.parse_args(argv)
+    if not os.path.exists(os.path.join(DATA, "lbl.json.gz")) and not args.table_only:
+        raise SystemExit(f"{DATA}: build WordNet-XMC first (python benchmarks/make_wordnet.py)")
+    rows = json.load(open(args.out)) if os.path.exists(args.out) else []
+    if not args.table_only:
+        with tempfile.TemporaryDirectory(prefix="wordnet_") as work:
+            for name in args.rows:
+                if any(r["row"] == name for r in rows) and not args.rerun:
+                    continue
+                row = run_row(name, work)
+                rows = [r for r in rows if r["row"] != name] + [row]
+                rows.sort(key=lambda r: list(ROWS).index(r["row"]) if r["row"] in ROWS else len(ROWS))
+                write_json_atomic(args.out, rows)
+                print(f"{name}: " + " ".join(f"{m}={row['test_' + m]:.2f}" for m in SHOWN), flush=True)
+    publish_table(table(rows), "<!-- bench:wordnet_quality -->", args.update_docs)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

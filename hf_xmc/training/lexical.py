@@ -1,0 +1,189 @@
+"""Fitting the lexical channel of a model (``hf_xmc/models/lexical_channel.py``): TF-IDF, an Omikuji ranker and the
+fusion weights, tuned on held-out training queries.
+
+    channel = fit_lexical_channel(model, data.train, data.label_texts)   # model.predict now fuses it
+
+Steps (each logged with its seconds):
+
+1. TF-IDF vocabulary and idf (scikit-learn ``TfidfVectorizer``: word 1-2 grams, sublinear tf, ``min_df`` 2, at most
+   ``max_features`` terms) over the training queries and the label texts, so label words the queries never use
+   still count for the label-text channel.
+2. The ranker: Omikuji with its library defaults (Parabel-like: 3 trees of balanced 2-means splits, sparse linear
+   nodes) on the TF-IDF features of the training queries but the tuning slice, ``n_threads`` threads.
+3. The weights: the tuning slice (``tune_queries`` training queries, at most a tenth of them, drawn with ``seed``) is
+   ranked by the model's dense search and by the ranker once; every pair of the weight grids is scored from those
+   candidates and the pair with the best ``P@1 + PSP@5`` is kept (ties: the smaller weights). Weights given
+   explicitly are not tuned. The dense model has seen the slice in training (its scores there are optimistic), which
+   errs towards smaller lexical weights.
+
+Needs ``scikit-learn`` and ``omikuji`` (``pip install hf_xmc[lexical]``). Memory: the TF-IDF matrix of the training
+queries (``12`` bytes per non-zero, ~25 per short query: 0.7 GB at 2.2M queries) while the ranker trains, plus
+Omikuji's own working set (its training file is written to a temporary directory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+import scipy.sparse as sp
+
+from ..data import XMCDataset, write_bow
+from ..metrics import inverse_propensity, xmc_metrics
+from ..models.lexical_channel import DEFAULT_SETTINGS, CsrRows, LexicalChannel, TfidfFeatures, _quiet_output
+
+logger = logging.getLogger(__name__)
+
+RANKER_WEIGHTS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+TEXT_WEIGHTS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
+
+
+def fit_tfidf(texts: Sequence[str], max_features: Optional[int] = 200_000, min_df: int = 2, ngram_max: int = 2) -> TfidfFeatures:
+    """Fit the TF-IDF vocabulary and idf on ``texts`` (scikit-learn) as a :class:`TfidfFeatures`."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    vectorizer = TfidfVectorizer(ngram_range=(1, ngram_max), sublinear_tf=True, norm="l2", min_df=min_df, max_features=max_features, dtype=np.float32)
+    try:
+        vectorizer.fit(list(texts))
+    except ValueError as err:  # every text is empty or all terms are pruned
+        raise ValueError(f"no TF-IDF vocabulary could be built from the training and label texts ({err})") from None
+    terms = np.empty(len(vectorizer.vocabulary_), dtype=object)
+    for term, column in vectorizer.vocabulary_.items():
+        terms[column] = term
+    return TfidfFeatures(terms.tolist(), vectorizer.idf_.astype(np.float32), ngram_max=ngram_max, sublinear_tf=True)
+
+
+def as_scipy(rows: CsrRows, num_features: int) -> sp.csr_matrix:
+    """A :class:`CsrRows` as a scipy CSR matrix."""
+    return sp.csr_matrix((rows.data, rows.indices, rows.indptr), shape=(len(rows), num_features))
+
+
+def train_omikuji(features: sp.csr_matrix, targets: sp.csr_matrix, n_threads: Optional[int] = None, **hyper_params):
+    """An Omikuji model (library defaults, overridden by ``hyper_params``: ``n_trees``, ``cluster_k``, ...) trained on
+    TF-IDF ``features`` and binary ``targets`` (its label ids are the columns of ``targets``). Points without any
+    feature are left out (Omikuji cannot read them, and they carry nothing for its linear nodes)."""
+    import omikuji
+
+    hp = omikuji.Model.default_hyper_param()
+    for name, value in hyper_params.items():
+        if not hasattr(hp, name):
+            raise ValueError(f"omikuji has no hyper-parameter {name!r}")
+        setattr(hp, name, value)
+    keep = np.flatnonzero(np.diff(features.indptr) > 0)
+    if keep.size == 0:
+        raise ValueError("no training query has a known TF-IDF term: the ranker has nothing to learn from")
+    with tempfile.TemporaryDirectory(prefix="omikuji_") as tmp:
+        path = os.path.join(tmp, "train.txt")
+        write_bow(path, features[keep], targets[keep])
+        with _quiet_output():  # Omikuji logs on stdout and draws progress bars on stderr
+            return omikuji.Model.train_on_data(path, hp, n_threads=n_threads or os.cpu_count() or 1)
+
+
+def fit_lexical_channel(
+    model,
+    train: XMCDataset,
+    label_texts: Optional[Sequence[str]] = None,
+    label_uids: Optional[Sequence[str]] = None,
+    ranker_weight: Optional[float] = None,
+    text_weight: Optional[float] = None,
+    tune_queries: int = 2000,
+    seed: int = 0,
+    n_threads: Optional[int] = None,
+    max_features: Optional[int] = 200_000,
+    batch_size: int = 128,
+    **settings,
+) -> LexicalChannel:
+    """Fit a lexical channel for ``model`` on its training data, tune the weights left ``None`` (module docstring),
+    attach it (``model.set_lexical_channel``) and return it. The model's label index is rebuilt with its current
+    weights, over ``label_texts`` / ``label_uids`` (default: the model's labels). ``settings`` override the other
+    fusion settings (``dense_depth``, ``ranker_depth``, ``beam_size``)."""
+    if "image" in getattr(model, "input_modalities", ("text",)):
+        raise ValueError(f"{type(model).__name__} ranks texts and images through its own predict: the lexical channel is for text models")
+    if label_texts is not None:
+        model.set_labels(label_texts, label_uids)
+    labels = model._require_labels()
+    if train.targets.shape[1] != len(labels):
+        raise ValueError(f"training targets have {train.targets.shape[1]} label columns but the model has {len(labels)} labels")
+    settings = {**DEFAULT_SETTINGS, **settings}
+    start = time.perf_counter()
+    features = fit_tfidf(list(train.texts) + list(labels), max_features=max_features)
+    query_rows = features.transform(train.texts)
+    label_rows = features.transform(labels)
+    logger.info("lexical channel: TF-IDF of %d terms in %.1f s", features.num_features, time.perf_counter() - start)
+
+    tuning = ranker_weight is None or text_weight is None
+    n = len(train)
+    holdout = np.zeros(0, dtype=np.int64)
+    if tuning:
+        size = min(int(tune_queries), n // 10)
+        if size < 20:
+            logger.warning("lexical channel: %d training queries are too few to tune the weights on; using the defaults", n)
+            tuning = False
+        else:
+            holdout = np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False))
+    fit_rows = np.setdiff1d(np.arange(n), holdout)
+
+    start = time.perf_counter()
+    ranker = train_omikuji(as_scipy(query_rows.select(fit_rows), features.num_features), train.targets[fit_rows], n_threads=n_threads)
+    logger.info("lexical channel: Omikuji ranker on %d queries in %.1f s", len(fit_rows), time.perf_counter() - start)
+    channel = LexicalChannel(features, label_rows, ranker, settings=settings)
+
+    # the current weights' label vectors, for the tuning (an evaluation right after can reuse them)
+    model.build_label_index(batch_size=batch_size)
+    if tuning:
+        start = time.perf_counter()
+        chosen = tune_fusion_weights(
+            model, channel, train.select(holdout), train.targets,
+            RANKER_WEIGHTS if ranker_weight is None else (ranker_weight,), TEXT_WEIGHTS if text_weight is None else (text_weight,),
+            batch_size=batch_size,
+        )
+        ranker_weight, text_weight = chosen["ranker_weight"], chosen["text_weight"]
+        channel.tuning = chosen  # what the weights were chosen from (not saved)
+        logger.info("lexical channel: weights tuned on %d held-out training queries in %.1f s: %s", len(holdout), time.perf_counter() - start, chosen)
+    channel.settings.update(ranker_weight=float(ranker_weight if ranker_weight is not None else DEFAULT_SETTINGS["ranker_weight"]),
+                            text_weight=float(text_weight if text_weight is not None else DEFAULT_SETTINGS["text_weight"]))
+    model.set_lexical_channel(channel)
+    return channel
+
+
+def tune_fusion_weights(
+    model,
+    channel: LexicalChannel,
+    holdout: XMCDataset,
+    train_targets: sp.spmatrix,
+    ranker_weights: Sequence[float] = RANKER_WEIGHTS,
+    text_weights: Sequence[float] = TEXT_WEIGHTS,
+    batch_size: int = 128,
+) -> dict[str, float]:
+    """The ``(ranker_weight, text_weight)`` of the grids with the best ``P@1 + PSP@5`` on ``holdout`` (ties: smaller
+    weights first), with the scores of every pair under ``"grid"`` and of the dense model alone under ``"dense"``.
+    The model is searched once (its index is built if needed), the channel scored once; memory: the candidates of the
+    held-out queries, ``(dense_depth + ranker_depth) x 16`` bytes per query."""
+    inv_prop = inverse_propensity(train_targets, model.config.propensity_a, model.config.propensity_b)
+    depth = int(channel.settings["dense_depth"])
+    model.ensure_label_index()
+    vectors = model.query_search_vectors(holdout.texts, batch_size=batch_size, show_progress_bar=False)
+    dense_scores, dense_ids = model.search(vectors, depth)
+    use_ranker, use_text = any(ranker_weights), any(text_weights)
+    candidates = channel.candidates(holdout.texts, dense_scores, dense_ids, float(use_ranker), float(use_text))
+
+    def objective(ids: np.ndarray) -> float:
+        m = xmc_metrics(ids, holdout.targets, inv_prop, ks=(1, 5), recall_ks=())
+        return m["P@1"] + m["PSP@5"]
+
+    grid = {}
+    best = None
+    for wr in sorted(ranker_weights):
+        for wt in sorted(text_weights):
+            _, ids = candidates.top_k(wr, wt, 5)
+            value = objective(ids)
+            grid[f"{wr:g},{wt:g}"] = round(value, 3)
+            if best is None or value > best[0] + 1e-9:
+                best = (value, wr, wt)
+    return {"ranker_weight": best[1], "text_weight": best[2], "objective": round(best[0], 3),
+            "dense": round(objective(dense_ids[:, :5]), 3), "grid": grid}

@@ -1,0 +1,205 @@
+"""The lexical channel: TF-IDF features equal to scikit-learn's, pair scores, the fusion arithmetic, label edits, the
+fit (Omikuji ranker + tuned weights), persistence, remote-code reload and the training-script flag."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from hf_xmc.models import DEXMLModel
+from hf_xmc.models import lexical_channel as lc
+from hf_xmc.models.lexical_channel import CsrRows, LexicalChannel, TfidfFeatures, pair_dot_products
+from hf_xmc.training.lexical import as_scipy, fit_lexical_channel, fit_tfidf
+from tests.models.test_modeling_common import predict_through_remote_code
+from tests.test_training import contract_args, run_script
+
+pytest.importorskip("omikuji")
+pytest.importorskip("sklearn")
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog", "a quick quick quick test", "Ünïcode wörds and CAPITALS Ünïcode",
+    "dog dog cat", "lazy cat sleeps", "brown dog, quick fox!", "x y z",  # one-letter words are no tokens
+]
+
+
+def _csr(rows: CsrRows, width: int) -> np.ndarray:
+    return as_scipy(rows, width).toarray()
+
+
+def test_tfidf_transform_equals_scikit_learn():
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    features = fit_tfidf(CORPUS, min_df=1)
+    reference = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, norm="l2", min_df=1, dtype=np.float32).fit(CORPUS)
+    texts = CORPUS + ["quick dog never seen words", "", "fox fox fox brown"]
+    want = reference.transform(texts).toarray()
+    got = _csr(features.transform(texts), features.num_features)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert not got[len(CORPUS) + 1].any()  # the empty text: an empty row
+
+
+def test_csr_rows_select_concat_and_pair_dot_products():
+    rng = np.random.default_rng(0)
+    a = sp.random(7, 30, density=0.3, format="csr", dtype=np.float32, random_state=1)
+    b = sp.random(5, 30, density=0.3, format="csr", dtype=np.float32, random_state=2)
+    for m in (a, b):
+        m.sort_indices()
+    rows_a, rows_b = CsrRows(a.indptr, a.indices, a.data), CsrRows(b.indptr, b.indices, b.data)
+    np.testing.assert_array_equal(_csr(rows_a.select(np.array([4, 0, 4])), 30), a.toarray()[[4, 0, 4]])
+    np.testing.assert_array_equal(_csr(CsrRows.concat([rows_a, rows_b]), 30), np.vstack([a.toarray(), b.toarray()]))
+    q, lab = rng.integers(0, 7, 50), rng.integers(0, 5, 50)
+    want = (a.toarray()[q] * b.toarray()[lab]).sum(1)
+    np.testing.assert_allclose(pair_dot_products(rows_a, rows_b, q, lab, 30), want, rtol=1e-5, atol=1e-7)
+
+
+class FixedRanker:
+    """A stand-in for an omikuji.Model (same ``predict`` signature) that returns fixed hits per query."""
+
+    def __init__(self, hits):
+        self.hits = hits
+        self.calls = 0
+
+    def predict(self, feature_value_pairs, beam_size=10, top_k=10):
+        hits = self.hits[self.calls % len(self.hits)]
+        self.calls += 1
+        return hits[:top_k]
+
+
+def _channel(ranker_hits, settings, label_texts=("alpha", "beta", "gamma", "delta", "epsilon", "zeta")):
+    features = TfidfFeatures(["alpha", "beta", "gamma", "delta", "epsilon", "zeta"], np.ones(6, np.float32), ngram_max=1)
+    return LexicalChannel(features, features.transform(list(label_texts)), FixedRanker(ranker_hits), settings=settings)
+
+
+def test_fusion_by_hand():
+    """dense hits 3 (0.9), 1 (0.8), 2 (0.1); ranker hits 2 (p 0.9), 5 (p 0.5); w_rank 1:
+    3 -> 0.9, 1 -> 0.8, 2 -> 0.1 + 0.9 = 1.0, 5 (not a dense hit: the last dense score, 0.1) -> 0.1 + 0.5 = 0.6."""
+    channel = _channel([[(2, 0.9), (5, 0.5)]], {"ranker_weight": 1.0, "text_weight": 0.0})
+    scores, ids = channel.fuse(["gamma"], np.array([[0.9, 0.8, 0.1]]), np.array([[3, 1, 2]]), k=5)
+    assert ids.tolist() == [[2, 3, 1, 5, -1]]
+    np.testing.assert_allclose(scores[0, :4], [1.0, 0.9, 0.8, 0.6], rtol=1e-6)
+    assert scores[0, 4] == -np.inf
+    # with the text channel: the query "gamma" is the label text of 2 only (cosine 1), so 2 gains w_text
+    channel.settings["text_weight"] = 0.5
+    scores, ids = channel.fuse(["gamma"], np.array([[0.9, 0.8, 0.1]]), np.array([[3, 1, 2]]), k=2)
+    assert ids.tolist() == [[2, 3]] and np.allclose(scores, [[1.5, 0.9]])
+    # weights 0: the dense ranking exactly
+    channel.settings.update(ranker_weight=0.0, text_weight=0.0)
+    scores, ids = channel.fuse(["gamma"], np.array([[0.9, 0.8, 0.1]]), np.array([[3, 1, 2]]), k=3)
+    assert ids.tolist() == [[3, 1, 2]] and np.allclose(scores, [[0.9, 0.8, 0.1]])
+
+
+def test_label_edits_follow_the_ranker():
+    channel = _channel([[(1, 0.9), (4, 0.8)]], {"ranker_weight": 1.0})
+    channel.select_labels(np.array([0, 2, 3, 4, 5]))  # label 1 goes; 4 becomes 3
+    _, ids = channel.fuse(["alpha"], np.array([[0.5]]), np.array([[0]]), k=3)
+    assert ids.tolist() == [[3, 0, -1]]  # the removed label is never returned, the kept one under its new id
+    channel.add_labels(["eta theta"])
+    assert channel.num_labels == 6 and channel.label_rows.row(5)[0].size == 0  # unknown words: an empty TF-IDF row
+
+
+@pytest.fixture(scope="module")
+def lexical_model(tiny_encoder_dir, tiny_task):
+    """A DEXML model with a random encoder (so the dense ranking is weak) and a lexical channel fitted on the task."""
+    data, _ = tiny_task
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir)
+    model.set_labels(data.label_texts, data.label_uids)
+    channel = fit_lexical_channel(model, data.train, ranker_weight=0.5, tune_queries=100, n_threads=1)  # text_weight tuned
+    return model, channel
+
+
+def test_fit_tunes_weights_and_the_channel_beats_the_random_dense_model(lexical_model, tiny_task):
+    from hf_xmc.metrics import xmc_metrics
+
+    data, _ = tiny_task
+    model, channel = lexical_model
+    assert model.config.lexical_channel == channel.settings
+    fused = model.predict(data.test.texts, k=5).label_ids
+    dense_scores, dense_ids = model.search(model.encode_queries(data.test.texts), 5)
+    p1_fused = xmc_metrics(fused, data.test.targets, ks=(1,), recall_ks=())["P@1"]
+    p1_dense = xmc_metrics(dense_ids, data.test.targets, ks=(1,), recall_ks=())["P@1"]
+    assert p1_fused > p1_dense + 20, (p1_fused, p1_dense)
+
+
+def test_weights_tuned_on_held_out_queries(tiny_encoder_dir, tiny_task, monkeypatch):
+    """Both weights tuned: on the planted task the words predict the labels and the random encoder does not, so the
+    chosen pair puts weight on the lexical scores and beats the dense ranking on the held-out queries."""
+    from hf_xmc.training import lexical
+
+    data, _ = tiny_task
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir)
+    model.set_labels(data.label_texts, data.label_uids)
+    seen = {}
+    tune = lexical.tune_fusion_weights
+    monkeypatch.setattr(lexical, "tune_fusion_weights", lambda *a, **k: seen.setdefault("result", tune(*a, **k)))
+    channel = fit_lexical_channel(model, data.train, tune_queries=100, n_threads=1)
+    result = seen["result"]
+    assert len(result["grid"]) == len(lexical.RANKER_WEIGHTS) * len(lexical.TEXT_WEIGHTS)
+    assert result["objective"] == max(result["grid"].values()) > result["dense"] + 50
+    assert (channel.settings["ranker_weight"], channel.settings["text_weight"]) == (result["ranker_weight"], result["text_weight"]) != (0, 0)
+
+
+def test_save_reload_and_remote_code_give_the_same_top_k(lexical_model, tiny_task, tmp_path):
+    data, _ = tiny_task
+    model, channel = lexical_model
+    texts = data.test.texts[:8]
+    want = model.predict(texts, k=5)
+    model.save_pretrained(tmp_path / "m")
+    assert (tmp_path / "m" / lc.LEXICAL_FILE).exists()
+    assert json.load(open(tmp_path / "m" / "config.json"))["lexical_channel"]["ranker_weight"] == channel.settings["ranker_weight"]
+    assert "omikuji" in model.runtime_requirements()
+    again = DEXMLModel.from_pretrained(tmp_path / "m")
+    got = again.predict(texts, k=5)
+    np.testing.assert_array_equal(got.label_ids, want.label_ids)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5, atol=1e-6)
+    remote = predict_through_remote_code(tmp_path / "m", tmp_path, texts)
+    assert remote["ids"] == want.label_ids.tolist()
+    # the channel is named by config.json: a directory without its file is refused, not silently dense
+    (tmp_path / "m" / lc.LEXICAL_FILE).unlink()
+    with pytest.raises(ValueError, match="lexical channel"):
+        DEXMLModel.from_pretrained(tmp_path / "m")
+
+
+def test_without_omikuji_the_ranker_is_skipped_with_a_warning(lexical_model, tiny_task, tmp_path, monkeypatch, caplog):
+    data, _ = tiny_task
+    model, channel = lexical_model
+    model.save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(lc, "omikuji", None)
+    with caplog.at_level(logging.WARNING):
+        loaded = DEXMLModel.from_pretrained(tmp_path / "m")
+    assert "needs the omikuji package" in caplog.text
+    assert loaded.lexical_channel.ranker is None
+    texts = data.test.texts[:8]
+    vectors = model.encode_queries(texts)
+    scores, ids = model.search(vectors, 100)
+    want = channel.candidates(texts, scores, ids, 0.0, 1.0).top_k(0.0, channel.settings["text_weight"], 5)[1]
+    np.testing.assert_array_equal(loaded.predict(texts, k=5).label_ids, want)
+    loaded.save_pretrained(tmp_path / "again")  # the ranker's files ride along even where omikuji is missing
+    monkeypatch.setattr(lc, "omikuji", __import__("omikuji"))
+    np.testing.assert_array_equal(DEXMLModel.from_pretrained(tmp_path / "again").predict(texts, k=5).label_ids, model.predict(texts, k=5).label_ids)
+
+
+def test_training_script_flag_reports_fused_and_dense_metrics(tiny_task, tiny_encoder_dir, tmp_path):
+    _, task_dir = tiny_task
+    out = tmp_path / "out"
+    proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(out), epochs="1") + ["--lexical_channel", "omikuji", "--lexical_tune_queries", "100"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.load(open(out / "eval_results.json"))
+    assert results["lexical_fit_runtime"] > 0
+    assert results["test_P@1"] > results["test_dense_P@1"]  # one epoch of a random tiny encoder: the words win
+    model = DEXMLModel.from_pretrained(out)
+    assert model.lexical_channel is not None and model.config.lexical_channel["ranker_weight"] == model.lexical_channel.settings["ranker_weight"]
+    bad = run_script(contract_args(task_dir, tiny_encoder_dir, str(tmp_path / "bad")) + ["--lexical_channel", "bm25"])
+    assert bad.returncode != 0 and "--lexical_channel takes 'none' or 'omikuji'" in bad.stderr
+
+
+def test_flag_refuses_a_missing_library_before_training(tmp_path, monkeypatch):
+    import importlib.util
+
+    from hf_xmc.training import XMCTrainingArguments
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "omikuji" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"--lexical_channel omikuji needs omikuji: pip install 'hf_xmc\[lexical\]'"):
+        XMCTrainingArguments(output_dir=str(tmp_path), lexical_channel="omikuji")
