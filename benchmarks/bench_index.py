@@ -186,7 +186,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--only", nargs="*", help="names of the configurations to run, e.g. 'ivf fp16' (default: all)")
     parser.add_argument("--work_dir", default=None, help="where stores and indexes go (default: a temp dir, removed)")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "index_scale.json"))
+    parser.add_argument("--in_process", action="store_true",
+                        help="run the build and search phases in this process (no per-phase peak memory: for smoke tests)")
     args = parser.parse_args(argv)
+    run_phase = run_worker if not args.in_process else (lambda phase, cfg: (worker_build if phase == "build" else worker_search)(json.loads(json.dumps(cfg))))
 
     import torch
 
@@ -225,9 +228,9 @@ def main(argv=None) -> dict:
                    "queries": os.path.join(work, "queries.npy")}
             cfg["ids_out"] = cfg["index_dir"] + "-ids"
             print(f"== {cfg['name']} ({cfg['num_labels']:,} labels, {cfg['dtype']})", flush=True)
-            built = run_worker("build", cfg)
+            built = run_phase("build", cfg)
             print(f"   built in {built['build_s']:.1f}s, peak +{built['build_peak_mb']:.0f} MiB", flush=True)
-            searched = run_worker("search", cfg)
+            searched = run_phase("search", cfg)
             for run in searched.pop("runs"):
                 ids = np.load(run.pop("ids"))
                 if cfg["kind"] == "exact" and cfg["dtype"] == "float32" and cfg["num_labels"] not in truth:

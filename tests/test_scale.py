@@ -142,14 +142,14 @@ def test_prime_training_does_not_broadcast_the_centroid_bank(tiny_encoder_dir, t
 
 
 def test_bench_scale_small_runs_every_stage(tmp_path):
-    """The scale benchmark at 50K labels: every variant completes every stage in fresh processes (the streaming
-    paths of mining, centroids, clustering and evaluation run over several chunks), reloads through remote code and
-    ranks for real."""
+    """The scale benchmark at 20K labels: every variant completes every stage in fresh processes, reloads through
+    remote code and ranks for real (the chunked paths of mining, centroids and evaluation are checked against one-shot
+    results above)."""
     from benchmarks import bench_scale
 
     out = tmp_path / "scale.json"
     rows = bench_scale.main([
-        "--methods", "dexml:hard_neg,prime,unidec", "--num_labels", "50000", "--num_train", "2000",
+        "--methods", "dexml:hard_neg,prime,unidec", "--num_labels", "20000", "--num_train", "1000",
         "--num_test", "200", "--steps", "2", "--batch_size", "32", "--data_dir", str(tmp_path / "task"), "--out", str(out),
     ])
     assert [(r["method"], r["variant"]) for r in rows] == [("dexml", "hard_neg"), ("prime", "default"), ("unidec", "default")]
@@ -158,7 +158,7 @@ def test_bench_scale_small_runs_every_stage(tmp_path):
         stages = row["stages"]
         for stage in ("train:data_load", "train:train.steps", "train:evaluate.index_build", "train:save", "reload:reload", "reload:predict"):
             assert stages[stage]["seconds"] >= 0, (row["method"], stage)
-        assert 0 < row["peak_rss_gib"] < 6 and row["saved_bytes"] > 50000 * 4 * 16  # the label vectors at least
+        assert 0 < row["peak_rss_gib"] < 6 and row["saved_bytes"] > 20000 * 4 * 16  # the label vectors at least
         assert row["R@100"] > 0 and row["latency_ms"]["batch_1_ms"] > 0
         # --index_kind ivf --ivf_nprobe 16 (the defaults) reach the saved model through the recipe's flags
         meta = json.loads((tmp_path / "task" / "runs" / f"{row['method']}-{row['variant']}" / "label_index.json").read_text())
@@ -170,13 +170,14 @@ def test_bench_scale_small_runs_every_stage(tmp_path):
 
 
 def test_bench_scale_small_siamesexml(tmp_path):
-    """SiameseXML through the scale benchmark at 50K labels (the bag-of-embeddings encoder; the transformer variant
-    differs only in the encoder, covered by the model tests): Module II's label graph, label state and shortlists over
-    every training point, Module IV, the fp16 [z~ ; v] store and a remote-code reload."""
+    """SiameseXML through the scale benchmark at 24K labels (the bag-of-embeddings encoder; the transformer variant
+    differs only in the encoder, covered by the model tests): Module II's label graph (two chunks of its 20,000
+    labels), label state and shortlists over every training point, Module IV, the fp16 [z~ ; v] store and a
+    remote-code reload."""
     from benchmarks import bench_scale
 
     rows = bench_scale.main([
-        "--methods", "siamesexml:boe", "--num_labels", "50000", "--num_train", "2000",
+        "--methods", "siamesexml:boe", "--num_labels", "24000", "--num_train", "1000",
         "--num_test", "200", "--steps", "2", "--batch_size", "64", "--data_dir", str(tmp_path / "task"), "--out", str(tmp_path / "scale.json"),
     ])
     for row in rows:
@@ -185,4 +186,4 @@ def test_bench_scale_small_siamesexml(tmp_path):
             assert row["stages"][stage]["calls"] >= 1, (row["variant"], stage)
         assert row["stages"]["train:train"]["calls"] == 2  # Module I and Module IV
         assert row["R@100"] > 0 and 0 < row["peak_rss_gib"] < 6
-        assert row["saved_bytes"] > 2 * 50000 * 2 * 384  # the fp16 [z~ ; v] store at least
+        assert row["saved_bytes"] > 2 * 24000 * 2 * 384  # the fp16 [z~ ; v] store at least

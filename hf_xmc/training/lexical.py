@@ -39,7 +39,7 @@ from ..models.lexical_channel import DEFAULT_SETTINGS, CsrRows, LexicalChannel, 
 
 logger = logging.getLogger(__name__)
 
-RANKER_WEIGHTS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+RANKER_WEIGHTS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 TEXT_WEIGHTS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
 
 

@@ -33,18 +33,26 @@ REMOTE_PREDICT = textwrap.dedent(
     if request.get("rebuild_index"):
         model.build_label_index()  # re-encode the labels from what the directory holds (texts, label images)
     pred = model.predict(request["texts"], k=5, **images)
-    print("RESULT " + json.dumps({"ids": pred.label_ids.tolist(), "scores": pred.scores.tolist(), "texts": pred.label_texts}))
+    result = {"ids": pred.label_ids.tolist(), "scores": pred.scores.tolist(), "texts": pred.label_texts}
+    if request.get("pipeline_inputs") is not None:  # the same directory through pipeline(model=dir), in the same process
+        from transformers import pipeline
+        pipe = pipeline(model=sys.argv[1], trust_remote_code=True, device="cpu")
+        assert type(pipe).__module__.startswith("transformers_modules"), type(pipe).__module__
+        inputs = request["pipeline_inputs"]
+        result["pipeline"] = {"task": pipe.task, "one": pipe(inputs[0], top_k=3), "many": pipe(inputs, top_k=5, batch_size=2)}
+    print("RESULT " + json.dumps(result))
     """
 )
 
 
-def predict_through_remote_code(model_dir, tmp_path, texts, images=None, rebuild_index: bool = False) -> dict:
+def predict_through_remote_code(model_dir, tmp_path, texts, images=None, rebuild_index: bool = False, pipeline_inputs=None) -> dict:
     """Top-5 of ``texts`` (and ``images``, paths) from ``model_dir`` loaded with ``trust_remote_code`` in a fresh
     process where hf_xmc cannot be imported, offline (with ``rebuild_index``, after re-encoding the labels); returns
-    ``{"ids", "scores", "texts"}``."""
+    ``{"ids", "scores", "texts"}``, plus ``"pipeline"`` (as :func:`pipeline_through_remote_code` returns it) when
+    ``pipeline_inputs`` are given: one process start for both."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
     proc = subprocess.run(
-        [sys.executable, "-c", REMOTE_PREDICT, str(model_dir), json.dumps({"texts": texts, "images": images, "rebuild_index": rebuild_index})],
+        [sys.executable, "-c", REMOTE_PREDICT, str(model_dir), json.dumps({"texts": texts, "images": images, "rebuild_index": rebuild_index, "pipeline_inputs": pipeline_inputs})],
         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300, stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -170,41 +178,35 @@ class XMCModelTesterMixin:
         # re-encoding the labels with the reloaded weights reproduces the saved label vectors
         torch.testing.assert_close(reloaded.label_search_vectors(), model.label_embeddings, atol=1e-5, rtol=1e-4)
 
-    def test_remote_code_reload_without_hf_xmc(self, model, tiny_task, tmp_path):
-        data = tiny_task[0]
-        texts = data.test.texts[:8]
-        before = model.predict(texts, k=5)
-        model_dir = tmp_path / "model"
-        model.save_pretrained(model_dir)
-        config = json.load(open(model_dir / "config.json"))
-        assert set(config["auto_map"]) == {"AutoConfig", "AutoModel"}
-        result = predict_through_remote_code(model_dir, tmp_path, list(texts))
-        assert result["ids"] == before.label_ids.tolist()
-        np.testing.assert_allclose(np.array(result["scores"]), before.scores, atol=1e-5)
-        assert result["texts"] == before.label_texts
-
-    def test_pipeline_without_hf_xmc(self, model, tiny_task, tmp_path):
+    def test_remote_code_reload_and_pipeline_without_hf_xmc(self, model, tiny_task, tmp_path):
+        """One save, one fresh process without hf_xmc: ``AutoModel`` + ``predict`` gives the same top-k, and
+        ``pipeline(model=dir)`` (named by the config) the same rows as the registered task over the model object."""
         from transformers import pipeline
 
         from hf_xmc.models import XMC_PIPELINE_TASK
 
-        texts = list(tiny_task[0].test.texts[:4])
-        want = pipeline_rows(model.predict(texts, k=5), 5)
+        texts = list(tiny_task[0].test.texts[:8])
+        before = model.predict(texts, k=5)
+        want = pipeline_rows(model.predict(texts[:4], k=5), 5)
         # in the package: the registered task over a model object
         pipe = pipeline(XMC_PIPELINE_TASK, model=model, device="cpu")
-        assert_same_rows(pipe(texts, top_k=5), want)
+        assert_same_rows(pipe(texts[:4], top_k=5), want)
         assert_same_rows([pipe(texts[1], top_k=2)], [want[1][:2]])
-        # from a saved directory, in a process where hf_xmc cannot be imported: the config names the pipeline
         model_dir = tmp_path / "model"
         model.save_pretrained(model_dir)
         config = json.load(open(model_dir / "config.json"))
+        assert set(config["auto_map"]) == {"AutoConfig", "AutoModel"}
         assert config["custom_pipelines"] == {XMC_PIPELINE_TASK: {"impl": "pipeline_xmc.XMCPipeline", "pt": ["AutoModel"], "tf": [], "type": "multimodal"}}
         assert (model_dir / "pipeline_xmc.py").exists()
-        result = pipeline_through_remote_code(model_dir, tmp_path, texts)
-        assert result["task"] == XMC_PIPELINE_TASK
-        assert_same_rows([result["one"]], [want[0][:3]])
-        assert_same_rows(result["many"], want)
-        assert set(result["one"][0]) == {"label", "label_id", "score"}
+        result = predict_through_remote_code(model_dir, tmp_path, texts, pipeline_inputs=texts[:4])
+        assert result["ids"] == before.label_ids.tolist()
+        np.testing.assert_allclose(np.array(result["scores"]), before.scores, atol=1e-5)
+        assert result["texts"] == before.label_texts
+        piped = result["pipeline"]
+        assert piped["task"] == XMC_PIPELINE_TASK
+        assert_same_rows([piped["one"]], [want[0][:3]])
+        assert_same_rows(piped["many"], want)
+        assert set(piped["one"][0]) == {"label", "label_id", "score"}
 
     def test_add_and_remove_labels_without_retraining(self, model, tiny_task, tmp_path):
         data = tiny_task[0]
