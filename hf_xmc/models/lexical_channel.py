@@ -36,8 +36,8 @@ Memory model (``V`` vocabulary terms, ``L`` labels with ``z`` TF-IDF non-zeros e
   ``FUSE_CHUNK * ranker_depth * dense_depth`` bytes for the candidate matching and ``8 * z`` bytes per text-scored
   candidate pair. Nothing is ``queries x labels``.
 
-This file is part of the remote-code bundle of every hf_xmc model: it imports numpy, safetensors and (optionally)
-omikuji.
+This file is part of the remote-code bundle of every hf_xmc model: it imports numpy, safetensors, its sibling
+``label_index`` and (optionally) omikuji.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ from collections.abc import Sequence
 from typing import Optional
 
 import numpy as np
+
+from .label_index import atomic_write
 
 try:  # the ranker's library: optional at load time (the channel then fuses dense + text scores only)
     import omikuji
@@ -370,13 +372,7 @@ class LexicalChannel:
             "ranker": "omikuji" if files else "",
             "ranker_files": json.dumps(sorted(files or {})),
         }
-        tmp = f"{path}.tmp.{os.getpid()}"
-        try:
-            save_file(tensors, tmp, metadata=metadata)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
     @classmethod
     def load(cls, path: str, settings: Optional[dict] = None) -> LexicalChannel:

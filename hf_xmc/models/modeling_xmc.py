@@ -1086,14 +1086,18 @@ class XMCPreTrainedModel(PreTrainedModel):
         self.lexical_channel = channel
         self.config.lexical_channel = dict(channel.settings) if channel is not None else None
 
-    def search_texts(self, texts: Sequence[str], query_vectors: torch.Tensor | np.ndarray, k: int = 5) -> tuple[np.ndarray, np.ndarray]:
+    def search_texts(self, texts: Sequence[str], query_vectors: torch.Tensor | np.ndarray, k: int = 5, return_dense: bool = False):
         """Top-k ``(scores, ids)`` of queries given as texts and their search vectors: the dense search, fused with the
-        lexical channel when the model has one (its ``dense_depth`` dense hits and its ranker's hits re-scored)."""
+        lexical channel when the model has one (its ``dense_depth`` dense hits and its ranker's hits re-scored). With
+        ``return_dense``, returns ``(scores, ids, dense_scores, dense_ids)``: the dense search's own top-k too (the
+        same arrays as the fused ones for a model without a channel)."""
         channel = self.lexical_channel
         if channel is None:
-            return self.search(query_vectors, k)
-        scores, ids = self.search(query_vectors, max(k, int(channel.settings["dense_depth"])))
-        return channel.fuse(texts, scores, ids, k)
+            scores, ids = self.search(query_vectors, k)
+            return (scores, ids, scores, ids) if return_dense else (scores, ids)
+        dense_scores, dense_ids = self.search(query_vectors, max(k, int(channel.settings["dense_depth"])))
+        scores, ids = channel.fuse(texts, dense_scores, dense_ids, k)
+        return (scores, ids, dense_scores[:, :k], dense_ids[:, :k]) if return_dense else (scores, ids)
 
     def ensure_label_index(self) -> LabelIndex:
         """The label index: built over the stored label vectors, or over freshly encoded labels, on first use."""

@@ -125,13 +125,10 @@ class XMCEvaluator:
         for start in tqdm(chunks, desc="Searching", disable=not show or len(chunks) < 2, unit="chunk"):
             stop = min(start + self.chunk_size, n)
             queries = model.query_search_vectors(texts[start:stop], batch_size=self.batch_size, show_progress_bar=show_progress_bar if len(chunks) < 2 else False)
-            channel = getattr(model, "lexical_channel", None)
-            if channel is None:
+            if getattr(model, "lexical_channel", None) is None:
                 chunk_scores, chunk_ids = model.search(queries, k + extra)
             else:  # fused; the dense ranking alone is scored too (the channel's gain on the same model)
-                dense_scores, dense_ids = model.search(queries, max(k + extra, int(channel.settings["dense_depth"])))
-                chunk_scores, chunk_ids = channel.fuse(texts[start:stop], dense_scores, dense_ids, k + extra)
-                dense_ids, dense_scores = dense_ids[:, : k + extra], dense_scores[:, : k + extra]
+                chunk_scores, chunk_ids, dense_scores, dense_ids = model.search_texts(texts[start:stop], queries, k + extra, return_dense=True)
                 if self.filter_matrix is not None:
                     dense_ids, dense_scores = filter_predictions(dense_ids, dense_scores, self.filter_matrix[start:stop], k)
                 if self.dense_predictions is None:
