@@ -233,9 +233,12 @@ def test_memory_bank_holds_de_embeddings(tiny_encoder_dir, tiny_task, tmp_path):
 
 @pytest.mark.slow
 def test_a_million_label_model_builds_and_predicts(tiny_encoder_dir):
-    # the classifier is scored on pools and searched through the index: nothing of size labels x batch is built
+    # the classifier is scored on pools and searched through the index: nothing of size labels x batch is built.
+    # The index searches the classifier vectors (search_mode="classifier"): encoding a million label texts is the
+    # chunked encoder path of every method (bench_scale's smoke test), 40 s of tokenising here
     num_labels = 1_000_000
-    model = UniDECModel.from_encoder_pretrained(tiny_encoder_dir, label_space_size=num_labels, projection_dim=16, max_seq_length=8, label_max_seq_length=8)
+    model = UniDECModel.from_encoder_pretrained(tiny_encoder_dir, label_space_size=num_labels, projection_dim=16, max_seq_length=8,
+                                                label_max_seq_length=8, search_mode="classifier")
     model.set_labels([f"label {i}" for i in range(num_labels)])
     ids = torch.tensor([0, 17, 523_000, num_labels - 1])
     batch = model.tokenize(["label 5", "label 999999", "something"], 8)
@@ -248,7 +251,8 @@ def test_a_million_label_model_builds_and_predicts(tiny_encoder_dir):
     assert set(model.classifier.weight.grad.coalesce().indices()[0].tolist()) == set(ids.tolist())  # sparse: 4 rows
     model.classifier.weight.grad = None
     model.build_label_index(batch_size=8192, show_progress_bar=False)
-    assert model.label_embeddings.shape == (num_labels, 32)
+    assert model.label_embeddings.shape == (num_labels, 16)
+    torch.testing.assert_close(model.label_embeddings, F.normalize(model.classifier.weight.detach(), dim=-1))
     pred = model.predict(["label 5", "something"], k=10)
     assert pred.label_ids.shape == (2, 10) and (pred.label_ids >= 0).all() and (pred.label_ids < num_labels).all()
     q = model.query_search_vectors(["label 5"])
