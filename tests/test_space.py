@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -234,7 +235,16 @@ def test_gradio_client_predict_equals_model_top_k(app, served, tiny_task):
 
 @pytest.fixture(scope="module")
 def sync_playwright():
-    """playwright's ``sync_playwright``, checked (with chromium) before any server is started for the browser test."""
+    """playwright's ``sync_playwright``, checked (with chromium) before any server is started for the browser test.
+    Where CI installs chromium beside the test run (``HF_XMC_BROWSER_READY_FILE``), it first waits for that install
+    (up to 10 minutes)."""
+    ready_file = os.environ.get("HF_XMC_BROWSER_READY_FILE")
+    if ready_file:
+        deadline = time.monotonic() + 600
+        while not os.path.exists(ready_file) and time.monotonic() < deadline:
+            time.sleep(2)
+        if not os.path.exists(ready_file) or open(ready_file).read().strip() != "ok":
+            _missing(f"installing chromium did not succeed ({ready_file}; its log: .chromium.log)")
     if not os.path.exists(CHROMIUM):
         _missing(f"chromium is not installed at {CHROMIUM}")
     try:
