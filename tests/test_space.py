@@ -243,7 +243,7 @@ def sync_playwright():
         deadline = time.monotonic() + 600
         while not os.path.exists(ready_file) and time.monotonic() < deadline:
             time.sleep(2)
-        if not os.path.exists(ready_file) or open(ready_file).read().strip() != "ok":
+        if not os.path.exists(ready_file) or Path(ready_file).read_text().strip() != "ok":
             _missing(f"installing chromium did not succeed ({ready_file}; its log: .chromium.log)")
     if not os.path.exists(CHROMIUM):
         _missing(f"chromium is not installed at {CHROMIUM}")
