@@ -2,6 +2,7 @@
 sampler and batches, the label random walk M, Module II's label state and shortlists, Module IV's batches, the
 shortlist merge, and the training script end to end."""
 
+import dataclasses
 import json
 import math
 
@@ -246,3 +247,14 @@ def test_training_script_end_to_end(tiny_encoder_dir, tiny_task, tmp_path, encod
     assert (model.encoder.idf > 0).any() and model.encoder.idf[model.tokenizer.cls_token_id] == 0
     pred = model.predict(data.test.texts[:5], k=5)
     assert (pred.label_ids >= 0).all()
+
+
+def test_max_steps_bound_module_one_and_classifier_max_steps_module_four(tmp_path):
+    from hf_xmc.training.recipes.siamesexml import SiameseXMLTrainingArguments, _module_args
+
+    args = SiameseXMLTrainingArguments(output_dir=str(tmp_path), max_steps=5, classifier_epochs=3, report_to="none")
+    siamese, classifier = _module_args(args, "siamese"), _module_args(args, "classifier")
+    assert siamese.max_steps == 5 and siamese.output_dir == str(tmp_path / "module1")
+    assert classifier.max_steps == -1 and classifier.num_train_epochs == 3  # Module IV runs its epochs, not Module I's steps
+    bounded = _module_args(dataclasses.replace(args, classifier_max_steps=7), "classifier")
+    assert bounded.max_steps == 7

@@ -105,6 +105,7 @@ class SiameseXMLTrainingArguments(XMCTrainingArguments):
     knn_weight: float = field(default=0.025, metadata={"help": "gamma: weight of the neighbour votes ([C] 0.025)."})
     train_shortlist_size: int = field(default=100, metadata={"help": "Shortlist negatives per training point in Module IV ([C] 500)."})
     classifier_epochs: float = field(default=10.0, metadata={"help": "Module IV epochs ([C] 20)."})
+    classifier_max_steps: int = field(default=-1, metadata={"help": "Module IV steps (-1 = --classifier_epochs); --max_steps bounds Module I only."})
     classifier_learning_rate: float = field(default=2e-3, metadata={"help": "Module IV learning rate of eta and the residual block ([C] 2e-4 to 5e-4 over 20 epochs)."})
     classifier_batch_size: int = field(default=256, metadata={"help": "Module IV points per batch and process ([C] 255)."})
     classifier_max_positives: int = field(default=10, metadata={"help": "Most positives per point and step in Module IV ([C] 10)."})
@@ -113,13 +114,14 @@ class SiameseXMLTrainingArguments(XMCTrainingArguments):
 
 def _module_args(args: SiameseXMLTrainingArguments, module: str) -> SiameseXMLTrainingArguments:
     """Per-module copy of the arguments: Module I keeps the TrainingArguments values (checkpoints under OUT/module1);
-    Module IV takes the classifier epochs, rate and batch size. The engine's own mining and clustering stay off."""
+    Module IV takes the classifier epochs (or steps), rate and batch size. The engine's own mining and clustering stay off."""
     changes = {"hard_negatives": 0, "cluster_batching": False, "label_pool": "in_batch"}
     if module == "siamese":
         changes.update(output_dir=os.path.join(args.output_dir, "module1"), push_to_hub=False)
     else:
         changes.update(
             num_train_epochs=args.classifier_epochs,
+            max_steps=args.classifier_max_steps,
             learning_rate=args.classifier_learning_rate,
             per_device_train_batch_size=args.classifier_batch_size,
             gradient_cache_chunk_size=0,
