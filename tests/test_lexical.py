@@ -180,7 +180,7 @@ def test_without_omikuji_the_ranker_is_skipped_with_a_warning(lexical_model, tin
     np.testing.assert_array_equal(DEXMLModel.from_pretrained(tmp_path / "again").predict(texts, k=5).label_ids, model.predict(texts, k=5).label_ids)
 
 
-def test_training_script_flag_reports_fused_and_dense_metrics(tiny_task, tiny_encoder_dir, tmp_path):
+def test_training_script_flag_reports_fused_and_dense_metrics(tiny_task, tiny_encoder_dir, tmp_path, capsys):
     _, task_dir = tiny_task
     out = tmp_path / "out"
     proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(out), epochs="1") + ["--lexical_channel", "omikuji", "--lexical_tune_queries", "100"])
@@ -190,8 +190,12 @@ def test_training_script_flag_reports_fused_and_dense_metrics(tiny_task, tiny_en
     assert results["test_P@1"] > results["test_dense_P@1"]  # one epoch of a random tiny encoder: the words win
     model = DEXMLModel.from_pretrained(out)
     assert model.lexical_channel is not None and model.config.lexical_channel["ranker_weight"] == model.lexical_channel.settings["ranker_weight"]
-    bad = run_script(contract_args(task_dir, tiny_encoder_dir, str(tmp_path / "bad")) + ["--lexical_channel", "bm25"])
-    assert bad.returncode != 0 and "--lexical_channel takes 'none' or 'omikuji'" in bad.stderr
+    from hf_xmc.training.recipes import dexml
+    from hf_xmc.training.script_utils import run_script as run_main
+
+    capsys.readouterr()
+    status = run_main(dexml.main, contract_args(task_dir, tiny_encoder_dir, str(tmp_path / "bad")) + ["--lexical_channel", "bm25"], prog="train_dexml.py")
+    assert status == 2 and "--lexical_channel takes 'none' or 'omikuji'" in capsys.readouterr().err
 
 
 def test_flag_refuses_a_missing_library_before_training(tmp_path, monkeypatch):

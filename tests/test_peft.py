@@ -148,7 +148,7 @@ def test_gradient_cache_with_an_adapter_trains_like_the_plain_loss(tiny_encoder_
     assert adapted == 4
 
 
-def test_training_script_flags_train_an_adapter_and_save_it_alone(tiny_task, tiny_encoder_dir, tmp_path):
+def test_training_script_flags_train_an_adapter_and_save_it_alone(tiny_task, tiny_encoder_dir, tmp_path, capsys):
     """train_unidec.py --peft lora --save_adapter_only: the directory holds the adapter, the card says so, and the
     remote-code reload reproduces the run's test metrics."""
     from hf_xmc.training import XMCEvaluator
@@ -173,8 +173,12 @@ def test_training_script_flags_train_an_adapter_and_save_it_alone(tiny_task, tin
     for key in ("test_P@1", "test_P@5", "test_PSP@5"):
         assert again[key] == pytest.approx(results[key], abs=1e-6), key
     # a flag without an adapter, or an adapter type it does not know, is one line and exit status 2
-    bad = subprocess.run(cmd[:-8] + ["--save_adapter_only", "true"], capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
-    assert bad.returncode == 2 and bad.stderr.strip().endswith("--save_adapter_only needs an adapter: --peft lora or --peft_config FILE")
+    from hf_xmc.training.recipes import unidec
+    from hf_xmc.training.script_utils import run_script
+
+    capsys.readouterr()
+    status = run_script(unidec.main, cmd[2:-8] + ["--save_adapter_only", "true"], prog="train_unidec.py")
+    assert status == 2 and capsys.readouterr().err.strip().endswith("--save_adapter_only needs an adapter: --peft lora or --peft_config FILE")
 
 
 def test_adapter_only_push_and_load_by_repo_id(tiny_encoder_dir, tiny_task, tmp_path):
