@@ -200,3 +200,26 @@ def test_checkpoint_state_is_safetensors_and_json_and_no_pickle_is_loaded(tiny_e
     # an old file of plain tensors (what weights_only reads) still resumes
     torch.save({"mined_epoch": None, "sampler": None, "memory_bank": None, "shortlist": None}, legacy / XMCEpochCallback.LEGACY_STATE_FILE)
     assert XMCEpochCallback.read_state(str(legacy))["shortlist"] is None
+
+
+def test_encoder_dropout_flag_sets_the_backbone_layers_and_keeps_the_adapter_dropout(tiny_encoder_dir, tiny_task, tmp_path):
+    from peft import LoraConfig
+
+    data = tiny_task[0]
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir, max_seq_length=16)
+    batch = model.tokenizer(list(data.test.texts[:4]), padding=True, return_tensors="pt")
+    model.train()
+    assert not torch.equal(model.embed(**batch), model.embed(**batch))  # the checkpoint's dropout draws masks
+    trainer = make_trainer(tiny_encoder_dir, data, tmp_path, encoder_dropout=0.0)
+    dropouts = [m for m in trainer.model.encoder.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and all(m.p == 0.0 for m in dropouts)
+    trainer.model.train()
+    torch.testing.assert_close(trainer.model.embed(**batch), trainer.model.embed(**batch), rtol=0, atol=0)
+    assert trainer.model.encoder.config.hidden_dropout_prob == 0.1  # nothing of it is saved
+    # with a LoRA adapter the adapter's own dropout keeps --lora_dropout
+    lora = make_trainer(tiny_encoder_dir, data, tmp_path, encoder_dropout=0.0, peft="lora", lora_r=2, lora_dropout=0.3,
+                        lora_target_modules="query")
+    named = {n: m.p for n, m in lora.model.encoder.named_modules() if isinstance(m, torch.nn.Dropout)}
+    assert {p for n, p in named.items() if "lora_" in n} == {0.3} and {p for n, p in named.items() if "lora_" not in n} == {0.0}
+    with pytest.raises(ValueError, match="--encoder_dropout must be in"):
+        XMCTrainingArguments(output_dir=str(tmp_path), encoder_dropout=1.0)
