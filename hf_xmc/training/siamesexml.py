@@ -247,7 +247,7 @@ def mine_classifier_shortlist(
             hit_rows, hit_sims = rows[valid], sims[valid]
             counts = np.diff(targets.indptr)[hit_rows]
             vote_query = np.repeat(query_of, counts)
-            vote_label = np.concatenate([targets.indices[targets.indptr[r] : targets.indptr[r + 1]] for r in hit_rows]) if hit_rows.size else np.zeros(0, np.int64)
+            vote_label = targets[hit_rows].indices.astype(np.int64)  # each neighbour's labels, neighbours in order
             vote_value = np.repeat(hit_sims, counts).astype(np.float64)
             # each point's summed votes, normalised by its largest
             vote_query, vote_label, summed = sum_label_scores(vote_query, vote_label, vote_value, targets.shape[1])
