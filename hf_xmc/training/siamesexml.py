@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -234,7 +235,12 @@ def mine_classifier_shortlist(
     max_positives = int(np.diff(targets.indptr).max()) if targets.nnz else 0
     out = np.full((n, size), -1, dtype=np.int32)
     show = n > chunk_size if show_progress_bar is None else show_progress_bar
+    began, next_report = time.perf_counter(), n // 10
     for start in tqdm(range(0, n, chunk_size), desc="Module II shortlists", disable=not show, unit="chunk"):
+        if not show and start >= next_report > 0:  # without a progress bar (--disable_tqdm): a line per tenth
+            rate = start / max(time.perf_counter() - began, 1e-9)
+            logger.info("Module II shortlists: %d / %d training points, %.0f points/s, ~%.0f min left", start, n, rate, (n - start) / rate / 60)
+            next_report += n // 10
         stop = min(start + chunk_size, n)
         queries = point_vectors[start:stop]
         extra = None
