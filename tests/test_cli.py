@@ -8,7 +8,6 @@ import inspect
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np

@@ -9,13 +9,9 @@ from hf_xmc.models import DEXMLModel
 from hf_xmc.training import XMCEvaluator, XMCTrainer, XMCTrainingArguments
 
 
-def make_trainer(encoder_dir, data, out_dir, seed=0, dropout=True, **kwargs):
+def make_trainer(encoder_dir, data, out_dir, seed=0, **kwargs):
     torch.manual_seed(seed)
     model = DEXMLModel.from_encoder_pretrained(encoder_dir, max_seq_length=16, label_max_seq_length=16)
-    if not dropout:
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
     args = dict(output_dir=str(out_dir), num_train_epochs=1, per_device_train_batch_size=32, learning_rate=5e-4,
                 save_strategy="no", seed=seed, disable_tqdm=True)
     args.update(kwargs)
@@ -28,9 +24,9 @@ def test_gradient_cache_trains_like_the_plain_loss(tiny_encoder_dir, tiny_task, 
     # 4 optimiser steps with gradient accumulation 2. Dropout off here: chunked encoding draws dropout masks in
     # another order than one full-batch pass (tests/test_gradcache.py checks the replay of masks chunk by chunk)
     data = tiny_task[0]
-    plain = make_trainer(tiny_encoder_dir, data, tmp_path / "a", dropout=False, max_steps=4, gradient_accumulation_steps=2)
+    plain = make_trainer(tiny_encoder_dir, data, tmp_path / "a", encoder_dropout=0.0, max_steps=4, gradient_accumulation_steps=2)
     plain.train()
-    cached = make_trainer(tiny_encoder_dir, data, tmp_path / "b", dropout=False, max_steps=4, gradient_accumulation_steps=2, gradient_cache_chunk_size=5)
+    cached = make_trainer(tiny_encoder_dir, data, tmp_path / "b", encoder_dropout=0.0, max_steps=4, gradient_accumulation_steps=2, gradient_cache_chunk_size=5)
     cached.train()
     moved = 0
     for (name, a), (_, b) in zip(plain.model.named_parameters(), cached.model.named_parameters()):
@@ -203,8 +199,6 @@ def test_checkpoint_state_is_safetensors_and_json_and_no_pickle_is_loaded(tiny_e
 
 
 def test_encoder_dropout_flag_sets_the_backbone_layers_and_keeps_the_adapter_dropout(tiny_encoder_dir, tiny_task, tmp_path):
-    from peft import LoraConfig
-
     data = tiny_task[0]
     model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir, max_seq_length=16)
     batch = model.tokenizer(list(data.test.texts[:4]), padding=True, return_tensors="pt")

@@ -87,9 +87,9 @@ class XMCTrainingArguments(TrainingArguments):
     lora_target_modules: Optional[str] = field(default=None, metadata={"help": "--peft lora: comma-separated module names (default: peft's choice for the encoder type, e.g. query,value for BERT)."})
     peft_config: Optional[str] = field(default=None, metadata={"help": "A JSON file of any peft config (its to_dict(), with peft_type), instead of --peft lora."})
     save_adapter_only: bool = field(default=False, metadata={"help": "Save the encoder's adapter alone (encoder_adapter/) on its named base encoder, not merged into the encoder's weights."})
+    encoder_dropout: Optional[float] = field(default=None, metadata={"help": "Drop probability of the encoder's dropout layers while training (default: the checkpoint's, 0.1 for MiniLM; 0 draws no masks, ~10-14%% of a CPU step)."})
 
     # --- the lexical channel: TF-IDF ranker + label-text scores fused with the dense score (hf_xmc.training.lexical) ---
-    encoder_dropout: Optional[float] = field(default=None, metadata={"help": "Drop probability of the encoder's dropout layers while training (default: the checkpoint's, 0.1 for MiniLM; 0 draws no masks, ~10-14%% of a CPU step)."})
     lexical_channel: str = field(default="none", metadata={"help": "'omikuji': after training, fit a lexical channel (TF-IDF + an Omikuji ranker, needs omikuji and scikit-learn) that predict fuses with the dense score; 'none': dense only."})
     lexical_ranker_weight: Optional[float] = field(default=None, metadata={"help": "--lexical_channel: weight of the ranker's score (default: tuned on held-out training queries)."})
     lexical_text_weight: Optional[float] = field(default=None, metadata={"help": "--lexical_channel: weight of the label-text TF-IDF cosine (default: tuned)."})
