@@ -29,7 +29,10 @@ and the saved model: exact search of 2.2M training queries against 1.3M labels i
 2 CPU cores, where IVF at nprobe 16 (recall@100 ~0.90, ``bench_index.py``) takes minutes; the memory is the same.
 
 Per stage it records seconds and peak RSS (``VmHWM`` of /proc/self/status, reset at each stage through
-/proc/self/clear_refs), and per run the on-disk size of the saved model. Writes a JSON list, one row per method
+/proc/self/clear_refs), and per run the on-disk size of the saved model. A row longer than a session (SiameseXML's
+Module II over 2.2M points with the bag-of-embeddings encoder: ~3 h) can be stopped and continued with ``--resume``:
+its training process snapshots its stage figures every 30 s, the recipe keeps Module I's weights and Module II's
+store on disk, and the row adds up the processes it ran in (``parts``). Writes a JSON list, one row per method
 variant (``completed: false`` with the error's last lines when a run fails), after every run, and prints a table.
 """
 
@@ -49,6 +52,10 @@ import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+# rows longer than a session: checkpoints on (weights only, at each training's end: no step reaches --save_steps), so
+# SiameseXML's Module I weights and Module II store (OUT/module2) stay on disk and --resume goes on from them
+RESUMABLE = ["--save_strategy", "steps", "--save_steps", "1000000", "--save_only_model", "true", "--save_total_limit", "1"]
 
 # paper batch size (queries per step) at LF-AmazonTitles-1.3M and the recipe flags of each variant
 VARIANTS = {
@@ -72,12 +79,12 @@ VARIANTS = {
     # prediction, 100 mined negatives per training point (the script default); label store in fp16 (halves [z~ ; v])
     ("siamesexml", "transformer"): {
         "batch_size": 4095,
-        "args": ["--classifier_batch_size", "255", "--label_embeddings_dtype", "float16"],
+        "args": ["--classifier_batch_size", "255", "--label_embeddings_dtype", "float16", *RESUMABLE],
     },
     # the paper's encoder: a TF-IDF bag of token embeddings (the random encoder's vocabulary, D = 384)
     ("siamesexml", "boe"): {
         "batch_size": 4095,
-        "args": ["--encoder_type", "boe", "--classifier_batch_size", "255", "--label_embeddings_dtype", "float16"],
+        "args": ["--encoder_type", "boe", "--classifier_batch_size", "255", "--label_embeddings_dtype", "float16", *RESUMABLE],
     },
 }
 DEFAULT_VARIANT = {"dexml": "in_batch", "prime": "default", "unidec": "default", "siamesexml": "transformer"}
@@ -115,31 +122,76 @@ def _reset_hwm() -> None:
 
 
 class StageRecorder:
-    """Nested stages: inclusive seconds and peak RSS each (a parent's peak includes its children's)."""
+    """Nested stages: inclusive seconds and peak RSS each (a parent's peak includes its children's).
 
-    def __init__(self) -> None:
+    With ``snapshot_path`` a thread rewrites that file every ``snapshot_seconds`` with the finished stages and the
+    open ones up to now, so that a process killed midway (a row longer than a session) leaves its figures behind."""
+
+    def __init__(self, snapshot_path: str | None = None, snapshot_seconds: float = 30.0) -> None:
+        import threading
+
         self.stages: dict[str, dict] = {}
         self.stack: list[list] = []  # [name, start, peak so far]
+        self._lock = threading.Lock()
+        self._writing = threading.Lock()
+        self._stopped = threading.Event()
+        self.snapshot_path = snapshot_path
+        if snapshot_path:
+            def loop():
+                while not self._stopped.wait(snapshot_seconds):
+                    with self._writing:
+                        if not self._stopped.is_set():
+                            self.write_snapshot(snapshot_path)
+
+            threading.Thread(target=loop, daemon=True).start()
+
+    def close(self) -> None:
+        """Stop the snapshots and remove the file: the process ended, its result carries the figures."""
+        self._stopped.set()
+        with self._writing:
+            if self.snapshot_path and os.path.exists(self.snapshot_path):
+                os.remove(self.snapshot_path)
+
+    def snapshot(self) -> dict[str, dict]:
+        """The finished stages, and each open stage as if it ended now (seconds so far, peak so far)."""
+        with self._lock:
+            stages = {k: dict(v) for k, v in self.stages.items()}
+            now, hwm = time.perf_counter(), _vm_hwm_bytes()
+            for depth, (_, start, peak) in enumerate(self.stack):
+                path = ".".join(s[0] for s in self.stack[: depth + 1])
+                entry = stages.setdefault(path, {"seconds": 0.0, "peak_rss_gib": 0.0, "calls": 0})
+                entry["seconds"] = round(entry["seconds"] + now - start, 3)
+                entry["peak_rss_gib"] = round(max(entry["peak_rss_gib"], max(peak, hwm) / GIB), 3)
+                entry["calls"] += 1
+        return stages
+
+    def write_snapshot(self, path: str) -> None:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.snapshot(), f)
+        os.replace(tmp, path)
 
     @contextlib.contextmanager
     def stage(self, name: str):
-        if self.stack:  # the parent's peak up to now, before the reset
-            self.stack[-1][2] = max(self.stack[-1][2], _vm_hwm_bytes())
-        path = ".".join([s[0] for s in self.stack] + [name])
-        _reset_hwm()
-        self.stack.append([name, time.perf_counter(), 0])
+        with self._lock:
+            if self.stack:  # the parent's peak up to now, before the reset
+                self.stack[-1][2] = max(self.stack[-1][2], _vm_hwm_bytes())
+            path = ".".join([s[0] for s in self.stack] + [name])
+            _reset_hwm()
+            self.stack.append([name, time.perf_counter(), 0])
         try:
             yield
         finally:
-            _, start, peak = self.stack.pop()
-            peak = max(peak, _vm_hwm_bytes())
-            entry = self.stages.setdefault(path, {"seconds": 0.0, "peak_rss_gib": 0.0, "calls": 0})
-            entry["seconds"] = round(entry["seconds"] + time.perf_counter() - start, 3)
-            entry["peak_rss_gib"] = round(max(entry["peak_rss_gib"], peak / GIB), 3)
-            entry["calls"] += 1
-            if self.stack:
-                self.stack[-1][2] = max(self.stack[-1][2], peak)
-            _reset_hwm()
+            with self._lock:
+                _, start, peak = self.stack.pop()
+                peak = max(peak, _vm_hwm_bytes())
+                entry = self.stages.setdefault(path, {"seconds": 0.0, "peak_rss_gib": 0.0, "calls": 0})
+                entry["seconds"] = round(entry["seconds"] + time.perf_counter() - start, 3)
+                entry["peak_rss_gib"] = round(max(entry["peak_rss_gib"], peak / GIB), 3)
+                entry["calls"] += 1
+                if self.stack:
+                    self.stack[-1][2] = max(self.stack[-1][2], peak)
+                _reset_hwm()
 
     def wrap(self, owner, attr: str, name: str, kind: str = "function") -> None:
         """Replace ``owner.attr`` by a version timed as stage ``name`` (kind: function | classmethod)."""
@@ -238,7 +290,7 @@ def train_worker(cfg: dict) -> dict:
     from hf_xmc.training.recipes import RECIPES
     from hf_xmc.training.samplers import ClusterBatchSampler
 
-    rec = StageRecorder()
+    rec = StageRecorder(cfg.get("stages_file"))
     recipe = importlib.import_module(RECIPES[cfg["method"]])
     rec.wrap(recipe, "load_data", "data_load")
     rec.wrap(XMCPreTrainedModel, "from_encoder_pretrained", "model_init", kind="classmethod")
@@ -254,6 +306,7 @@ def train_worker(cfg: dict) -> dict:
     rec.wrap(trainer_module.XMCTrainer, "evaluate", "evaluate")
     rec.wrap(XMCPreTrainedModel, "build_label_index", "index_build")
     rec.wrap(trainer_module.XMCTrainer, "save_model", "save")
+    rec.wrap(trainer_module.XMCTrainer, "_save_checkpoint", "checkpoint")
     rec.wrap(trainer_module.XMCTrainer, "create_model_card", "model_card")
     d = cfg["data_dir"]
     argv = [
@@ -266,13 +319,21 @@ def train_worker(cfg: dict) -> dict:
         "--index_kind", cfg["index_kind"], "--ivf_nprobe", str(cfg["ivf_nprobe"]),
         *cfg["args"],
     ]
+    if cfg.get("resume"):
+        argv += ["--resume_from_checkpoint", "true"]
     with rec.stage("total"):
         metrics = recipe.main(argv)
-    stages = rec.stages
+    rec.close()
+    return {"stages": with_steps_stage(rec.stages), "train_metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+
+
+def with_steps_stage(stages: dict[str, dict]) -> dict[str, dict]:
+    """Add ``total.train.steps``, the optimisation steps themselves: ``train`` minus the stages nested in it."""
+    stages = {k: v for k, v in stages.items() if k != "total.train.steps"}
     children = sum(v["seconds"] for k, v in stages.items() if k.startswith("total.train.") and k.count(".") == 2)
-    if "total.train" in stages:  # the optimisation steps themselves: train minus the stages nested in it
+    if "total.train" in stages:
         stages["total.train.steps"] = {"seconds": round(stages["total.train"]["seconds"] - children, 3), "peak_rss_gib": None, "calls": 1}
-    return {"stages": stages, "train_metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+    return stages
 
 
 def reload_worker(cfg: dict) -> dict:
@@ -338,6 +399,46 @@ def run_worker(kind: str, cfg: dict, log_path: str, timeout: float) -> dict:
         return json.load(f)
 
 
+def earlier_parts(log: str, out_dir: str, resume: bool) -> list[dict]:
+    """The stage figures of the earlier training processes of a stopped row, oldest first (``resume``: the last
+    process's snapshot becomes the newest part); a row that starts fresh (no ``resume``, or nothing stopped) has its
+    earlier files and model directory removed, and gets []."""
+    import glob
+    import shutil
+
+    snapshot = log + ".train.stages.json"
+    done = sorted(glob.glob(log + ".train.part*.json"), key=lambda p: int(p.rsplit("part", 1)[1].split(".")[0]))
+    if resume and os.path.exists(snapshot):  # the last process was stopped: its figures become the newest part
+        os.replace(snapshot, f"{log}.train.part{len(done) + 1}.json")
+        done.append(f"{log}.train.part{len(done) + 1}.json")
+    if not resume or not done:  # a fresh row
+        for path in done + [snapshot]:
+            if os.path.exists(path):
+                os.remove(path)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        return []
+    parts = []
+    for path in done:
+        with open(path) as f:
+            parts.append(json.load(f))
+    return parts
+
+
+def merge_parts(parts: list[dict]) -> dict:
+    """One row's stages from the processes it ran in: seconds and calls summed, the peak the highest of any part.
+    A part's open stages were cut at its last snapshot (up to 30 s before it was stopped); the work it lost there is
+    done again, and counted, in the next part."""
+    merged: dict[str, dict] = {}
+    for stages in parts:
+        for path, st in stages.items():
+            entry = merged.setdefault(path, {"seconds": 0.0, "peak_rss_gib": None, "calls": 0})
+            entry["seconds"] = round(entry["seconds"] + st["seconds"], 3)
+            entry["calls"] += st.get("calls", 1)
+            if st.get("peak_rss_gib") is not None:
+                entry["peak_rss_gib"] = max(entry["peak_rss_gib"] or 0.0, st["peak_rss_gib"])
+    return merged
+
+
 def run_variant(method: str, variant: str, args, task: dict, encoder: str) -> dict:
     spec = VARIANTS[(method, variant)]
     batch_size = args.batch_size or spec["batch_size"]
@@ -361,8 +462,14 @@ def run_variant(method: str, variant: str, args, task: dict, encoder: str) -> di
     }
     os.makedirs(args.work_dir, exist_ok=True)
     log = os.path.join(args.work_dir, f"{method}-{variant}")
+    cfg["stages_file"] = log + ".train.stages.json"
+    parts = earlier_parts(log, out_dir, args.resume)
+    cfg["resume"] = bool(parts)
     try:
         train = run_worker("train", cfg, log + ".train.log", args.timeout)
+        if parts:
+            train["stages"] = with_steps_stage(merge_parts(parts + [train["stages"]]))
+            row["parts"] = len(parts) + 1
         row["stages"].update({f"train:{k[len('total.'):] if k.startswith('total.') else k}": v for k, v in train["stages"].items()})
         row["saved_bytes"] = _saved_bytes(out_dir)
         row["eval"] = {k: train["train_metrics"][k] for k in ("test_P@1", "test_P@5", "test_R@100", "train_runtime") if k in train["train_metrics"]}
@@ -480,6 +587,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--data_dir", default=None, help="Where the task is written / cached (default outputs/scale/<shape>).")
     parser.add_argument("--work_dir", default=None, help="Model directories and logs (default <data_dir>/runs).")
     parser.add_argument("--timeout", type=float, default=4 * 3600, help="Seconds per worker process.")
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="Go on with rows whose training process was stopped (SiameseXML: Module I's weights and Module II's store "
+        "are read back; rows with nothing stopped start fresh); the row's stages add up every process's figures, its "
+        "'parts' says how many processes it took.",
+    )
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "scale.json"))
     parser.add_argument("--merge", action="store_true", help="Keep rows of --out for variants not run now (replace the others).")
     parser.add_argument("--update_readme", action="store_true", help="Write the table between the markers (README.md or docs/) --readme_marker markers.")

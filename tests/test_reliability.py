@@ -222,6 +222,10 @@ def test_resume_after_kill_gives_the_same_metrics(method, tiny_task, tiny_encode
     assert f"resuming from {out}/checkpoint-" in results["log"]
     if method in ("prime", "siamesexml"):  # the finished first stage was not trained again
         assert "the stage finished before; its weights are read back" in results["log"]
+    if method == "siamesexml":  # and Module II's label state and shortlists come back from OUT/module2, not mined again
+        assert "Module II's label state and point vectors read back" in results["log"]
+        n = len(tiny_task[0].train)
+        assert f"shortlists of {n} / {n} training points read back" in results["log"]
 
 
 @pytest.mark.slow

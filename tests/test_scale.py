@@ -175,3 +175,45 @@ def test_bench_scale_small_runs_every_stage(tmp_path):
     assert siamese["stages"]["train:train"]["calls"] == 2  # Module I and Module IV
     assert siamese["saved_bytes"] > 2 * 24000 * 2 * 384  # the fp16 [z~ ; v] store at least
     assert json.loads(out.read_text()) == rows
+    # the SiameseXML rows keep what --resume reads back: Module I's weights and Module II's finished store
+    run = tmp_path / "task" / "runs" / "siamesexml-boe"
+    assert json.loads((run / "module1" / "stage_complete.json").read_text())["global_step"] == 2
+    assert json.loads((run / "module2" / "progress.json").read_text()) == {"points_done": 1000}
+    assert not (tmp_path / "task" / "runs" / "siamesexml-boe.train.stages.json").exists()  # a finished process leaves no snapshot
+
+
+def test_bench_scale_resumed_row_adds_up_its_parts(tmp_path):
+    """A row stopped midway: the recorder's snapshot holds the open stages up to now; --resume turns it into a part
+    and the row's stages add up the parts (seconds and calls summed, the highest peak, steps recomputed)."""
+    import time
+
+    from benchmarks import bench_scale
+
+    recorder = bench_scale.StageRecorder()
+    with recorder.stage("total"):
+        with recorder.stage("data_load"):
+            pass
+        with recorder.stage("hard_negative_mining"):
+            time.sleep(0.05)
+            open_stages = recorder.snapshot()  # as the snapshot thread sees a process that is stopped here
+    assert open_stages["total.hard_negative_mining"]["seconds"] >= 0.05 and open_stages["total.hard_negative_mining"]["calls"] == 1
+    assert open_stages["total"]["seconds"] >= open_stages["total.hard_negative_mining"]["seconds"]
+    assert open_stages["total.data_load"]["calls"] == 1 and open_stages["total.hard_negative_mining"]["peak_rss_gib"] > 0
+
+    log, out_dir = str(tmp_path / "siamesexml-boe"), tmp_path / "siamesexml-boe"
+    out_dir.mkdir()
+    part1 = {"total": {"seconds": 100.0, "peak_rss_gib": 19.0, "calls": 1},
+             "total.hard_negative_mining": {"seconds": 60.0, "peak_rss_gib": 19.0, "calls": 1}}
+    (tmp_path / "siamesexml-boe.train.stages.json").write_text(json.dumps(part1))
+    parts = bench_scale.earlier_parts(log, str(out_dir), resume=True)
+    assert parts == [part1] and (tmp_path / "siamesexml-boe.train.part1.json").exists() and out_dir.exists()
+    part2 = {"total": {"seconds": 50.0, "peak_rss_gib": 12.0, "calls": 1}, "total.train": {"seconds": 30.0, "peak_rss_gib": 12.0, "calls": 2},
+             "total.train.checkpoint": {"seconds": 5.0, "peak_rss_gib": 12.0, "calls": 2},
+             "total.hard_negative_mining": {"seconds": 10.0, "peak_rss_gib": 17.5, "calls": 1}}
+    merged = bench_scale.with_steps_stage(bench_scale.merge_parts(parts + [part2]))
+    assert merged["total"] == {"seconds": 150.0, "peak_rss_gib": 19.0, "calls": 2}
+    assert merged["total.hard_negative_mining"] == {"seconds": 70.0, "peak_rss_gib": 19.0, "calls": 2}
+    assert merged["total.train.steps"]["seconds"] == 25.0  # train minus the checkpoint saves nested in it
+    # without --resume the row starts fresh: earlier parts and the model directory are removed
+    assert bench_scale.earlier_parts(log, str(out_dir), resume=False) == []
+    assert not out_dir.exists() and not list(tmp_path.glob("siamesexml-boe.train.*"))

@@ -1,5 +1,5 @@
 """SiameseXML training pieces: the two point-likelihood losses pinned to hand-computed values, Module I's label
-sampler and batches, the label random walk M, Module II's label state and shortlists, Module IV's batches, the
+sampler and batches, the label random walk M, Module II's label state and shortlists (and their store for a resumed run), Module IV's batches, the
 shortlist merge, and the training script end to end."""
 
 import dataclasses
@@ -17,6 +17,7 @@ from hf_xmc.models.classifier_head import merge_label_scores, sum_label_scores
 from hf_xmc.models.xmc_losses import point_likelihood_nll, siamese_classifier_loss, siamese_pair_loss
 from hf_xmc.training.classifier_stage import ClassifierStageCollator
 from hf_xmc.training.siamesexml import (
+    ModuleIIStore,
     SiameseLabelCollator,
     build_label_state,
     label_correlation_matrix,
@@ -168,6 +169,51 @@ def test_module2_label_state_and_shortlists(tiny_encoder_dir, tiny_task):
     for r in range(0, len(data.train), 37):
         allowed = set(np.concatenate([targets[j].indices for j in nearest[r]]).tolist())
         assert set(voted[r][voted[r] >= 0].tolist()) <= allowed
+
+
+def test_module2_store_resumes_mining_where_it_stopped(tiny_encoder_dir, tiny_task, tmp_path):
+    # a run killed while mining keeps the label state, the point vectors and every flushed chunk; the resumed run
+    # mines only the rest and ends with the uninterrupted run's shortlists
+    data = tiny_task[0]
+    targets = sp.csr_matrix(data.train.targets)
+    n = len(data.train)
+    model = make_siamesexml(tiny_encoder_dir, data)
+    points = build_label_state(model, data.train.texts, targets, None)
+    reference = mine_classifier_shortlist(model, points, targets, size=10, knn_neighbors=3, chunk_size=64)
+    settings = {"num_points": n, "train_shortlist_size": 10}
+    store = ModuleIIStore(str(tmp_path / "module2"), settings)
+    store.save_label_state(model, points)
+    out, first = store.open_shortlist(n, 10)
+    assert first == 0 and isinstance(out, np.memmap)
+
+    def killed_after_two_chunks(done):
+        store.mark_done(done)
+        if done >= 128:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        mine_classifier_shortlist(model, points, targets, size=10, knn_neighbors=3, chunk_size=64, out=out, first=0, on_chunk=killed_after_two_chunks)
+    del out
+
+    resumed = make_siamesexml(tiny_encoder_dir, data)  # a fresh process's model: the label state comes from the store
+    resumed_store = ModuleIIStore(str(tmp_path / "module2"), settings)
+    resumed_points = resumed_store.load_label_state(resumed)
+    assert torch.equal(resumed_points, points)
+    torch.testing.assert_close(resumed.label_text_vectors, model.label_text_vectors, atol=1e-7, rtol=0)
+    torch.testing.assert_close(resumed.label_centroids, model.label_centroids, atol=1e-7, rtol=0)
+    out, first = resumed_store.open_shortlist(n, 10)
+    assert first == 128 and np.array_equal(out[:128], reference[:128])
+    mined = []
+    shortlist = resumed.shortlist
+    resumed.shortlist = lambda queries, *a, **k: (mined.append(len(queries)), shortlist(queries, *a, **k))[1]
+    result = mine_classifier_shortlist(resumed, resumed_points, targets, size=10, knn_neighbors=3, chunk_size=64, out=out, first=first, on_chunk=resumed_store.mark_done)
+    assert sum(mined) == n - 128  # the flushed chunks were not mined again
+    assert np.array_equal(result, reference)
+    assert np.array_equal(np.load(tmp_path / "module2" / "shortlist.npy"), reference)
+    # a reader process gets an in-memory copy; other settings (another shortlist size) read as no store
+    reader, done = ModuleIIStore(str(tmp_path / "module2"), settings, writer=False).open_shortlist(n, 10)
+    assert done == n and not isinstance(reader, np.memmap) and np.array_equal(reader, reference)
+    assert ModuleIIStore(str(tmp_path / "module2"), {**settings, "train_shortlist_size": 20}).load_label_state(resumed) is None
 
 
 def test_module2_float16_store_halves_the_point_vectors(tiny_encoder_dir, tiny_task):

@@ -6,7 +6,7 @@
 - Module II: :func:`label_correlation_matrix` (the random walk with restart that smooths label-text vectors over
   correlated labels), :func:`build_label_state` (``z~ = N(M f(Z))`` and the centroids ``v_l``) and
   :func:`mine_classifier_shortlist` (per training point, its shortlist from the index over ``[z~ ; v]`` plus the
-  votes of its nearest training points, positives removed).
+  votes of its nearest training points, positives removed); :class:`ModuleIIStore` keeps them on disk for a resumed run.
 - Module III is the model's initialisation (``eta = 0``); Module IV trains on
   :class:`~hf_xmc.training.classifier_stage.ClassifierStageCollator` batches.
 - :func:`bag_of_embeddings_idf`: document frequencies of the tokenizer's tokens for the bag-of-embeddings encoder.
@@ -14,9 +14,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -214,11 +216,17 @@ def mine_classifier_shortlist(
     knn_weight: float = 0.025,
     chunk_size: int = 8192,
     show_progress_bar: Optional[bool] = None,
+    out: Optional[np.ndarray] = None,
+    first: int = 0,
+    on_chunk: Optional[Callable[[int], None]] = None,
 ) -> np.ndarray:
     """Module II's static shortlist of every training point: ``(1 - gamma) (cos_z + cos_v)`` from the model's index over
     ``[z~ ; v]`` plus ``gamma`` times the votes of its ``knn_neighbors`` nearest training points (each neighbour adds
     its cosine to each of its labels, divided by the point's largest vote; ``gamma = knn_weight``, [C] 0.025), best
     ``size`` negatives kept (positives removed). Returns ``(N, size)`` int32 label ids, ``-1``-padded.
+
+    Resuming: ``out`` (e.g. :meth:`ModuleIIStore.open_shortlist`'s memory map) is filled in place from row ``first``
+    on (rows before it are kept), and ``on_chunk(rows_done)`` is called after each chunk of ``chunk_size`` points.
 
     Memory: ``4 x size`` bytes per point, plus one chunk of hits; the neighbour index uses ``point_vectors`` in place
     and its faiss copy holds them at their precision (``2 D`` bytes per point in float16, ``4 D`` in float32).
@@ -233,12 +241,15 @@ def mine_classifier_shortlist(
     if knn_neighbors > 0 and knn_weight > 0:
         neighbours = LabelIndex(point_vectors, kind=model.config.index_kind, ivf_nprobe=model.config.ivf_nprobe)
     max_positives = int(np.diff(targets.indptr).max()) if targets.nnz else 0
-    out = np.full((n, size), -1, dtype=np.int32)
-    show = n > chunk_size if show_progress_bar is None else show_progress_bar
-    began, next_report = time.perf_counter(), n // 10
-    for start in tqdm(range(0, n, chunk_size), desc="Module II shortlists", disable=not show, unit="chunk"):
-        if not show and start >= next_report > 0:  # without a progress bar (--disable_tqdm): a line per tenth
-            rate = start / max(time.perf_counter() - began, 1e-9)
+    if out is None:
+        out = np.full((n, size), -1, dtype=np.int32)
+    elif tuple(out.shape) != (n, size):
+        raise ValueError(f"out must have shape {(n, size)}, got {tuple(out.shape)}")
+    show = n - first > chunk_size if show_progress_bar is None else show_progress_bar
+    began, next_report = time.perf_counter(), first + n // 10
+    for start in tqdm(range(first, n, chunk_size), desc="Module II shortlists", disable=not show, unit="chunk"):
+        if not show and start >= next_report > first:  # without a progress bar (--disable_tqdm): a line per tenth
+            rate = (start - first) / max(time.perf_counter() - began, 1e-9)
             logger.info("Module II shortlists: %d / %d training points, %.0f points/s, ~%.0f min left", start, n, rate, (n - start) / rate / 60)
             next_report += n // 10
         stop = min(start + chunk_size, n)
@@ -263,7 +274,124 @@ def mine_classifier_shortlist(
         ids, scores = model.shortlist(queries, size + max_positives, source_weights=weights, extra_hits=extra)
         ids, _ = filter_predictions(ids, scores, targets[start:stop], size)
         out[start:stop] = ids
+        if on_chunk is not None:
+            on_chunk(stop)
     return out
+
+
+class ModuleIIStore:
+    """What Module II computed, kept under ``directory`` (the recipe's ``OUT/module2``) so that a resumed run reads it
+    back instead of computing it again: at 1.3M labels the label state takes ~25 minutes and the shortlists of 2.2M
+    training points 2-3 hours on 2 CPU cores.
+
+    - ``label_state.safetensors`` (``z~`` and ``v``, float32: ``8 D`` bytes per label), ``points.npy`` (the training-point
+      vectors at the label store's precision: ``2 D`` or ``4 D`` bytes per point) and ``module2.json`` (the settings they
+      were made with, written last): once, before mining;
+    - ``shortlist.npy``: the ``(N, S)`` int32 shortlists (``4 S`` bytes per point), filled in place through a memory map,
+      and ``progress.json``: how many leading rows are final, rewritten after each mined chunk is flushed to disk.
+
+    Every file is written to a temporary name and renamed, so a run killed at any point leaves a readable store. A store
+    made with other settings (data shape, shortlist size, neighbour votes, label graph, seed) is not read: Module II
+    starts over. ``writer=False`` (the processes other than the first of a multi-process run) only reads.
+    """
+
+    def __init__(self, directory: str, settings: dict, writer: bool = True):
+        self.directory = directory
+        self.settings = dict(settings)
+        self.writer = writer
+        self._shortlist: Optional[np.ndarray] = None
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def _read_json(self, name: str) -> Optional[dict]:
+        try:
+            with open(self._path(name)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def _write_json(self, name: str, obj: dict) -> None:
+        from ..models.label_index import atomic_write
+
+        def write(tmp: str) -> None:
+            with open(tmp, "w") as f:
+                json.dump(obj, f, indent=2)
+
+        atomic_write(self._path(name), write)
+
+    def clear(self) -> None:
+        """Remove a previous run's store (its settings file first, so that a partial removal reads as no store)."""
+        if not self.writer:
+            return
+        for name in ("module2.json", "progress.json", "shortlist.npy", "points.npy", "label_state.safetensors"):
+            if os.path.exists(self._path(name)):
+                os.remove(self._path(name))
+
+    def load_label_state(self, model) -> Optional[torch.Tensor]:
+        """Set the stored ``z~`` and ``v`` on ``model`` and return the stored point vectors, or None when there is no
+        complete store of these settings."""
+        from safetensors.torch import load_file
+
+        if self._read_json("module2.json") != self.settings:
+            return None
+        state = load_file(self._path("label_state.safetensors"))
+        model.set_label_state(state["label_text_vectors"], state["label_centroids"])
+        points = torch.from_numpy(np.array(np.load(self._path("points.npy"), mmap_mode="r")))
+        logger.info("%s: Module II's label state and point vectors read back, not computed again", self.directory)
+        return points
+
+    def save_label_state(self, model, points: torch.Tensor) -> None:
+        """Write ``z~``, ``v`` and the point vectors, then the settings (which mark the store complete)."""
+        from safetensors.torch import save_file
+
+        from ..models.label_index import atomic_write
+
+        if not self.writer:
+            return
+        self.clear()
+        os.makedirs(self.directory, exist_ok=True)
+        state = {"label_text_vectors": model.label_text_vectors.detach().cpu(), "label_centroids": model.label_centroids.detach().cpu()}
+        atomic_write(self._path("label_state.safetensors"), lambda tmp: save_file(state, tmp))
+        def write_points(tmp: str) -> None:
+            with open(tmp, "wb") as f:  # np.save(path) would append ".npy" to the temporary name
+                np.save(f, points.cpu().numpy())
+
+        atomic_write(self._path("points.npy"), write_points)
+        self._write_json("module2.json", self.settings)
+
+    def open_shortlist(self, num_points: int, size: int) -> tuple[np.ndarray, int]:
+        """The shortlist array to mine into and its first row still to mine: the stored memory map (the writer's,
+        opened for update) and its progress, or a new ``-1``-filled one and 0. A non-writer gets an in-memory copy."""
+        done = (self._read_json("progress.json") or {}).get("points_done", 0)
+        path = self._path("shortlist.npy")
+        if done and os.path.exists(path):
+            stored = np.load(path, mmap_mode="r+" if self.writer else "r")
+            if stored.shape == (num_points, size) and stored.dtype == np.int32:
+                logger.info("%s: shortlists of %d / %d training points read back; mining goes on from there", self.directory, done, num_points)
+                self._shortlist = stored if self.writer else np.array(stored)
+                return self._shortlist, int(done)
+        if not self.writer:
+            self._shortlist = np.full((num_points, size), -1, dtype=np.int32)
+            return self._shortlist, 0
+        from ..models.label_index import temp_path_for
+
+        tmp = temp_path_for(path)
+        array = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int32, shape=(num_points, size))
+        array[:] = -1
+        array.flush()
+        os.replace(tmp, path)
+        self._write_json("progress.json", {"points_done": 0})
+        self._shortlist = array
+        return array, 0
+
+    def mark_done(self, points_done: int) -> None:
+        """Flush the mined rows to disk, then record that the first ``points_done`` rows are final."""
+        if not self.writer:
+            return
+        if isinstance(self._shortlist, np.memmap):
+            self._shortlist.flush()
+        self._write_json("progress.json", {"points_done": int(points_done)})
 
 
 def bag_of_embeddings_document_frequency(tokenizer, texts: Sequence[str], max_length: int, vocab_size: int, batch_size: int = 4096) -> np.ndarray:
@@ -279,6 +407,7 @@ def bag_of_embeddings_document_frequency(tokenizer, texts: Sequence[str], max_le
 
 __all__ = [
     "LabelDrawDataset",
+    "ModuleIIStore",
     "SiameseLabelCollator",
     "bag_of_embeddings_document_frequency",
     "build_label_state",

@@ -17,7 +17,7 @@ labels per batch): batches over labels drawn with probability freq^0.45, one pos
 for the centroid estimate, the point-likelihood loss (c 0.9, d 1.5) with the hardest in-batch negative per row.
 Module II: the encoder is frozen; label-text vectors smoothed by the label random walk (400 hops, restart 0.8, top
 10), label centroids, and a shortlist per training point from the index over both plus its 50 nearest training
-points' votes. Module III: w_l = N(z~_l + eta_l), eta = 0. Module IV (--classifier_epochs at
+points' votes (kept under OUT/module2 when the run saves checkpoints: a resumed run reads them back). Module III: w_l = N(z~_l + eta_l), eta = 0. Module IV (--classifier_epochs at
 --classifier_learning_rate, --classifier_batch_size points per batch): eta and the residual block on each point's
 positives (at most 10) and their 3 x |P_i| hardest shortlist negatives ([P]; --classifier_negatives threshold: [C]'s
 mask), point-likelihood loss (c 0.75, d 3, 1/d). Prediction fuses 0.5 exp(5 (cos - 1)) + 0.5 sigmoid(shortlist similarity) over a 500-label shortlist.
@@ -48,6 +48,7 @@ from hf_xmc.training.script_utils import (
 )
 from hf_xmc.training.siamesexml import (
     LabelDrawDataset,
+    ModuleIIStore,
     SiameseLabelCollator,
     bag_of_embeddings_document_frequency,
     build_label_state,
@@ -147,15 +148,39 @@ def train_siamese(model: SiameseXMLModel, data, args: SiameseXMLTrainingArgument
     train_stage(trainer, resume_argument(args))
 
 
+def module2_store(model: SiameseXMLModel, targets, args: SiameseXMLTrainingArguments) -> Optional[ModuleIIStore]:
+    """Module II's results on disk (OUT/module2) when the run saves checkpoints, so a resumed run reads them back;
+    the first process writes, the others read."""
+    if args.save_strategy == "no":
+        return None
+    settings = {
+        "num_points": targets.shape[0], "num_labels": targets.shape[1], "targets_nnz": int(targets.nnz),
+        "embedding_dim": model.config.embedding_dim, "label_embeddings_dtype": model.config.label_embeddings_dtype,
+        "label_correlation": args.label_correlation, "walk_length": args.walk_length, "walk_restart": args.walk_restart,
+        "walk_top_k": args.walk_top_k, "seed": args.seed, "train_shortlist_size": args.train_shortlist_size,
+        "knn_neighbors": args.knn_neighbors, "knn_weight": args.knn_weight,
+    }
+    return ModuleIIStore(os.path.join(args.output_dir, "module2"), settings, writer=args.process_index == 0)
+
+
 def mine(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments):
     """Module II (and III): label state and static shortlists from the frozen encoder; returns Module IV's collator."""
     targets = sp.csr_matrix(data.train.targets)
-    correlation = None
-    if args.label_correlation:
-        correlation = label_correlation_matrix(targets, args.walk_length, args.walk_restart, args.walk_top_k, seed=args.seed)
     show = not args.disable_tqdm
-    points = build_label_state(model, data.train.texts, targets, correlation, show_progress_bar=show)
-    shortlist = mine_classifier_shortlist(model, points, targets, args.train_shortlist_size, args.knn_neighbors, args.knn_weight, show_progress_bar=show)
+    store = module2_store(model, targets, args)
+    points = store.load_label_state(model) if store is not None and resume_argument(args) else None
+    if points is None:
+        correlation = None
+        if args.label_correlation:
+            correlation = label_correlation_matrix(targets, args.walk_length, args.walk_restart, args.walk_top_k, seed=args.seed)
+        points = build_label_state(model, data.train.texts, targets, correlation, show_progress_bar=show)
+        if store is not None:
+            store.save_label_state(model, points)
+    out, first = store.open_shortlist(len(points), args.train_shortlist_size) if store is not None else (None, 0)
+    shortlist = mine_classifier_shortlist(
+        model, points, targets, args.train_shortlist_size, args.knn_neighbors, args.knn_weight, show_progress_bar=show,
+        out=out, first=first, on_chunk=store.mark_done if store is not None else None,
+    )
     logger.info("SiameseXML Module II: shortlists of %d negatives for %d training points", shortlist.shape[1], shortlist.shape[0])
     frozen = not args.train_encoder_in_classifier_stage
     for p in model.encoder.parameters():  # with an adapter, only its weights (the trainable ones) train on in Module IV
