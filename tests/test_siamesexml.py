@@ -214,6 +214,9 @@ def test_module2_store_resumes_mining_where_it_stopped(tiny_encoder_dir, tiny_ta
     reader, done = ModuleIIStore(str(tmp_path / "module2"), settings, writer=False).open_shortlist(n, 10)
     assert done == n and not isinstance(reader, np.memmap) and np.array_equal(reader, reference)
     assert ModuleIIStore(str(tmp_path / "module2"), {**settings, "train_shortlist_size": 20}).load_label_state(resumed) is None
+    # a run that computed its label state afresh does not read shortlists left by an earlier one
+    fresh, done = ModuleIIStore(str(tmp_path / "module2"), settings, writer=False).open_shortlist(n, 10, resume=False)
+    assert done == 0 and (fresh == -1).all()
 
 
 def test_module2_float16_store_halves_the_point_vectors(tiny_encoder_dir, tiny_task):

@@ -353,6 +353,7 @@ class ModuleIIStore:
         os.makedirs(self.directory, exist_ok=True)
         state = {"label_text_vectors": model.label_text_vectors.detach().cpu(), "label_centroids": model.label_centroids.detach().cpu()}
         atomic_write(self._path("label_state.safetensors"), lambda tmp: save_file(state, tmp))
+
         def write_points(tmp: str) -> None:
             with open(tmp, "wb") as f:  # np.save(path) would append ".npy" to the temporary name
                 np.save(f, points.cpu().numpy())
@@ -360,10 +361,11 @@ class ModuleIIStore:
         atomic_write(self._path("points.npy"), write_points)
         self._write_json("module2.json", self.settings)
 
-    def open_shortlist(self, num_points: int, size: int) -> tuple[np.ndarray, int]:
-        """The shortlist array to mine into and its first row still to mine: the stored memory map (the writer's,
-        opened for update) and its progress, or a new ``-1``-filled one and 0. A non-writer gets an in-memory copy."""
-        done = (self._read_json("progress.json") or {}).get("points_done", 0)
+    def open_shortlist(self, num_points: int, size: int, resume: bool = True) -> tuple[np.ndarray, int]:
+        """The shortlist array to mine into and its first row still to mine: with ``resume`` (the label state came from
+        this store) the stored memory map (the writer's, opened for update; a non-writer gets an in-memory copy) and
+        its progress; else, or when there is none, a new ``-1``-filled one (in the store for the writer) and 0."""
+        done = (self._read_json("progress.json") or {}).get("points_done", 0) if resume else 0
         path = self._path("shortlist.npy")
         if done and os.path.exists(path):
             stored = np.load(path, mmap_mode="r+" if self.writer else "r")

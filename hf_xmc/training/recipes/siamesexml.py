@@ -169,14 +169,15 @@ def mine(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments):
     show = not args.disable_tqdm
     store = module2_store(model, targets, args)
     points = store.load_label_state(model) if store is not None and resume_argument(args) else None
-    if points is None:
+    resumed = points is not None
+    if not resumed:
         correlation = None
         if args.label_correlation:
             correlation = label_correlation_matrix(targets, args.walk_length, args.walk_restart, args.walk_top_k, seed=args.seed)
         points = build_label_state(model, data.train.texts, targets, correlation, show_progress_bar=show)
         if store is not None:
             store.save_label_state(model, points)
-    out, first = store.open_shortlist(len(points), args.train_shortlist_size) if store is not None else (None, 0)
+    out, first = store.open_shortlist(len(points), args.train_shortlist_size, resume=resumed) if store is not None else (None, 0)
     shortlist = mine_classifier_shortlist(
         model, points, targets, args.train_shortlist_size, args.knn_neighbors, args.knn_weight, show_progress_bar=show,
         out=out, first=first, on_chunk=store.mark_done if store is not None else None,
