@@ -312,13 +312,9 @@ class ModuleIIStore:
             return None
 
     def _write_json(self, name: str, obj: dict) -> None:
-        from ..models.label_index import atomic_write
+        from .script_utils import write_json_atomic
 
-        def write(tmp: str) -> None:
-            with open(tmp, "w") as f:
-                json.dump(obj, f, indent=2)
-
-        atomic_write(self._path(name), write)
+        write_json_atomic(self._path(name), obj)
 
     def clear(self) -> None:
         """Remove a previous run's store (its settings file first, so that a partial removal reads as no store)."""
