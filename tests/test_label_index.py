@@ -157,6 +157,26 @@ def test_ivf_save_load_restores_kind_and_params_and_reuses_the_file(tmp_path, mo
     assert rebuilt == [10, 20]
 
 
+def test_cached_index_is_built_once_and_read_back_for_the_same_vectors_only(tmp_path, monkeypatch):
+    labels, queries = clustered(2000, 30)
+    built = LabelIndex.cached(labels, str(tmp_path / "cache"), kind="ivf", ivf_nlist=20, ivf_nprobe=7)
+    assert not built.restored_from_file and (tmp_path / "cache" / "label_index.faiss").is_file()
+    real_build = LabelIndex._build_faiss
+    monkeypatch.setattr(LabelIndex, "_build_faiss", lambda self: pytest.fail("the cached index should be read back"))
+    again = LabelIndex.cached(labels, str(tmp_path / "cache"), kind="ivf", ivf_nlist=20, ivf_nprobe=7)
+    assert again.restored_from_file
+    np.testing.assert_array_equal(again.search(queries, 10)[1], built.search(queries, 10)[1])
+    # other vectors of the same shape: built again, and the cache now holds their index
+    monkeypatch.setattr(LabelIndex, "_build_faiss", real_build)
+    other, _ = clustered(2000, 30, seed=1)
+    rebuilt = LabelIndex.cached(other, str(tmp_path / "cache"), kind="ivf", ivf_nlist=20, ivf_nprobe=7)
+    assert not rebuilt.restored_from_file
+    assert LabelIndex.cached(other, str(tmp_path / "cache"), kind="ivf", ivf_nlist=20).restored_from_file
+    # exact search has no faiss file to keep
+    assert not LabelIndex.cached(labels, str(tmp_path / "exact"), kind="exact").restored_from_file
+    assert not (tmp_path / "exact" / "label_index.faiss").exists()
+
+
 def test_stale_hnsw_file_for_other_vectors_of_the_same_shape_is_rebuilt(tmp_path):
     labels, queries = clustered(500, 20)
     LabelIndex(labels, kind="hnsw", hnsw_ef_construction=40).save(str(tmp_path))

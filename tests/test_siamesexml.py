@@ -4,6 +4,7 @@ shortlist merge, and the training script end to end."""
 
 import dataclasses
 import json
+import logging
 import math
 
 import numpy as np
@@ -199,8 +200,8 @@ def test_module2_store_resumes_mining_where_it_stopped(tiny_encoder_dir, tiny_ta
     resumed_store = ModuleIIStore(str(tmp_path / "module2"), settings)
     resumed_points = resumed_store.load_label_state(resumed)
     assert torch.equal(resumed_points, points)
-    torch.testing.assert_close(resumed.label_text_vectors, model.label_text_vectors, atol=1e-7, rtol=0)
-    torch.testing.assert_close(resumed.label_centroids, model.label_centroids, atol=1e-7, rtol=0)
+    assert torch.equal(resumed.label_text_vectors, model.label_text_vectors)  # bit for bit: the index fingerprint matches
+    assert torch.equal(resumed.label_centroids, model.label_centroids)
     out, first = resumed_store.open_shortlist(n, 10)
     assert first == 128 and np.array_equal(out[:128], reference[:128])
     mined = []
@@ -296,6 +297,40 @@ def test_training_script_end_to_end(tiny_encoder_dir, tiny_task, tmp_path, encod
     assert (model.encoder.idf > 0).any() and model.encoder.idf[model.tokenizer.cls_token_id] == 0
     pred = model.predict(data.test.texts[:5], k=5)
     assert (pred.label_ids >= 0).all()
+
+
+def test_resumed_boe_run_reads_back_module_one_idf_and_module_two_indexes(tiny_encoder_dir, tiny_task, tmp_path, monkeypatch, caplog):
+    # a resumed run whose Module I finished takes the IDF from Module I's weights (no pass over the texts) and reads
+    # Module II's two IVF indexes back from OUT/module2 (no build); it ends with the first run's model and metrics
+    from hf_xmc.models.label_index import LabelIndex
+    from hf_xmc.training.recipes import siamesexml as recipe
+
+    data, directory = tiny_task
+    out = tmp_path / "out"
+    argv = [
+        "--train_file", f"{directory}/trn.json.gz", "--test_file", f"{directory}/tst.json.gz", "--label_file", f"{directory}/lbl.json.gz",
+        "--model_name_or_path", tiny_encoder_dir, "--output_dir", str(out), "--encoder_type", "boe", "--index_kind", "ivf",
+        "--num_train_epochs", "1", "--classifier_epochs", "1", "--max_seq_length", "16", "--save_strategy", "epoch",
+        "--disable_tqdm", "true", "--report_to", "none", "--seed", "1",
+    ]
+    first = recipe.main(argv)
+    for name in ("label_index", "point_index"):
+        assert (out / "module2" / name / "label_index.faiss").is_file()
+    idf = AutoModel.from_pretrained(out).encoder.idf.clone()
+    assert idf.min() < idf.max()  # set from the texts, not the initial ones
+
+    monkeypatch.setattr(recipe, "bag_of_embeddings_document_frequency", lambda *a, **k: pytest.fail("Module I's weights carry the IDF"))
+    builds = []
+    real_build = LabelIndex._build_faiss
+    monkeypatch.setattr(LabelIndex, "_build_faiss", lambda self: builds.append(self.num_labels) or real_build(self))
+    with caplog.at_level(logging.INFO):
+        resumed = recipe.main(argv + ["--resume_from_checkpoint", "true"])
+    assert caplog.text.count("the search index is read back, not built again") == 2  # [z~ ; v] and the points
+    assert len(data.train) not in builds  # the neighbour index over the training points was not built again
+    model = AutoModel.from_pretrained(out)
+    assert torch.equal(model.encoder.idf, idf)
+    for key in ("test_P@1", "test_PSP@5", "test_R@100"):
+        assert resumed[key] == pytest.approx(first[key], abs=1e-6)
 
 
 def test_max_steps_bound_module_one_and_classifier_max_steps_module_four(tmp_path):

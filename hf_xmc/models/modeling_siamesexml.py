@@ -235,18 +235,20 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
         super().set_labels(texts, uids)
 
     @torch.no_grad()
-    def set_label_state(self, label_text_vectors: torch.Tensor, label_centroids: Optional[torch.Tensor] = None) -> None:
+    def set_label_state(self, label_text_vectors: torch.Tensor, label_centroids: Optional[torch.Tensor] = None, normalize: bool = True) -> None:
         """Set ``z~`` (``(L, D)``) and the centroids ``v`` (``(L, D)``, zero rows for labels without training points);
-        both are L2-normalised here. The classifiers ``w_l = N(z~_l + eta_l)`` move with ``z~``."""
+        both are L2-normalised here unless ``normalize=False`` (rows that already are, e.g. read back from a store: a
+        second normalisation can move their last bits). The classifiers ``w_l = N(z~_l + eta_l)`` move with ``z~``."""
+        unit = (lambda x: F.normalize(x, dim=-1)) if normalize else (lambda x: x)
         shape = tuple(self.label_text_vectors.shape)
         for name, value in (("label_text_vectors", label_text_vectors), ("label_centroids", label_centroids)):
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
-        self.label_text_vectors.copy_(F.normalize(torch.as_tensor(label_text_vectors).float(), dim=-1))
+        self.label_text_vectors.copy_(unit(torch.as_tensor(label_text_vectors).float()))
         if label_centroids is None:
             self.label_centroids.zero_()
         else:
-            self.label_centroids.copy_(F.normalize(torch.as_tensor(label_centroids).float(), dim=-1))
+            self.label_centroids.copy_(unit(torch.as_tensor(label_centroids).float()))
         self.label_state_initialized.fill_(True)
         self.invalidate_label_index()
 

@@ -1059,14 +1059,21 @@ class XMCPreTrainedModel(PreTrainedModel):
         kind: Optional[str] = None,
         batch_size: int = 128,
         show_progress_bar: Optional[bool] = None,
+        cache_dir: Optional[str] = None,
     ) -> LabelIndex:
-        """(Re-)encode the labels with the current weights and build the search index over them."""
+        """(Re-)encode the labels with the current weights and build the search index over them. ``cache_dir``: read
+        the faiss index from there when it was built from these very vectors, else build it and save it there
+        (:meth:`LabelIndex.cached`; a resumed run skips the build)."""
         if label_texts is not None:
             self.set_labels(label_texts, label_uids)
         self._require_labels()
         vectors = self.label_search_vectors(batch_size=batch_size, show_progress_bar=show_progress_bar)
         self.label_embeddings = vectors.to(getattr(torch, self.config.label_embeddings_dtype))
-        self.label_index = LabelIndex(self.label_embedding_blocks, kind=kind or self.config.index_kind, ivf_nprobe=self.config.ivf_nprobe)
+        params = dict(kind=kind or self.config.index_kind, ivf_nprobe=self.config.ivf_nprobe)
+        if cache_dir is not None:
+            self.label_index = LabelIndex.cached(self.label_embedding_blocks, cache_dir, **params)
+        else:
+            self.label_index = LabelIndex(self.label_embedding_blocks, **params)
         return self.label_index
 
     def search(self, query_vectors: torch.Tensor | np.ndarray, k: int = 5) -> tuple[np.ndarray, np.ndarray]:

@@ -203,6 +203,13 @@ STAGE_WEIGHTS_FILE = "stage_weights.safetensors"  # an earlier stage's result, f
 STAGE_DONE_FILE = "stage_complete.json"
 
 
+def stage_finished(stage_dir: str, resume) -> bool:
+    """True when a resumed run (``resume``: what :func:`resume_argument` gives) finds the stage trained into
+    ``stage_dir`` finished: :func:`train_stage` reads its weights back instead of training it. A recipe can then skip
+    what only sets up that stage's start (SiameseXML's IDF pass: the stage's weights carry the IDF)."""
+    return bool(resume) and os.path.isfile(os.path.join(stage_dir, STAGE_DONE_FILE))
+
+
 def train_stage(trainer: XMCTrainer, resume) -> None:
     """Train an earlier stage of a multi-stage recipe (SiameseXML's and MUFIN's Module I, PRIME before its classifier
     stage) in its own directory under ``--output_dir``, so that a run killed at any point resumes (``resume``: what
@@ -216,7 +223,7 @@ def train_stage(trainer: XMCTrainer, resume) -> None:
     out = trainer.args.output_dir
     model = trainer.accelerator.unwrap_model(trainer.model)
     weights, done = os.path.join(out, STAGE_WEIGHTS_FILE), os.path.join(out, STAGE_DONE_FILE)
-    if resume and os.path.isfile(done):
+    if stage_finished(out, resume):
         load_model(model, weights, strict=True, device=str(trainer.args.device))
         logger.info("%s: the stage finished before; its weights are read back, not trained again", out)
         return

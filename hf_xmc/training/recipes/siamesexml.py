@@ -43,6 +43,7 @@ from hf_xmc.training.script_utils import (
     model_config_kwargs,
     parse_script_args,
     resume_argument,
+    stage_finished,
     train_and_evaluate,
     train_stage,
 )
@@ -113,12 +114,17 @@ class SiameseXMLTrainingArguments(XMCTrainingArguments):
     train_encoder_in_classifier_stage: bool = field(default=False, metadata={"help": "SiameseXML++: train the encoder in Module IV too (tokens per batch instead of frozen vectors)."})
 
 
+def module1_dir(args: SiameseXMLTrainingArguments) -> str:
+    """Where Module I trains and keeps its checkpoints and finished weights: OUT/module1."""
+    return os.path.join(args.output_dir, "module1")
+
+
 def _module_args(args: SiameseXMLTrainingArguments, module: str) -> SiameseXMLTrainingArguments:
     """Per-module copy of the arguments: Module I keeps the TrainingArguments values (checkpoints under OUT/module1);
     Module IV takes the classifier epochs (or steps), rate and batch size. The engine's own mining and clustering stay off."""
     changes = {"hard_negatives": 0, "cluster_batching": False, "label_pool": "in_batch"}
     if module == "siamese":
-        changes.update(output_dir=os.path.join(args.output_dir, "module1"), push_to_hub=False)
+        changes.update(output_dir=module1_dir(args), push_to_hub=False)
     else:
         changes.update(
             num_train_epochs=args.classifier_epochs,
@@ -178,9 +184,12 @@ def mine(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments):
         if store is not None:
             store.save_label_state(model, points)
     out, first = store.open_shortlist(len(points), args.train_shortlist_size, resume=resumed) if store is not None else (None, 0)
+    if store is not None:  # the shortlist index over [z~ ; v], kept in the store (a resumed run reads it back)
+        model.build_label_index(cache_dir=store.index_dir(store.LABEL_INDEX_DIR), show_progress_bar=show)
     shortlist = mine_classifier_shortlist(
         model, points, targets, args.train_shortlist_size, args.knn_neighbors, args.knn_weight, show_progress_bar=show,
         out=out, first=first, on_chunk=store.mark_done if store is not None else None,
+        neighbour_index_dir=store.index_dir(store.POINT_INDEX_DIR) if store is not None else None,
     )
     logger.info("SiameseXML Module II: shortlists of %d negatives for %d training points", shortlist.shape[1], shortlist.shape[0])
     frozen = not args.train_encoder_in_classifier_stage
@@ -204,7 +213,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     data = load_data(data_args)
     model = SiameseXMLModel.from_encoder_pretrained(model_args.model_name_or_path, label_space_size=len(data.label_texts), **model_config_kwargs(model_args, data_args))
     model.set_labels(data.label_texts, data.label_uids)
-    if model.config.encoder_type == "boe":
+    module1_restored = training_args.num_train_epochs > 0 and stage_finished(module1_dir(training_args), resume_argument(training_args))
+    if model.config.encoder_type == "boe" and not module1_restored:  # a finished Module I's weights carry the IDF
         texts = list(data.train.texts) + list(data.label_texts)
         df = bag_of_embeddings_document_frequency(model.tokenizer, texts, model.config.max_seq_length, model.config.boe_vocab_size)
         model.set_idf(df, len(texts))
