@@ -166,10 +166,9 @@ class StageRecorder:
         return stages
 
     def write_snapshot(self, path: str) -> None:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.snapshot(), f)
-        os.replace(tmp, path)
+        from hf_xmc.training.script_utils import write_json_atomic  # the worker imports hf_xmc anyway
+
+        write_json_atomic(path, self.snapshot())
 
     @contextlib.contextmanager
     def stage(self, name: str):
@@ -194,24 +193,30 @@ class StageRecorder:
                 _reset_hwm()
 
     def wrap(self, owner, attr: str, name: str, kind: str = "function") -> None:
-        """Replace ``owner.attr`` by a version timed as stage ``name`` (kind: function | classmethod)."""
+        """Replace ``owner.attr`` by a version timed as stage ``name`` (kind: function | classmethod). A call made
+        inside the same stage (an override calling its parent's wrapped method) is not a stage of its own."""
         original = getattr(owner, attr)
         recorder = self
+
+        def timed_call(func, *args, **kwargs):
+            if recorder.stack and recorder.stack[-1][0] == name:
+                return func(*args, **kwargs)
+            with recorder.stage(name):
+                return func(*args, **kwargs)
+
         if kind == "classmethod":
             func = original.__func__
 
             @functools.wraps(func)
             def timed_cm(cls, *args, **kwargs):
-                with recorder.stage(name):
-                    return func(cls, *args, **kwargs)
+                return timed_call(func, cls, *args, **kwargs)
 
             setattr(owner, attr, classmethod(timed_cm))
             return
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
-            with recorder.stage(name):
-                return original(*args, **kwargs)
+            return timed_call(original, *args, **kwargs)
 
         setattr(owner, attr, timed)
 
@@ -294,12 +299,16 @@ def train_worker(cfg: dict) -> dict:
     recipe = importlib.import_module(RECIPES[cfg["method"]])
     rec.wrap(recipe, "load_data", "data_load")
     rec.wrap(XMCPreTrainedModel, "from_encoder_pretrained", "model_init", kind="classmethod")
+    if "from_encoder_pretrained" in vars(getattr(recipe, "SiameseXMLModel", object)):  # its own (the BOE encoder's)
+        rec.wrap(recipe.SiameseXMLModel, "from_encoder_pretrained", "model_init", kind="classmethod")
     rec.wrap(trainer_module, "initialize_label_state", "label_state")
     rec.wrap(trainer_module.XMCEpochCallback, "_query_embeddings", "clustering_encode")
     rec.wrap(ClusterBatchSampler, "update_clusters", "clustering")
     rec.wrap(trainer_module, "mine_hard_negatives", "hard_negative_mining")
     # SiameseXML's Module II (its recipe's names): the label graph, the label state and the training shortlists
-    for attr, stage in (("label_correlation_matrix", "label_graph"), ("build_label_state", "label_state"), ("mine_classifier_shortlist", "hard_negative_mining")):
+    # (and the bag-of-embeddings encoder's IDF pass over the training and label texts)
+    for attr, stage in (("label_correlation_matrix", "label_graph"), ("build_label_state", "label_state"), ("mine_classifier_shortlist", "hard_negative_mining"),
+                        ("bag_of_embeddings_document_frequency", "boe_idf")):
         if hasattr(recipe, attr):
             rec.wrap(recipe, attr, stage)
     rec.wrap(trainer_module.XMCTrainer, "train", "train")

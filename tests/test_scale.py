@@ -173,6 +173,9 @@ def test_bench_scale_small_runs_every_stage(tmp_path):
     for stage in ("train:label_graph", "train:label_state", "train:hard_negative_mining"):
         assert siamese["stages"][stage]["calls"] >= 1, stage
     assert siamese["stages"]["train:train"]["calls"] == 2  # Module I and Module IV
+    # SiameseXML's own from_encoder_pretrained (the BOE encoder) and its IDF pass are timed, once each, not nested
+    assert siamese["stages"]["train:model_init"]["calls"] == 1 and siamese["stages"]["train:boe_idf"]["calls"] == 1
+    assert not any(".model_init" in stage for row in rows for stage in row["stages"])
     assert siamese["saved_bytes"] > 2 * 24000 * 2 * 384  # the fp16 [z~ ; v] store at least
     assert json.loads(out.read_text()) == rows
     # the SiameseXML rows keep what --resume reads back: Module I's weights and Module II's finished store
@@ -180,6 +183,27 @@ def test_bench_scale_small_runs_every_stage(tmp_path):
     assert json.loads((run / "module1" / "stage_complete.json").read_text())["global_step"] == 2
     assert json.loads((run / "module2" / "progress.json").read_text()) == {"points_done": 1000}
     assert not (tmp_path / "task" / "runs" / "siamesexml-boe.train.stages.json").exists()  # a finished process leaves no snapshot
+
+
+def test_stage_recorder_times_an_override_and_the_parent_it_calls_as_one_stage():
+    from benchmarks import bench_scale
+
+    class Base:
+        @classmethod
+        def make(cls):
+            return "base"
+
+    class Child(Base):
+        @classmethod
+        def make(cls):
+            return super().make() + "+child"
+
+    recorder = bench_scale.StageRecorder()
+    recorder.wrap(Base, "make", "model_init", kind="classmethod")
+    recorder.wrap(Child, "make", "model_init", kind="classmethod")
+    with recorder.stage("total"):
+        assert Child.make() == "base+child" and Base.make() == "base"
+    assert recorder.stages["total.model_init"]["calls"] == 2 and "total.model_init.model_init" not in recorder.stages
 
 
 def test_bench_scale_resumed_row_adds_up_its_parts(tmp_path):
