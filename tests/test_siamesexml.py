@@ -276,32 +276,8 @@ def test_sum_label_scores_sums_repeated_pairs_in_query_label_order():
     np.testing.assert_allclose(sums, [1.0, 2.0, 0.75])
 
 
-@pytest.mark.parametrize("encoder_type", ["boe"])
-def test_training_script_end_to_end(tiny_encoder_dir, tiny_task, tmp_path, encoder_type):
-    from hf_xmc.training.recipes.siamesexml import main
-
-    data, directory = tiny_task
-    out = tmp_path / "out"
-    metrics = main([
-        "--train_file", f"{directory}/trn.json.gz", "--test_file", f"{directory}/tst.json.gz", "--label_file", f"{directory}/lbl.json.gz",
-        "--model_name_or_path", tiny_encoder_dir, "--output_dir", str(out), "--encoder_type", encoder_type,
-        "--num_train_epochs", "1", "--classifier_epochs", "2", "--max_seq_length", "16", "--save_strategy", "no",
-        "--disable_tqdm", "true", "--report_to", "none",
-    ])
-    saved = json.load(open(out / "eval_results.json"))
-    for key in ("test_P@1", "test_P@5", "test_PSP@5", "test_R@100", "train_runtime", "test_samples_per_second"):
-        assert key in saved and saved[key] == pytest.approx(metrics[key])
-    model = AutoModel.from_pretrained(out)
-    assert model.config.encoder_type == encoder_type and bool(model.label_state_initialized)
-    assert torch.count_nonzero(model.classifier.weight) > 0  # Module IV moved the refinement vectors
-    assert (model.encoder.idf > 0).any() and model.encoder.idf[model.tokenizer.cls_token_id] == 0
-    pred = model.predict(data.test.texts[:5], k=5)
-    assert (pred.label_ids >= 0).all()
-
-
-def test_resumed_boe_run_reads_back_module_one_idf_and_module_two_indexes(tiny_encoder_dir, tiny_task, tmp_path, monkeypatch, caplog):
-    # a resumed run whose Module I finished takes the IDF from Module I's weights (no pass over the texts) and reads
-    # Module II's two IVF indexes back from OUT/module2 (no build); it ends with the first run's model and metrics
+def test_training_script_end_to_end_and_a_resumed_run(tiny_encoder_dir, tiny_task, tmp_path, monkeypatch, caplog):
+    # the bag-of-embeddings encoder through the recipe (the transformer encoder: test_reliability's kill/resume run)
     from hf_xmc.models.label_index import LabelIndex
     from hf_xmc.training.recipes import siamesexml as recipe
 
@@ -310,15 +286,25 @@ def test_resumed_boe_run_reads_back_module_one_idf_and_module_two_indexes(tiny_e
     argv = [
         "--train_file", f"{directory}/trn.json.gz", "--test_file", f"{directory}/tst.json.gz", "--label_file", f"{directory}/lbl.json.gz",
         "--model_name_or_path", tiny_encoder_dir, "--output_dir", str(out), "--encoder_type", "boe", "--index_kind", "ivf",
-        "--num_train_epochs", "1", "--classifier_epochs", "1", "--max_seq_length", "16", "--save_strategy", "epoch",
+        "--num_train_epochs", "1", "--classifier_epochs", "2", "--max_seq_length", "16", "--save_strategy", "epoch",
         "--disable_tqdm", "true", "--report_to", "none", "--seed", "1",
     ]
-    first = recipe.main(argv)
-    for name in ("label_index", "point_index"):
+    metrics = recipe.main(argv)
+    saved = json.load(open(out / "eval_results.json"))
+    for key in ("test_P@1", "test_P@5", "test_PSP@5", "test_R@100", "train_runtime", "test_samples_per_second"):
+        assert key in saved and saved[key] == pytest.approx(metrics[key])
+    model = AutoModel.from_pretrained(out)
+    assert model.config.encoder_type == "boe" and bool(model.label_state_initialized)
+    assert torch.count_nonzero(model.classifier.weight) > 0  # Module IV moved the refinement vectors
+    assert (model.encoder.idf > 0).any() and model.encoder.idf[model.tokenizer.cls_token_id] == 0
+    assert model.encoder.idf.min() < model.encoder.idf.max()  # set from the texts, not the initial ones
+    pred = model.predict(data.test.texts[:5], k=5)
+    assert (pred.label_ids >= 0).all()
+    for name in ("label_index", "point_index"):  # Module II's two IVF indexes are kept with its store
         assert (out / "module2" / name / "label_index.faiss").is_file()
-    idf = AutoModel.from_pretrained(out).encoder.idf.clone()
-    assert idf.min() < idf.max()  # set from the texts, not the initial ones
 
+    # resumed: Module I finished, so its weights carry the IDF (no pass over the texts); Module II's indexes are read
+    # back, not built; the run ends with the first one's model and metrics
     monkeypatch.setattr(recipe, "bag_of_embeddings_document_frequency", lambda *a, **k: pytest.fail("Module I's weights carry the IDF"))
     builds = []
     real_build = LabelIndex._build_faiss
@@ -327,10 +313,9 @@ def test_resumed_boe_run_reads_back_module_one_idf_and_module_two_indexes(tiny_e
         resumed = recipe.main(argv + ["--resume_from_checkpoint", "true"])
     assert caplog.text.count("the search index is read back, not built again") == 2  # [z~ ; v] and the points
     assert len(data.train) not in builds  # the neighbour index over the training points was not built again
-    model = AutoModel.from_pretrained(out)
-    assert torch.equal(model.encoder.idf, idf)
+    assert torch.equal(AutoModel.from_pretrained(out).encoder.idf, model.encoder.idf)
     for key in ("test_P@1", "test_PSP@5", "test_R@100"):
-        assert resumed[key] == pytest.approx(first[key], abs=1e-6)
+        assert resumed[key] == pytest.approx(metrics[key], abs=1e-6)
 
 
 def test_max_steps_bound_module_one_and_classifier_max_steps_module_four(tmp_path):
