@@ -298,9 +298,15 @@ def train_worker(cfg: dict) -> dict:
     rec = StageRecorder(cfg.get("stages_file"))
     recipe = importlib.import_module(RECIPES[cfg["method"]])
     rec.wrap(recipe, "load_data", "data_load")
-    rec.wrap(XMCPreTrainedModel, "from_encoder_pretrained", "model_init", kind="classmethod")
-    if "from_encoder_pretrained" in vars(getattr(recipe, "SiameseXMLModel", object)):  # its own (the BOE encoder's)
-        rec.wrap(recipe.SiameseXMLModel, "from_encoder_pretrained", "model_init", kind="classmethod")
+    # model_init: the base class's from_encoder_pretrained and each model's own (SiameseXML's BOE encoder, MUFIN's)
+    classes, pending = [], [XMCPreTrainedModel]
+    while pending:
+        cls = pending.pop()
+        classes.append(cls)
+        pending += cls.__subclasses__()
+    for cls in classes:
+        if "from_encoder_pretrained" in vars(cls):
+            rec.wrap(cls, "from_encoder_pretrained", "model_init", kind="classmethod")
     rec.wrap(trainer_module, "initialize_label_state", "label_state")
     rec.wrap(trainer_module.XMCEpochCallback, "_query_embeddings", "clustering_encode")
     rec.wrap(ClusterBatchSampler, "update_clusters", "clustering")

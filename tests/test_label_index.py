@@ -175,6 +175,8 @@ def test_cached_index_is_built_once_and_read_back_for_the_same_vectors_only(tmp_
     # exact search has no faiss file to keep
     assert not LabelIndex.cached(labels, str(tmp_path / "exact"), kind="exact").restored_from_file
     assert not (tmp_path / "exact" / "label_index.faiss").exists()
+    # no directory: built, nothing kept
+    assert not LabelIndex.cached(labels, None, kind="ivf", ivf_nlist=20).restored_from_file
 
 
 def test_stale_hnsw_file_for_other_vectors_of_the_same_shape_is_rebuilt(tmp_path):

@@ -412,12 +412,15 @@ class LabelIndex:
         return index
 
     @classmethod
-    def cached(cls, embeddings: Vectors | Sequence[Vectors], directory: str, kind: str, **params) -> LabelIndex:
+    def cached(cls, embeddings: Vectors | Sequence[Vectors], directory: Optional[str], kind: str, **params) -> LabelIndex:
         """An index over ``embeddings`` kept in ``directory`` between runs: the faiss file saved there is read back when
         :meth:`load` trusts it (same vectors by shape and fingerprint, same build parameters and faiss version, sha256),
         else the index is built and saved there (atomically; one writer per directory). For work that a resumed run repeats
         (SiameseXML's Module II: two IVF builds of ~6 minutes each at 1.3M labels and 2.2M points on 2 CPU cores).
-        Disk: the faiss file (``L * (d * s + 8)`` bytes for IVF, see the memory model above)."""
+        Disk: the faiss file (``L * (d * s + 8)`` bytes for IVF, see the memory model above). ``directory=None``: built,
+        not kept."""
+        if directory is None:
+            return cls(embeddings, kind=kind, **params)
         meta_path, index_path = os.path.join(directory, INDEX_META_FILE), os.path.join(directory, INDEX_FILE)
         index = cls.load(embeddings, meta_path=meta_path, index_path=index_path, kind=kind, **params)
         if index.restored_from_file:

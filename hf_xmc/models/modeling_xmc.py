@@ -1069,11 +1069,7 @@ class XMCPreTrainedModel(PreTrainedModel):
         self._require_labels()
         vectors = self.label_search_vectors(batch_size=batch_size, show_progress_bar=show_progress_bar)
         self.label_embeddings = vectors.to(getattr(torch, self.config.label_embeddings_dtype))
-        params = dict(kind=kind or self.config.index_kind, ivf_nprobe=self.config.ivf_nprobe)
-        if cache_dir is not None:
-            self.label_index = LabelIndex.cached(self.label_embedding_blocks, cache_dir, **params)
-        else:
-            self.label_index = LabelIndex(self.label_embedding_blocks, **params)
+        self.label_index = LabelIndex.cached(self.label_embedding_blocks, cache_dir, kind=kind or self.config.index_kind, ivf_nprobe=self.config.ivf_nprobe)
         return self.label_index
 
     def search(self, query_vectors: torch.Tensor | np.ndarray, k: int = 5) -> tuple[np.ndarray, np.ndarray]:

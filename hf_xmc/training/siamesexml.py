@@ -243,11 +243,7 @@ def mine_classifier_shortlist(
         raise ValueError(f"{n} point vectors for {targets.shape[0]} target rows")
     neighbours = None
     if knn_neighbors > 0 and knn_weight > 0:
-        params = dict(kind=model.config.index_kind, ivf_nprobe=model.config.ivf_nprobe)
-        if neighbour_index_dir is not None:
-            neighbours = LabelIndex.cached(point_vectors, neighbour_index_dir, **params)
-        else:
-            neighbours = LabelIndex(point_vectors, **params)
+        neighbours = LabelIndex.cached(point_vectors, neighbour_index_dir, kind=model.config.index_kind, ivf_nprobe=model.config.ivf_nprobe)
     max_positives = int(np.diff(targets.indptr).max()) if targets.nnz else 0
     if out is None:
         out = np.full((n, size), -1, dtype=np.int32)
