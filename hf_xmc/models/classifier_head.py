@@ -85,8 +85,8 @@ def sum_label_scores(query_of: np.ndarray, label_of: np.ndarray, values: np.ndar
     pair, sorted by ``(query, label)`` (int64, int64, float64). Memory: a few arrays of the hits' length."""
     keys = query_of.astype(np.int64) * num_labels + label_of.astype(np.int64)
     unique, inverse = np.unique(keys, return_inverse=True)
-    sums = np.zeros(unique.size, dtype=np.float64)
-    np.add.at(sums, inverse, values.astype(np.float64))
+    # bincount adds in the hits' order, as np.add.at does, about 4x faster (Module II at 1.3M: millions of hits per chunk)
+    sums = np.bincount(inverse.ravel(), weights=values.astype(np.float64), minlength=unique.size)
     return unique // num_labels, unique % num_labels, sums
 
 
