@@ -203,7 +203,7 @@ def test_module2_store_resumes_mining_where_it_stopped(tiny_encoder_dir, tiny_ta
     order = np.load(tmp_path / "module2" / "order.npy")  # the neighbour index's lists, one after the other
     assert np.array_equal(np.sort(order), np.arange(n)) and not np.array_equal(order, np.arange(n))
 
-    resumed = make_siamesexml(tiny_encoder_dir, data)  # a fresh process's model: the label state comes from the store
+    resumed = make_siamesexml(tiny_encoder_dir, data, index_kind="ivf")  # a fresh process's model: the label state comes from the store
     resumed_store = ModuleIIStore(str(tmp_path / "module2"), settings)
     resumed_points = resumed_store.load_label_state(resumed)
     assert torch.equal(resumed_points, points)
