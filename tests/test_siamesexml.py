@@ -174,15 +174,13 @@ def test_module2_label_state_and_shortlists(tiny_encoder_dir, tiny_task):
 
 def test_module2_store_resumes_mining_where_it_stopped(tiny_encoder_dir, tiny_task, tmp_path):
     # a run killed while mining keeps the label state, the point vectors and every flushed chunk; the resumed run
-    # mines only the rest, in the order the first part used, and ends with the uninterrupted run's shortlists
+    # mines only the rest and ends with the uninterrupted run's shortlists
     data = tiny_task[0]
     targets = sp.csr_matrix(data.train.targets)
     n = len(data.train)
     model = make_siamesexml(tiny_encoder_dir, data, index_kind="ivf")
     points = build_label_state(model, data.train.texts, targets, None)
     reference = mine_classifier_shortlist(model, points, targets, size=10, knn_neighbors=3, chunk_size=64)
-    in_row_order = mine_classifier_shortlist(model, points, targets, size=10, knn_neighbors=3, chunk_size=64, settle_order=lambda order, first: np.arange(n))
-    assert np.array_equal(in_row_order, reference)  # the neighbour index's list order changes no shortlist
     settings = {"num_points": n, "train_shortlist_size": 10}
     store = ModuleIIStore(str(tmp_path / "module2"), settings)
     store.save_label_state(model, points)
@@ -195,13 +193,8 @@ def test_module2_store_resumes_mining_where_it_stopped(tiny_encoder_dir, tiny_ta
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        mine_classifier_shortlist(
-            model, points, targets, size=10, knn_neighbors=3, chunk_size=64, out=out, first=0, on_chunk=killed_after_two_chunks,
-            settle_order=store.mining_order,
-        )
+        mine_classifier_shortlist(model, points, targets, size=10, knn_neighbors=3, chunk_size=64, out=out, first=0, on_chunk=killed_after_two_chunks)
     del out
-    order = np.load(tmp_path / "module2" / "order.npy")  # the neighbour index's lists, one after the other
-    assert np.array_equal(np.sort(order), np.arange(n)) and not np.array_equal(order, np.arange(n))
 
     resumed = make_siamesexml(tiny_encoder_dir, data, index_kind="ivf")  # a fresh process's model: the label state comes from the store
     resumed_store = ModuleIIStore(str(tmp_path / "module2"), settings)
@@ -210,14 +203,11 @@ def test_module2_store_resumes_mining_where_it_stopped(tiny_encoder_dir, tiny_ta
     assert torch.equal(resumed.label_text_vectors, model.label_text_vectors)  # bit for bit: the index fingerprint matches
     assert torch.equal(resumed.label_centroids, model.label_centroids)
     out, first = resumed_store.open_shortlist(n, 10)
-    assert first == 128 and np.array_equal(out[order[:128]], reference[order[:128]]) and (out[order[128:]] == -1).all()
+    assert first == 128 and np.array_equal(out[:128], reference[:128])
     mined = []
     shortlist = resumed.shortlist
     resumed.shortlist = lambda queries, *a, **k: (mined.append(len(queries)), shortlist(queries, *a, **k))[1]
-    result = mine_classifier_shortlist(
-        resumed, resumed_points, targets, size=10, knn_neighbors=3, chunk_size=64, out=out, first=first, on_chunk=resumed_store.mark_done,
-        settle_order=lambda proposed, first: resumed_store.mining_order(proposed[::-1].copy(), first),  # the stored order wins
-    )
+    result = mine_classifier_shortlist(resumed, resumed_points, targets, size=10, knn_neighbors=3, chunk_size=64, out=out, first=first, on_chunk=resumed_store.mark_done)
     assert sum(mined) == n - 128  # the flushed chunks were not mined again
     assert np.array_equal(result, reference)
     assert np.array_equal(np.load(tmp_path / "module2" / "shortlist.npy"), reference)

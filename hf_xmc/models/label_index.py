@@ -269,16 +269,6 @@ class LabelIndex:
             ids[start : start + len(q), :kk] = i
         return scores, ids
 
-    def list_order(self) -> Optional[np.ndarray]:
-        """The indexed rows grouped by IVF list (the rows of one list are near each other), or None for the other kinds.
-        Module II mines its training points in this order of their own neighbour index. Memory: 8 bytes per row."""
-        if self.kind != "ivf" or self._index is None:
-            return None
-        ivf = faiss.extract_index_ivf(self._index)
-        lists = ivf.invlists
-        parts = [faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i)).astype(np.int64) for i in range(ivf.nlist) if lists.list_size(i)]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
     def _exact_search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Chunked ``queries @ labels.T`` with a running top-k: the score block never exceeds ``SCORE_BLOCK_VALUES``."""
         device = torch.device("cuda") if self.use_gpu and torch.cuda.is_available() else torch.device("cpu")

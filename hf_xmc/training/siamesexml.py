@@ -221,26 +221,18 @@ def mine_classifier_shortlist(
     first: int = 0,
     on_chunk: Optional[Callable[[int], None]] = None,
     neighbour_index_dir: Optional[str] = None,
-    settle_order: Optional[Callable[[np.ndarray, int], np.ndarray]] = None,
 ) -> np.ndarray:
     """Module II's static shortlist of every training point: ``(1 - gamma) (cos_z + cos_v)`` from the model's index over
     ``[z~ ; v]`` plus ``gamma`` times the votes of its ``knn_neighbors`` nearest training points (each neighbour adds
     its cosine to each of its labels, divided by the point's largest vote; ``gamma = knn_weight``, [C] 0.025), best
     ``size`` negatives kept (positives removed). Returns ``(N, size)`` int32 label ids, ``-1``-padded.
 
-    The points are mined in the neighbour index's list order (:meth:`LabelIndex.list_order`: neighbouring points
-    together; row order without an ivf neighbour index). The shortlists do not depend on the order, nor, measured at
-    1.3M labels, does the speed (264 points/s against 273 in row order, 2 CPU cores): mining is faiss's per-query list
-    scans, not memory traffic that neighbouring queries could share.
-
-    Resuming: ``out`` (e.g. :meth:`ModuleIIStore.open_shortlist`'s memory map) is filled in place from position
-    ``first`` of the order on (the points before it are kept), and ``on_chunk(positions_done)`` is called after each
-    chunk of ``chunk_size`` points. ``settle_order(order, first)`` may replace the order (:meth:`ModuleIIStore.mining_order`:
-    a resumed run goes on in the order its first part used).
+    Resuming: ``out`` (e.g. :meth:`ModuleIIStore.open_shortlist`'s memory map) is filled in place from row ``first``
+    on (rows before it are kept), and ``on_chunk(rows_done)`` is called after each chunk of ``chunk_size`` points.
     ``neighbour_index_dir``: the neighbour index is read from there when it was built from these point vectors, else
     built and saved there (:meth:`LabelIndex.cached`).
 
-    Memory: ``4 x size`` bytes per point (and 8 for the order), plus one chunk of hits; the neighbour index uses ``point_vectors`` in place
+    Memory: ``4 x size`` bytes per point, plus one chunk of hits; the neighbour index uses ``point_vectors`` in place
     and its faiss copy holds them at their precision (``2 D`` bytes per point in float16, ``4 D`` in float32).
     """
     from ..models.label_index import LabelIndex
@@ -252,12 +244,6 @@ def mine_classifier_shortlist(
     neighbours = None
     if knn_neighbors > 0 and knn_weight > 0:
         neighbours = LabelIndex.cached(point_vectors, neighbour_index_dir, kind=model.config.index_kind, ivf_nprobe=model.config.ivf_nprobe)
-    order = neighbours.list_order() if neighbours is not None else None
-    order = np.arange(n, dtype=np.int64) if order is None else order
-    if settle_order is not None:
-        order = settle_order(order, first)
-    if len(order) != n:
-        raise ValueError(f"the mining order has {len(order)} points, not {n}")
     max_positives = int(np.diff(targets.indptr).max()) if targets.nnz else 0
     if out is None:
         out = np.full((n, size), -1, dtype=np.int32)
@@ -271,8 +257,7 @@ def mine_classifier_shortlist(
             logger.info("Module II shortlists: %d / %d training points, %.0f points/s, ~%.0f min left", start, n, rate, (n - start) / rate / 60)
             next_report += n // 10
         stop = min(start + chunk_size, n)
-        chunk = order[start:stop]
-        queries = point_vectors[torch.from_numpy(chunk)]
+        queries = point_vectors[start:stop]
         extra = None
         weights = (1.0, 1.0)
         if neighbours is not None:
@@ -291,8 +276,8 @@ def mine_classifier_shortlist(
             np.maximum.at(best, vote_query, summed)
             extra = (vote_query, vote_label, summed * (knn_weight / np.maximum(best[vote_query], 1e-12)))
         ids, scores = model.shortlist(queries, size + max_positives, source_weights=weights, extra_hits=extra)
-        ids, _ = filter_predictions(ids, scores, targets[chunk], size)
-        out[chunk] = ids
+        ids, _ = filter_predictions(ids, scores, targets[start:stop], size)
+        out[start:stop] = ids
         if on_chunk is not None:
             on_chunk(stop)
     return out
@@ -307,8 +292,7 @@ class ModuleIIStore:
       vectors at the label store's precision: ``2 D`` or ``4 D`` bytes per point) and ``module2.json`` (the settings they
       were made with, written last): once, before mining;
     - ``shortlist.npy``: the ``(N, S)`` int32 shortlists (``4 S`` bytes per point), filled in place through a memory map,
-      ``order.npy``: the order the points are mined in (8 bytes per point), and ``progress.json``: how many points of
-      that order are final, rewritten after each mined chunk is flushed to disk;
+      and ``progress.json``: how many leading rows are final, rewritten after each mined chunk is flushed to disk;
     - ``label_index/`` and ``point_index/``: the faiss files of the shortlist index over ``[z~ ; v]`` and of the
       training-point neighbour index (:meth:`LabelIndex.cached`: read back only when built from the same vectors), so
       a resumed run does not build them again (IVF fp16: ``2 D + 8`` bytes per indexed row, ~12 minutes of builds at
@@ -348,20 +332,11 @@ class ModuleIIStore:
 
         write_json_atomic(self._path(name), obj)
 
-    def _write_npy(self, name: str, array: np.ndarray) -> None:
-        from ..models.label_index import atomic_write
-
-        def write(tmp: str) -> None:
-            with open(tmp, "wb") as f:  # np.save(path) would append ".npy" to the temporary name
-                np.save(f, array)
-
-        atomic_write(self._path(name), write)
-
     def clear(self) -> None:
         """Remove a previous run's store (its settings file first, so that a partial removal reads as no store)."""
         if not self.writer:
             return
-        for name in ("module2.json", "progress.json", "order.npy", "shortlist.npy", "points.npy", "label_state.safetensors"):
+        for name in ("module2.json", "progress.json", "shortlist.npy", "points.npy", "label_state.safetensors"):
             if os.path.exists(self._path(name)):
                 os.remove(self._path(name))
         for name in (self.LABEL_INDEX_DIR, self.POINT_INDEX_DIR):
@@ -392,7 +367,12 @@ class ModuleIIStore:
         os.makedirs(self.directory, exist_ok=True)
         state = {"label_text_vectors": model.label_text_vectors.detach().cpu(), "label_centroids": model.label_centroids.detach().cpu()}
         atomic_write(self._path("label_state.safetensors"), lambda tmp: save_file(state, tmp))
-        self._write_npy("points.npy", points.cpu().numpy())
+
+        def write_points(tmp: str) -> None:
+            with open(tmp, "wb") as f:  # np.save(path) would append ".npy" to the temporary name
+                np.save(f, points.cpu().numpy())
+
+        atomic_write(self._path("points.npy"), write_points)
         self._write_json("module2.json", self.settings)
 
     def open_shortlist(self, num_points: int, size: int, resume: bool = True) -> tuple[np.ndarray, int]:
@@ -421,20 +401,8 @@ class ModuleIIStore:
         self._shortlist = array
         return array, 0
 
-    def mining_order(self, order: np.ndarray, first: int) -> np.ndarray:
-        """The order to mine in (:func:`mine_classifier_shortlist`'s ``settle_order``): a run going on from position
-        ``first > 0`` keeps the stored one (row order for a store without one); a run that starts keeps ``order``, written
-        before any of its points is marked done."""
-        path = self._path("order.npy")
-        if first > 0:
-            stored = np.load(path) if os.path.exists(path) else None
-            return stored if stored is not None and stored.shape == order.shape else np.arange(len(order), dtype=np.int64)
-        if self.writer:
-            self._write_npy("order.npy", order)
-        return order
-
     def mark_done(self, points_done: int) -> None:
-        """Flush the mined rows to disk, then record that the first ``points_done`` points of the mining order are final."""
+        """Flush the mined rows to disk, then record that the first ``points_done`` rows are final."""
         if not self.writer:
             return
         if isinstance(self._shortlist, np.memmap):

@@ -190,7 +190,6 @@ def mine(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments):
         model, points, targets, args.train_shortlist_size, args.knn_neighbors, args.knn_weight, show_progress_bar=show,
         out=out, first=first, on_chunk=store.mark_done if store is not None else None,
         neighbour_index_dir=store.index_dir(store.POINT_INDEX_DIR) if store is not None else None,
-        settle_order=store.mining_order if store is not None else None,
     )
     logger.info("SiameseXML Module II: shortlists of %d negatives for %d training points", shortlist.shape[1], shortlist.shape[0])
     frozen = not args.train_encoder_in_classifier_stage
