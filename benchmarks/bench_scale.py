@@ -334,6 +334,8 @@ def train_worker(cfg: dict) -> dict:
         "--index_kind", cfg["index_kind"], "--ivf_nprobe", str(cfg["ivf_nprobe"]),
         *cfg["args"],
     ]
+    if cfg["method"] == "siamesexml":  # --max_steps bounds Module I only: Module IV gets the same budget of steps
+        argv += ["--classifier_max_steps", str(cfg["steps"])]
     if cfg.get("resume"):
         argv += ["--resume_from_checkpoint", "true"]
     with rec.stage("total"):
