@@ -15,6 +15,7 @@ import torch
 
 from hf_xmc.models import DEXMLModel
 from hf_xmc.models.modeling_xmc import STAGING_PREFIX
+from hf_xmc.training.trainer import checkpoint_is_complete
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -172,8 +173,8 @@ def run_killed_and_resumed(cmd: list[str], out: str, reference_out: str, env: Op
     try:
         deadline = time.time() + timeout
         while time.time() < deadline and killed.poll() is None:
-            if os.path.isdir(out) and any(os.path.isfile(os.path.join(out, n, "trainer_state.json")) for n in os.listdir(out) if n.startswith("checkpoint-")):
-                break
+            if os.path.isdir(out) and any(checkpoint_is_complete(os.path.join(out, n)) for n in os.listdir(out) if n.startswith("checkpoint-")):
+                break  # killed once a checkpoint is complete: its trainer_state.json, written last, reads as JSON
             time.sleep(0.02)
         assert killed.poll() is None, f"the run ended before it was killed: {killed.stderr.read()[-2000:]}"
         os.killpg(killed.pid, signal.SIGKILL)
@@ -252,21 +253,21 @@ def test_two_process_run_resumes_after_kill_to_the_same_metrics(tiny_task, tiny_
 
 
 def test_resume_passes_over_a_half_written_checkpoint(tmp_path, caplog):
-    """A save killed midway leaves checkpoint-N without trainer_state.json (written last): resuming picks the newest
-    complete checkpoint and removes the half-written one."""
+    """A save killed midway leaves checkpoint-N without trainer_state.json (written last), or with one cut short
+    while it was written: resuming picks the newest complete checkpoint and removes the half-written ones."""
     from types import SimpleNamespace
 
     from hf_xmc.training import XMCTrainer
 
-    for step, complete in ((10, True), (20, True), (30, False)):
+    for step, state in ((10, "{}"), (20, '{"global_step": 20}'), (30, '{"global_st'), (40, ""), (50, None)):
         (tmp_path / f"checkpoint-{step}").mkdir()
         (tmp_path / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"x")
-        if complete:
-            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+        if state is not None:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(state)
     (tmp_path / "checkpoint-x").mkdir()  # not a checkpoint name
     trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path), should_save=True), CHECKPOINT_COMPLETE_FILE=XMCTrainer.CHECKPOINT_COMPLETE_FILE)
     assert XMCTrainer.last_complete_checkpoint(trainer) == str(tmp_path / "checkpoint-20")
-    assert not (tmp_path / "checkpoint-30").exists() and (tmp_path / "checkpoint-10").exists()
-    assert "checkpoint-30: an incomplete checkpoint" in caplog.text
+    assert not any((tmp_path / f"checkpoint-{step}").exists() for step in (30, 40, 50)) and (tmp_path / "checkpoint-10").exists()
+    assert all(f"checkpoint-{step}: an incomplete checkpoint" in caplog.text for step in (30, 40, 50))
     trainer.args.output_dir = str(tmp_path / "absent")
     assert XMCTrainer.last_complete_checkpoint(trainer) is None

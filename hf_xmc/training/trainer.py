@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -183,6 +184,17 @@ def set_encoder_dropout(model, p: float) -> int:
             module.p = float(p)
             count += 1
     return count
+
+
+def checkpoint_is_complete(directory: str, marker: str = "trainer_state.json") -> bool:
+    """Whether a checkpoint's save finished: its marker file, written last, is there and reads as JSON (a run killed
+    while the marker itself was written leaves it empty or cut short)."""
+    try:
+        with open(os.path.join(directory, marker), encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 class XMCTrainer(Trainer):
@@ -535,8 +547,8 @@ class XMCTrainer(Trainer):
             unwrapped.trainer_checkpoint_keys = False
 
     def last_complete_checkpoint(self) -> Optional[str]:
-        """The newest ``checkpoint-N`` of ``output_dir`` that a save finished (it holds ``trainer_state.json``), or
-        None. Newer ones that a killed save left half-written are removed, with a warning naming them."""
+        """The newest ``checkpoint-N`` of ``output_dir`` that a save finished (its ``trainer_state.json`` reads as
+        JSON), or None. Newer ones that a killed save left half-written are removed, with a warning naming them."""
         import re
         import shutil
 
@@ -547,7 +559,7 @@ class XMCTrainer(Trainer):
             (int(m.group(1)), name) for name in os.listdir(out)
             if (m := re.fullmatch(r"checkpoint-(\d+)", name)) and os.path.isdir(os.path.join(out, name))
         )
-        while steps and not os.path.isfile(os.path.join(out, steps[-1][1], self.CHECKPOINT_COMPLETE_FILE)):
+        while steps and not checkpoint_is_complete(os.path.join(out, steps[-1][1]), self.CHECKPOINT_COMPLETE_FILE):
             name = steps.pop()[1]
             logger.warning("%s: an incomplete checkpoint (its save was interrupted), removed; resuming from the one before", os.path.join(out, name))
             if self.args.should_save:
