@@ -33,7 +33,7 @@ from .modeling_xmc import POOLERS, XMCModelOutput, XMCPreTrainedModel, _repair_t
 from .xmc_losses import siamese_classifier_loss, siamese_pair_loss
 
 SCORE_CHUNK = 64  # queries whose shortlisted classifier rows are gathered at once (64 x 500 x D floats)
-SEARCH_CHUNK = 4096  # queries shortlisted at once: their index hits (2 x 500 per query, ~40 bytes each) bound search memory
+SEARCH_CHUNK = 4096  # queries shortlisted at once: their index hits (2 x 500 per query, ~145 bytes each at the merge) bound search memory
 
 
 class BagOfEmbeddingsEncoder(nn.Module):
@@ -346,8 +346,9 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
         shortlist ranked by ``config.search_mode``. Labels outside the shortlist get no score (``-1`` / ``-inf``).
 
         Memory: the ``(n, k)`` result (12 bytes per query and rank) plus one chunk of ``SEARCH_CHUNK`` queries' index hits
-        and shortlists (~40 bytes per hit, ``2 x max(shortlist_per_source, shortlist_size)`` hits per query: ~160 MB),
-        however many queries come in (50K test queries at once had added ~4 GiB at 1.3M labels)."""
+        and shortlists (``2 x max(shortlist_per_source, shortlist_size)`` hits per query, ~145 bytes per hit at the
+        merge's high point: ~0.55 GiB for 4,096 queries at the defaults), however many queries come in (50K at once:
+        ~6.7 GiB)."""
         queries = torch.as_tensor(query_vectors)
         if queries.shape[0] <= SEARCH_CHUNK:
             return self._search_chunk(queries, k)
