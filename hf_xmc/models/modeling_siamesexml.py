@@ -33,6 +33,7 @@ from .modeling_xmc import POOLERS, XMCModelOutput, XMCPreTrainedModel, _repair_t
 from .xmc_losses import siamese_classifier_loss, siamese_pair_loss
 
 SCORE_CHUNK = 64  # queries whose shortlisted classifier rows are gathered at once (64 x 500 x D floats)
+SEARCH_CHUNK = 4096  # queries shortlisted at once: their index hits (2 x 500 per query, ~145 bytes each at the merge) bound search memory
 
 
 class BagOfEmbeddingsEncoder(nn.Module):
@@ -342,12 +343,29 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
     @torch.no_grad()
     def search(self, query_vectors: torch.Tensor | np.ndarray, k: int = 5) -> tuple[np.ndarray, np.ndarray]:
         """Top-k ``(scores, ids)`` for intermediate query vectors (``query_search_vectors``): shortlist, then the
-        shortlist ranked by ``config.search_mode``. Labels outside the shortlist get no score (``-1`` / ``-inf``)."""
+        shortlist ranked by ``config.search_mode``. Labels outside the shortlist get no score (``-1`` / ``-inf``).
+
+        Memory: the ``(n, k)`` result (12 bytes per query and rank) plus one chunk of ``SEARCH_CHUNK`` queries' index hits
+        and shortlists (``2 x max(shortlist_per_source, shortlist_size)`` hits per query, ~145 bytes per hit at the
+        merge's high point: ~0.55 GiB for 4,096 queries at the defaults), however many queries come in (50K at once:
+        ~6.7 GiB)."""
+        queries = torch.as_tensor(query_vectors)
+        if queries.shape[0] <= SEARCH_CHUNK:
+            return self._search_chunk(queries, k)
+        scores = np.full((queries.shape[0], k), -np.inf, dtype=np.float32)
+        ids = np.full((queries.shape[0], k), -1, dtype=np.int64)
+        for start in range(0, queries.shape[0], SEARCH_CHUNK):
+            chunk_scores, chunk_ids = self._search_chunk(queries[start : start + SEARCH_CHUNK], k)
+            scores[start : start + SEARCH_CHUNK, : chunk_scores.shape[1]] = chunk_scores
+            ids[start : start + SEARCH_CHUNK, : chunk_ids.shape[1]] = chunk_ids
+        return scores, ids
+
+    def _search_chunk(self, query_vectors: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         mode = self.config.search_mode
         was_training = self.training
         self.eval()
         try:
-            u = torch.as_tensor(query_vectors).float()
+            u = query_vectors.float()
             if mode == "label_text":
                 ids, scores = self.shortlist(u, max(k, self.config.shortlist_size), source_weights=(1.0, 0.0))
             else:

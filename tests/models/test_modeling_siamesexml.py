@@ -92,6 +92,21 @@ class TestSiameseXMLModel(XMCModelTesterMixin):
         with pytest.raises(ValueError, match="search mode"):
             model.set_search_mode("both")
 
+    def test_search_goes_in_chunks_of_queries(self, model, tiny_task, monkeypatch):
+        """Many queries are shortlisted and ranked SEARCH_CHUNK at a time (bounded hit memory), with the one-pass result."""
+        from hf_xmc.models import modeling_siamesexml
+
+        u = model.encode_queries(tiny_task[0].test.texts[:7])
+        whole_scores, whole_ids = model.search(u, k=5)
+        monkeypatch.setattr(modeling_siamesexml, "SEARCH_CHUNK", 3)
+        sizes = []
+        one_chunk = model._search_chunk
+        monkeypatch.setattr(model, "_search_chunk", lambda queries, k: (sizes.append(len(queries)), one_chunk(queries, k))[1])
+        scores, ids = model.search(u, k=5)
+        assert sizes == [3, 3, 1]
+        np.testing.assert_array_equal(ids, whole_ids)
+        np.testing.assert_allclose(scores, whole_scores, rtol=1e-6)
+
     def test_shortlist_limits_what_is_scored(self, model, tiny_task):
         """Only the shortlist is ranked: the 2 x shortlist_per_source best rows of the index over [z~ ; v], summed per
         label (a label missing from one search adds 0), best shortlist_size kept."""
