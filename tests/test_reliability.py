@@ -265,7 +265,7 @@ def test_resume_passes_over_a_half_written_checkpoint(tmp_path, caplog):
         if state is not None:
             (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(state)
     (tmp_path / "checkpoint-x").mkdir()  # not a checkpoint name
-    trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path), should_save=True), CHECKPOINT_COMPLETE_FILE=XMCTrainer.CHECKPOINT_COMPLETE_FILE)
+    trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path), should_save=True))
     assert XMCTrainer.last_complete_checkpoint(trainer) == str(tmp_path / "checkpoint-20")
     assert not any((tmp_path / f"checkpoint-{step}").exists() for step in (30, 40, 50)) and (tmp_path / "checkpoint-10").exists()
     assert all(f"checkpoint-{step}: an incomplete checkpoint" in caplog.text for step in (30, 40, 50))

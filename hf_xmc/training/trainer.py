@@ -186,11 +186,14 @@ def set_encoder_dropout(model, p: float) -> int:
     return count
 
 
-def checkpoint_is_complete(directory: str, marker: str = "trainer_state.json") -> bool:
-    """Whether a checkpoint's save finished: its marker file, written last, is there and reads as JSON (a run killed
-    while the marker itself was written leaves it empty or cut short)."""
+CHECKPOINT_COMPLETE_FILE = "trainer_state.json"  # what Trainer._save_checkpoint writes last
+
+
+def checkpoint_is_complete(directory: str) -> bool:
+    """Whether a checkpoint's save finished: its ``trainer_state.json``, written last, is there and reads as JSON (a
+    run killed while that file itself was written leaves it empty or cut short)."""
     try:
-        with open(os.path.join(directory, marker), encoding="utf-8") as f:
+        with open(os.path.join(directory, CHECKPOINT_COMPLETE_FILE), encoding="utf-8") as f:
             json.load(f)
     except (OSError, ValueError):
         return False
@@ -528,7 +531,6 @@ class XMCTrainer(Trainer):
 
     # ------------------------------------------------------------------ saving and pushing
     TRAINING_ARGS_JSON = "training_args.json"
-    CHECKPOINT_COMPLETE_FILE = "trainer_state.json"  # what Trainer._save_checkpoint writes last
 
     def _save_checkpoint(self, model, trial) -> None:
         """``Trainer._save_checkpoint``, with hf_xmc's own state (sampler, memory bank, shortlist) written into the
@@ -559,7 +561,7 @@ class XMCTrainer(Trainer):
             (int(m.group(1)), name) for name in os.listdir(out)
             if (m := re.fullmatch(r"checkpoint-(\d+)", name)) and os.path.isdir(os.path.join(out, name))
         )
-        while steps and not checkpoint_is_complete(os.path.join(out, steps[-1][1]), self.CHECKPOINT_COMPLETE_FILE):
+        while steps and not checkpoint_is_complete(os.path.join(out, steps[-1][1])):
             name = steps.pop()[1]
             logger.warning("%s: an incomplete checkpoint (its save was interrupted), removed; resuming from the one before", os.path.join(out, name))
             if self.args.should_save:
