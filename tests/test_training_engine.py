@@ -1,5 +1,7 @@
 """Training engine inside XMCTrainer: gradient caching, cluster batching, hard negatives, propensity sampling, resume."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -151,6 +153,22 @@ def test_resume_mid_epoch_matches_uninterrupted_run(tiny_encoder_dir, tiny_task,
         assert got[key] == pytest.approx(expected[key], abs=1e-6), key
     for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_resume_of_a_run_that_reached_max_steps_trains_no_more(tiny_encoder_dir, tiny_task, tmp_path):
+    """A run killed after its last checkpoint (max_steps mid-epoch; killed in evaluation or the final save) resumes
+    with that checkpoint's weights and step: transformers' loop alone would take one more step before it checks."""
+    data = tiny_task[0]
+    engine = dict(max_steps=4, save_strategy="steps", save_steps=1000)  # 15 steps per epoch; the last step is saved
+    done = make_trainer(tiny_encoder_dir, data, tmp_path / "run", **engine)
+    done.train()
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-4"]
+    resumed = make_trainer(tiny_encoder_dir, data, tmp_path / "run", seed=1, **engine)  # other initial weights
+    result = resumed.train(resume_from_checkpoint=True)
+    assert result.global_step == resumed.state.global_step == 4
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-4"]
+    for (name, a), (_, b) in zip(done.model.named_parameters(), resumed.model.named_parameters()):
+        torch.testing.assert_close(a, b, msg=name)
 
 
 class _RunsCode:

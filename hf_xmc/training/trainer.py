@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import SaveStrategy
+from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
+from transformers.trainer_utils import SaveStrategy, TrainOutput
 
 from ..data import XMCDataset
 from ..metrics import inverse_propensity
@@ -319,6 +319,14 @@ class XMCTrainer(Trainer):
             saved = XMCEpochCallback.read_state(path) if callback is not None else None
             if saved is not None:
                 callback.load_state_dict(saved)
+            state = TrainerState.load_from_json(os.path.join(path, CHECKPOINT_COMPLETE_FILE))
+            if 0 < self.args.max_steps <= state.global_step:
+                # transformers' loop takes a step before it checks max_steps: a run killed after its last checkpoint
+                # (during evaluation or the final save) would train one step more than an uninterrupted one
+                self._load_from_checkpoint(path)
+                self.state = state
+                logger.info("%s: training had reached max_steps (%d): its weights are read back, nothing is trained", path, self.args.max_steps)
+                return TrainOutput(state.global_step, float("nan"), {"epoch": state.epoch})  # no step, no loss here
         elif getattr(self.model, "needs_label_state", False) and self.xmc_train_data is not None:
             # a fresh PRIME-style model: free-vector clusters and centroids come from the initial encoder
             data = self.xmc_train_data
