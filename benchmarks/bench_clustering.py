@@ -105,6 +105,8 @@ def main() -> None:
 
     import torch
 
+    from hf_xmc.models.label_index import atomic_write
+
     result = {
         "benchmark": "balanced_2means_tree on standard-normal float32 vectors (cosine), max_iter=20, tol=1e-4",
         "machine": {"cpus": os.cpu_count(), "torch_threads": args.threads, "python": platform.python_version(),
@@ -113,10 +115,12 @@ def main() -> None:
         "rows": rows,
     }
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    tmp = args.output + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, args.output)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2)
+
+    atomic_write(args.output, write)  # a temp file renamed into place
     print(markdown_table(rows))
 
 

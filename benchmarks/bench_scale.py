@@ -256,6 +256,19 @@ def make_task(data_dir: str, num_labels: int, num_train: int, num_test: int, see
     return stats
 
 
+def write_json_rows(path: str, rows: list[dict]) -> None:
+    """The results file, through a temp file renamed into place (in the file's order: rows, then their keys)."""
+    from hf_xmc.models.label_index import atomic_write
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(rows, f, indent=2)
+
+    atomic_write(path, write)
+
+
 def make_encoder(directory: str, word_letters: int, layers: int, hidden: int = 384) -> str:
     """A random BERT (``layers`` transformer layers, hidden ``hidden``) and a WordPiece tokenizer whose pieces are the
     synthetic words' syllable pairs (``abcd`` and ``##abcd``), so a word is two or three tokens."""
@@ -662,11 +675,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row = run_variant(method, variant, args, task, encoder)
         row["task"] = task
         rows = [r for r in rows if (r["method"], r["variant"]) != (method, variant)] + [row]
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(rows, f, indent=2)
-        os.replace(tmp, args.out)
+        write_json_rows(args.out, rows)  # after every row: a run stopped later keeps what it measured
         print(format_table([row]), flush=True)
         if not row["completed"]:
             print(row.get("error", ""), flush=True)
