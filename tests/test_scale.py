@@ -143,7 +143,8 @@ def test_prime_training_does_not_broadcast_the_centroid_bank(tiny_encoder_dir, t
 
 def test_bench_scale_small_runs_every_stage(tmp_path):
     """The scale benchmark at 24K labels (one call: every train / reload worker is a fresh process, the fixed cost of
-    this test): every variant completes every stage, reloads through remote code and ranks for real (the chunked paths
+    this test; DEXML is left out for CI time: its hard-negative mining is UniDEC's, its model and flags are tested by
+    the training and reliability tests): every variant completes every stage, reloads through remote code and ranks for real (the chunked paths
     of mining, centroids and evaluation are checked against one-shot results above). SiameseXML runs its
     bag-of-embeddings encoder (the transformer variant differs only in the encoder, covered by the model tests):
     Module II's label graph (two chunks of its 20,000 labels), label state and shortlists over every training point,
@@ -152,10 +153,10 @@ def test_bench_scale_small_runs_every_stage(tmp_path):
 
     out = tmp_path / "scale.json"
     rows = bench_scale.main([
-        "--methods", "dexml:hard_neg,prime,unidec,siamesexml:boe", "--num_labels", "24000", "--num_train", "1000",
+        "--methods", "prime,unidec,siamesexml:boe", "--num_labels", "24000", "--num_train", "1000",
         "--num_test", "200", "--steps", "2", "--batch_size", "32", "--data_dir", str(tmp_path / "task"), "--out", str(out),
     ])
-    assert [(r["method"], r["variant"]) for r in rows] == [("dexml", "hard_neg"), ("prime", "default"), ("unidec", "default"), ("siamesexml", "boe")]
+    assert [(r["method"], r["variant"]) for r in rows] == [("prime", "default"), ("unidec", "default"), ("siamesexml", "boe")]
     for row in rows:
         assert row["completed"], row.get("error")
         stages = row["stages"]
@@ -168,7 +169,7 @@ def test_bench_scale_small_runs_every_stage(tmp_path):
         assert (row["index_kind"], row["ivf_nprobe"], meta["kind"], meta["ivf_nprobe"]) == ("ivf", 16, "ivf", 16)
     by_name = {f"{r['method']}:{r['variant']}": r["stages"] for r in rows}
     assert "train:train.label_state" in by_name["prime:default"] and "train:train.clustering" in by_name["prime:default"]
-    assert "train:train.hard_negative_mining" in by_name["dexml:hard_neg"] and "train:train.hard_negative_mining" in by_name["unidec:default"]
+    assert "train:train.hard_negative_mining" in by_name["unidec:default"]
     siamese = rows[-1]
     for stage in ("train:label_graph", "train:label_state", "train:hard_negative_mining"):
         assert siamese["stages"][stage]["calls"] >= 1, stage
