@@ -105,7 +105,7 @@ def main() -> None:
 
     import torch
 
-    from hf_xmc.models.label_index import atomic_write
+    from hf_xmc.training.script_utils import write_json_atomic
 
     result = {
         "benchmark": "balanced_2means_tree on standard-normal float32 vectors (cosine), max_iter=20, tol=1e-4",
@@ -114,13 +114,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "rows": rows,
     }
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-
-    atomic_write(args.output, write)  # a temp file renamed into place
+    write_json_atomic(args.output, result, sort_keys=False)
     print(markdown_table(rows))
 
 

@@ -256,19 +256,6 @@ def make_task(data_dir: str, num_labels: int, num_train: int, num_test: int, see
     return stats
 
 
-def write_json_rows(path: str, rows: list[dict]) -> None:
-    """The results file, through a temp file renamed into place (in the file's order: rows, then their keys)."""
-    from hf_xmc.models.label_index import atomic_write
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            json.dump(rows, f, indent=2)
-
-    atomic_write(path, write)
-
-
 def make_encoder(directory: str, word_letters: int, layers: int, hidden: int = 384) -> str:
     """A random BERT (``layers`` transformer layers, hidden ``hidden``) and a WordPiece tokenizer whose pieces are the
     synthetic words' syllable pairs (``abcd`` and ``##abcd``), so a word is two or three tokens."""
@@ -666,6 +653,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         encoder = make_encoder(os.path.join(args.data_dir, f"encoder-{args.encoder_layers}l"), task["word_letters"], args.encoder_layers)
 
+    from hf_xmc.training.script_utils import write_json_atomic  # make_task imported hf_xmc already
+
     rows: list[dict] = []
     if args.merge and os.path.exists(args.out):
         with open(args.out) as f:
@@ -675,7 +664,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row = run_variant(method, variant, args, task, encoder)
         row["task"] = task
         rows = [r for r in rows if (r["method"], r["variant"]) != (method, variant)] + [row]
-        write_json_rows(args.out, rows)  # after every row: a run stopped later keeps what it measured
+        write_json_atomic(args.out, rows, sort_keys=False)  # after every row: a run stopped later keeps what it measured
         print(format_table([row]), flush=True)
         if not row["completed"]:
             print(row.get("error", ""), flush=True)

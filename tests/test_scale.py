@@ -144,8 +144,8 @@ def test_prime_training_does_not_broadcast_the_centroid_bank(tiny_encoder_dir, t
 def test_bench_scale_small_runs_every_stage(tmp_path):
     """The scale benchmark at 24K labels (one call: every train / reload worker is a fresh process, the fixed cost of
     this test; DEXML is left out for CI time: its hard-negative mining is UniDEC's, its model and flags are tested by
-    the training and reliability tests): every variant completes every stage, reloads through remote code and ranks for real (the chunked paths
-    of mining, centroids and evaluation are checked against one-shot results above). SiameseXML runs its
+    the training and reliability tests): every variant completes every stage, reloads through remote code and ranks
+    for real (the chunked paths of mining, centroids and evaluation are checked against one-shot results above). SiameseXML runs its
     bag-of-embeddings encoder (the transformer variant differs only in the encoder, covered by the model tests):
     Module II's label graph (two chunks of its 20,000 labels), label state and shortlists over every training point,
     Module IV and the fp16 ``[z~ ; v]`` store."""

@@ -352,12 +352,10 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
         queries = torch.as_tensor(query_vectors)
         if queries.shape[0] <= SEARCH_CHUNK:
             return self._search_chunk(queries, k)
-        scores = np.full((queries.shape[0], k), -np.inf, dtype=np.float32)
-        ids = np.full((queries.shape[0], k), -1, dtype=np.int64)
-        for start in range(0, queries.shape[0], SEARCH_CHUNK):
-            chunk_scores, chunk_ids = self._search_chunk(queries[start : start + SEARCH_CHUNK], k)
-            scores[start : start + SEARCH_CHUNK, : chunk_scores.shape[1]] = chunk_scores
-            ids[start : start + SEARCH_CHUNK, : chunk_ids.shape[1]] = chunk_ids
+        scores = np.empty((queries.shape[0], k), dtype=np.float32)
+        ids = np.empty((queries.shape[0], k), dtype=np.int64)
+        for start in range(0, queries.shape[0], SEARCH_CHUNK):  # each chunk fills its k columns (the shortlist has >= k)
+            scores[start : start + SEARCH_CHUNK], ids[start : start + SEARCH_CHUNK] = self._search_chunk(queries[start : start + SEARCH_CHUNK], k)
         return scores, ids
 
     def _search_chunk(self, query_vectors: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -423,12 +423,13 @@ def train_and_evaluate(
     return metrics
 
 
-def write_json_atomic(path: str, obj) -> None:
-    """Write JSON through a temp file in the same directory, then rename it into place."""
+def write_json_atomic(path: str, obj, sort_keys: bool = True) -> None:
+    """Write JSON through a temp file in the same directory, then rename it into place (``sort_keys=False``: keys in
+    the objects' own order, as a results file that tables read column by column keeps them)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
+            json.dump(obj, f, indent=2, sort_keys=sort_keys)
 
     atomic_write(path, write)
