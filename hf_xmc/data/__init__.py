@@ -17,6 +17,7 @@ from .debtags import DEBTAGS_DIR, load_debtags
 from .filters import filter_predictions, read_filter_file
 from .hf_bridge import from_hf_dataset, labels_to_hf_dataset, load_hf_xc_data, to_hf_dataset, xc_data_to_hf_dataset_dict
 from .images import image_cache_directory, load_image, load_images
+from .splits import carve_validation, default_validation_size, split_validation
 from .synthetic import SyntheticLabelTexts, make_synthetic_xmc
 from .xc_raw import (
     XCData,
@@ -56,4 +57,7 @@ __all__ = [
     "SyntheticLabelTexts",
     "load_debtags",
     "DEBTAGS_DIR",
+    "split_validation",
+    "carve_validation",
+    "default_validation_size",
 ]

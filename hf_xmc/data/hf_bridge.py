@@ -259,6 +259,7 @@ def load_hf_xc_data(
     train_files: str | None = None,
     test_files: str | None = None,
     image_cache_dir: str | None = None,
+    validation_split: str | None = None,
 ) -> XCData:
     """An XMC task read with ``datasets``, as transformers' example scripts read theirs.
 
@@ -269,7 +270,8 @@ def load_hf_xc_data(
     ``label_dataset_config_name`` (default ``dataset_config_name`` when the labels live in the same dataset), split
     ``label_split``: row i = label id i, ``label_text_column`` (+ ``uid``, ``label_image_column``). Points without a
     label are skipped as the XC readers skip them (``source_rows`` keeps the rows a filter file refers to).
-    ``train_split=None`` reads no training split (evaluation only). Memory: the Arrow tables are memory-mapped; the
+    ``train_split=None`` reads no training split (evaluation only); ``validation_split`` names a split of validation
+    points (``XCData.validation``). Memory: the Arrow tables are memory-mapped; the
     texts and the CSR targets are built once (``8 x`` labels-per-point bytes per point).
     """
     import numpy as np
@@ -310,4 +312,7 @@ def load_hf_xc_data(
     test = points(test_split, test_files)
     if train is not None and len(train) == 0:
         raise ValueError(f"{dataset_name}, split {train_split!r}: no training point has a label")
-    return XCData(train=train, test=test, label_texts=label_texts, label_uids=label_uids, label_images=label_images)
+    validation = points(validation_split, None) if validation_split else None
+    if validation is not None and len(validation) == 0:
+        raise ValueError(f"{dataset_name}, split {validation_split!r}: no validation point has a label")
+    return XCData(train=train, test=test, label_texts=label_texts, label_uids=label_uids, label_images=label_images, validation=validation)

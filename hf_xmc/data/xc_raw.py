@@ -249,11 +249,22 @@ class XCData:
     label_texts: Sequence[str]
     label_uids: Sequence[str]
     label_images: list[list[str]] | None = None  # per label: image paths; None when no label has images
+    # queries held out of training to tune on (hf_xmc.data.splits); None: no validation split
+    validation: XMCDataset | None = None
+    # the targets of every training query when ``validation`` was carved out of them (PSP@k's propensities)
+    all_train_targets: sp.csr_matrix | None = None
+    # what the saved config and the card say of the validation split (hf_xmc.data.splits.validation_record)
+    validation_record: dict | None = None
 
     @property
     def num_labels(self) -> int:
         """Number of labels."""
         return len(self.label_uids)
+
+    def propensity_targets(self) -> sp.csr_matrix:
+        """The training targets that PSP@k's inverse propensities are counted from: every training query, the ones a
+        validation split took included (so a split does not change the test metrics' propensities)."""
+        return self.all_train_targets if self.all_train_targets is not None else self.train.targets
 
 
 # --------------------------------------------------------------------------------------------

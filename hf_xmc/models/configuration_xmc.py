@@ -54,6 +54,12 @@ class XMCConfig(PreTrainedConfig):
             Fusion settings of the model's lexical channel (`ranker_weight`, `text_weight`, `dense_depth`, `ranker_depth`,
             `beam_size`; see `lexical_channel.py`), whose TF-IDF vocabulary, label rows and ranker are saved in
             `lexical_channel.safetensors`; None for a dense-only model.
+        score_calibration (`dict`, *optional*):
+            The map from predict's scores to probabilities of relevance, fitted on validation queries
+            (`calibration.py`: `method` isotonic with breakpoints `x`/`y`, or platt with `a`/`b`); None: uncalibrated,
+            `predict(threshold=)` refused.
+        validation (`dict`, *optional*):
+            The validation split the run tuned on (source, number of queries, seed, a fingerprint of their uids).
     """
 
     model_type = "hf_xmc"
@@ -74,6 +80,8 @@ class XMCConfig(PreTrainedConfig):
     encoder_adapter: dict | None = None
     encoder_adapter_only: bool = False
     lexical_channel: dict | None = None
+    score_calibration: dict | None = None
+    validation: dict | None = None
 
     def validate_xmc(self) -> None:
         """Raise a ValueError naming the first invalid field."""

@@ -11,7 +11,8 @@ queries' words. The lexical channel adds both kinds of word evidence to any text
   also covers labels without training queries and labels added later).
 
 Fusion (:meth:`LexicalChannel.fuse`): the candidates of a query are the dense search's top ``dense_depth`` labels and
-the ranker's top ``ranker_depth``; each gets ``dense + ranker_weight * p_ranker + text_weight * cos_text``, where
+the ranker's top ``ranker_depth``; each gets ``dense + ranker_weight * p_ranker + text_weight * cos_text`` (the dense
+term times ``dense_weight``, 1 unless set), where
 ``p_ranker`` is the forest's score (a probability in [0, 1]; 0 for a label the ranker did not return) and a candidate
 the dense search did not return gets the dense score of the query's last dense candidate (an upper bound of its own
 dense score under exact search). Dense scores are the model's search scores (cosine for the normalised methods), so
@@ -71,6 +72,7 @@ TOKEN_PATTERN = re.compile(r"(?u)\b\w\w+\b")
 FUSE_CHUNK = 512
 # fusion settings and their defaults (config.lexical_channel holds the fitted model's values)
 DEFAULT_SETTINGS = {
+    "dense_weight": 1.0,  # 0: the channel alone ranks the candidates (the dense score breaks no ties then)
     "ranker_weight": 1.0,
     "text_weight": 0.0,
     "dense_depth": 100,
@@ -200,9 +202,10 @@ class FusionCandidates:
     def __init__(self, ids: np.ndarray, dense: np.ndarray, ranker: np.ndarray, text: np.ndarray):
         self.ids, self.dense, self.ranker, self.text = ids, dense, ranker, text
 
-    def top_k(self, ranker_weight: float, text_weight: float, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(scores, ids)`` of the ``k`` best candidates by ``dense + ranker_weight * ranker + text_weight * text``."""
-        fused = self.dense + np.float32(ranker_weight) * self.ranker + np.float32(text_weight) * self.text
+    def top_k(self, ranker_weight: float, text_weight: float, k: int, dense_weight: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """``(scores, ids)`` of the ``k`` best candidates by ``dense_weight * dense + ranker_weight * ranker + text_weight
+        * text``."""
+        fused = np.float32(dense_weight) * self.dense + np.float32(ranker_weight) * self.ranker + np.float32(text_weight) * self.text
         fused[self.ids < 0] = -np.inf
         depth = min(k, fused.shape[1])
         order = np.argsort(-fused, axis=1, kind="stable")[:, :depth]
@@ -290,7 +293,7 @@ class LexicalChannel:
         for start in range(0, n, FUSE_CHUNK):
             stop = min(start + FUSE_CHUNK, n)
             candidates = self.candidates(texts[start:stop], dense_scores[start:stop], dense_ids[start:stop], *weights)
-            out_scores[start:stop], out_ids[start:stop] = candidates.top_k(*weights, k)
+            out_scores[start:stop], out_ids[start:stop] = candidates.top_k(*weights, k, dense_weight=float(self.settings["dense_weight"]))
         return out_scores, out_ids
 
     def candidates(self, texts: Sequence[str], dense_scores: np.ndarray, dense_ids: np.ndarray, ranker_weight: float = 1.0,

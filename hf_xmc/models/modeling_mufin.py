@@ -1061,23 +1061,24 @@ class MUFINModel(MUFINPreTrainedModel):
     def predict(
         self,
         texts: Optional[Sequence[Optional[str]]] = None,
-        k: int = 5,
+        k: Optional[int] = None,
         batch_size: int = 64,
         show_progress_bar: Optional[bool] = None,
         *,
         images: Optional[Sequence[Any]] = None,
         search_mode: Optional[str] = None,
         pair_batch_size: int = 4096,
+        threshold: Optional[float] = None,
     ) -> XMCPrediction:
         """Rank the model's labels for items given as texts and/or images (see :meth:`prepare_bags`).
 
         Per item: ``x^1`` queries the shortlist index once (``R_t``, ``a``); ``A_C`` and the classifier run on the
         shortlist only (``c``, batched over ``pair_batch_size`` pairs); the shortlist is ranked by ``search_mode``
         (default ``config.search_mode``). Labels outside ``R_t`` get no score: slots beyond ``|R_t|`` hold ``-1`` /
-        ``-inf`` / ``""``.
+        ``-inf`` / ``""``. ``k`` and ``threshold`` as in :meth:`XMCPreTrainedModel.predict` (the calibration is the one of
+        ``config.search_mode``'s scores).
         """
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+        k = self._prediction_depth(k, threshold)
         mode = search_mode or self.config.search_mode
         if mode not in MUFIN_SEARCH_MODES:
             raise ValueError(f"search mode must be one of {MUFIN_SEARCH_MODES}, got {mode!r}")
@@ -1104,9 +1105,7 @@ class MUFINModel(MUFINPreTrainedModel):
                 out_scores[start : start + len(ids), :width] = np.take_along_axis(scores, order, 1)
         finally:
             self.train(was_training)
-        labels = self.label_texts
-        names = [[labels[i] if i >= 0 else "" for i in row] for row in out_ids.tolist()]
-        return XMCPrediction(label_ids=out_ids, scores=out_scores, label_texts=names)
+        return self._prediction(out_ids, out_scores, threshold)
 
     def _shortlist_classifier_scores(self, query_bags: torch.Tensor, query_mask: torch.Tensor, ids: np.ndarray, pair_batch_size: int) -> np.ndarray:
         """``c_tl`` for every (query, shortlisted label) pair: one A_C + classifier evaluation per pair."""

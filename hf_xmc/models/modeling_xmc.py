@@ -46,6 +46,7 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedModel
 from transformers.utils import ModelOutput, is_peft_available, logging
 from transformers.utils.hub import cached_file, convert_file_size_to_int
 
+from .calibration import ScoreCalibration
 from .configuration_xmc import XMCConfig
 from .label_index import (
     INDEX_FILE,
@@ -69,6 +70,7 @@ LABEL_SHARD_PATTERN = re.compile(r"label_embeddings-\d{5}-of-\d{5}\.safetensors"
 MODEL_CARD_FILE = "README.md"
 MODEL_CARD_ASSETS = ("xmc_metrics.png",)  # files the card shows; they travel with it
 EVAL_RESULTS_FILE = "eval_results.json"  # a training run's metrics (the training script contract); pushed with the card
+THRESHOLD_DEPTH = 100  # labels predict(threshold=) ranks before it keeps those above the threshold (k overrides it)
 CONFIG_FILE = "config.json"
 # an adapter-only save: the encoder's peft adapter, in peft's own layout (PeftModel.from_pretrained(base, repo,
 # subfolder="encoder_adapter") reads it), in a subfolder: transformers takes a top-level adapter_config.json for an
@@ -93,11 +95,14 @@ class XMCPrediction:
         label_ids: int64 array ``(n, k)``; ``-1`` marks an empty slot (fewer than k labels exist).
         scores: float32 array ``(n, k)``, non-increasing along each row.
         label_texts: ``n`` lists of ``k`` label texts (empty string for an empty slot).
+        probabilities: float32 array ``(n, k)``, the calibrated probability that each label is relevant (0 for an
+            empty slot); None for a model without a score calibration.
     """
 
     label_ids: np.ndarray
     scores: np.ndarray
     label_texts: list[list[str]]
+    probabilities: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -1209,17 +1214,67 @@ class XMCPreTrainedModel(PreTrainedModel):
     def _concat_rows(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         return torch.cat([old, new.to(device=old.device, dtype=old.dtype)])
 
-    def predict(self, texts: Sequence[str] | str, k: int = 5, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> XMCPrediction:
-        """Rank the model's labels for each text and return the top ``k`` (ids, scores and label texts)."""
+    def predict(self, texts: Sequence[str] | str, k: Optional[int] = None, batch_size: int = 128, show_progress_bar: Optional[bool] = None,
+                threshold: Optional[float] = None) -> XMCPrediction:
+        """Rank the model's labels for each text and return the top ``k`` (ids, scores, label texts and, for a calibrated
+        model, probabilities). ``threshold``: keep only the labels whose calibrated probability is at least it, among
+        the top ``k`` (default 5, or :data:`THRESHOLD_DEPTH` with a threshold); slots left empty hold ``-1``."""
         if isinstance(texts, str):
             texts = [texts]
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
-        labels = self._require_labels()
+        k = self._prediction_depth(k, threshold)
+        self._require_labels()
         queries = self.query_search_vectors(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
         scores, ids = self.search_texts(texts, queries, k)
+        return self._prediction(ids, scores, threshold)
+
+    # ------------------------------------------------------------------ calibrated scores (calibration.py)
+    @property
+    def score_calibration(self) -> Optional[ScoreCalibration]:
+        """The map from predict's scores to probabilities of relevance (``config.score_calibration``), or None."""
+        values = self.config.score_calibration
+        if not values:
+            return None
+        cached = getattr(self, "_score_calibration_cache", None)
+        if cached is None or cached[0] is not values:
+            cached = (values, ScoreCalibration.from_dict(values))
+            self._score_calibration_cache = cached
+        return cached[1]
+
+    def set_score_calibration(self, calibration: Optional[ScoreCalibration]) -> None:
+        """Attach a fitted calibration (``hf_xmc.training.calibration.fit_score_calibration``), saved in the config;
+        None removes it."""
+        self.config.score_calibration = calibration.to_dict() if calibration is not None else None
+
+    def _prediction_depth(self, k: Optional[int], threshold: Optional[float]) -> int:
+        """``k`` checked, defaulted (5, or :data:`THRESHOLD_DEPTH` with a threshold), and the threshold checked."""
+        if threshold is not None:
+            if not 0.0 <= float(threshold) <= 1.0:
+                raise ValueError(f"threshold is a probability in [0, 1], got {threshold}")
+            if self.score_calibration is None:
+                raise ValueError(
+                    f"{type(self).__name__} has no score calibration, so its scores are no probabilities to threshold: train with a "
+                    "validation split (--score_calibration isotonic) or fit one (hf_xmc.training.calibration.fit_score_calibration)"
+                )
+        k = (THRESHOLD_DEPTH if threshold is not None else 5) if k is None else int(k)
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        return k
+
+    def _prediction(self, ids: np.ndarray, scores: np.ndarray, threshold: Optional[float] = None) -> XMCPrediction:
+        """An :class:`XMCPrediction` of ranked ``ids`` / ``scores``: label texts, calibrated probabilities, and with a
+        ``threshold`` only the labels whose probability reaches it (the rest emptied: ``-1``, ``-inf``, ``""``, 0)."""
+        labels = self._require_labels()
+        calibration = self.score_calibration
+        probabilities = None
+        if calibration is not None:
+            probabilities = np.where(ids >= 0, calibration(scores), 0.0).astype(np.float32)
+            if threshold is not None:
+                below = probabilities < np.float32(threshold)
+                ids = np.where(below, -1, ids)
+                scores = np.where(below, -np.inf, scores).astype(np.float32)
+                probabilities = np.where(below, 0.0, probabilities).astype(np.float32)
         names = [[labels[i] if i >= 0 else "" for i in row] for row in ids.tolist()]
-        return XMCPrediction(label_ids=ids, scores=scores, label_texts=names)
+        return XMCPrediction(label_ids=ids, scores=scores, label_texts=names, probabilities=probabilities)
 
     # ------------------------------------------------------------------ what the model needs and came from (its card)
     def base_model_names(self) -> list[str]:
@@ -1542,6 +1597,11 @@ class XMCPreTrainedModel(PreTrainedModel):
             self.label_index = LabelIndex.load(
                 blocks, meta_path=fetch(INDEX_META_FILE), index_path=fetch(INDEX_FILE), kind=self.config.index_kind
             )
+        if self.config.score_calibration:
+            try:
+                ScoreCalibration.from_dict(self.config.score_calibration)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{path}: config.json's score_calibration is malformed ({err})") from None
         if self.config.lexical_channel:
             lexical_path = fetch(LEXICAL_FILE)
             if lexical_path is None:

@@ -83,6 +83,18 @@ class XMCEvaluator:
         self.dense_predictions: Optional[np.ndarray] = None
         # skip re-encoding the labels once, when the model's index was just built over them with its final weights
         self.reuse_label_index = False
+        # a calibrated model: the reliability diagram's rows of the last evaluation (hf_xmc.training.calibration)
+        self.last_reliability: Optional[list[dict]] = None
+        self.last_ranking: Optional[tuple[np.ndarray, np.ndarray]] = None  # (ids, scores) behind last_reliability
+
+    def for_queries(self, data: XMCDataset, name: str) -> XMCEvaluator:
+        """An evaluator of other queries (a validation split) over the same labels, propensities, cut-offs, batch size
+        and label images, named ``name`` (its keys' prefix); no filter file."""
+        other = XMCEvaluator(data, self.label_texts, self.label_uids, ks=self.ks, recall_ks=self.recall_ks, name=name, batch_size=self.batch_size,
+                             dataset_name=self.dataset_name, dataset_id=self.dataset_id, label_images=self.label_images, chunk_size=self.chunk_size,
+                             propensity_a=self.propensity_a, propensity_b=self.propensity_b)
+        other.inv_propensity, other.train_label_counts = self.inv_propensity, self.train_label_counts
+        return other
 
     @property
     def top_k(self) -> int:
@@ -160,10 +172,17 @@ class XMCEvaluator:
         with a lexical channel, its dense ranking alone as ``<name>_dense_<metric>``)."""
         start = time.perf_counter()
         self.dense_predictions = None
-        ids, _, query_seconds = self.predict(model, show_progress_bar)
+        ids, scores, query_seconds = self.predict(model, show_progress_bar)
         metrics = xmc_metrics(ids, self.data.targets, self.inv_propensity, ks=self.ks, recall_ks=self.recall_ks)
         self.last_predictions = np.ascontiguousarray(ids[:, : max(self.ks)])
         out = {f"{self.name}_{key}": float(value) for key, value in metrics.items()}
+        if getattr(model, "score_calibration", None) is not None:  # how well its probabilities match these queries
+            from .calibration import calibration_metrics
+
+            calibration = calibration_metrics(model, ids, scores, self.data.targets)
+            out[f"{self.name}_ECE"] = float(calibration["ECE"])
+            self.last_reliability = calibration["reliability"]
+            self.last_ranking = (ids, scores)
         if self.dense_predictions is not None:
             dense = xmc_metrics(self.dense_predictions, self.data.targets, self.inv_propensity, ks=self.ks, recall_ks=self.recall_ks)
             out.update({f"{self.name}_dense_{key}": float(value) for key, value in dense.items()})

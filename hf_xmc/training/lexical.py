@@ -10,11 +10,16 @@ Steps (each logged with its seconds):
    still count for the label-text channel.
 2. The ranker: Omikuji with its library defaults (Parabel-like: 3 trees of balanced 2-means splits, sparse linear
    nodes) on the TF-IDF features of the training queries but the tuning slice, ``n_threads`` threads.
-3. The weights: the tuning slice (``tune_queries`` training queries, at most a tenth of them, drawn with ``seed``) is
-   ranked by the model's dense search and by the ranker once; every pair of the weight grids is scored from those
-   candidates and the pair with the best ``P@1 + PSP@5`` is kept (ties: the smaller weights). Weights given
-   explicitly are not tuned. The dense model has seen the slice in training (its scores there are optimistic), which
-   errs towards smaller lexical weights.
+3. The weights: with ``validation`` queries (a split held out of training before the model trained, see
+   :mod:`hf_xmc.data.splits`), the ranker trains on every training query and the weights are tuned on the validation
+   queries, which neither the dense model nor the ranker has seen; then (``refit_ranker``, or later through
+   :func:`refit_lexical_ranker`, once whatever else is tuned on them is) the ranker may be trained again on the training
+   and validation queries. Without them, a tuning slice (``tune_queries`` training queries, at most a
+   tenth, drawn with ``seed``) is held out of the ranker only: the dense model has seen it in training, so its scores
+   there are optimistic and the tuning errs towards small lexical weights (10-50x smaller for the methods with per-label
+   parameters, which memorise their training queries). Either way the tuning queries are ranked once by the model's
+   dense search and once by the ranker; every pair of the weight grids is scored from those candidates and the pair
+   with the best ``P@1 + PSP@5`` is kept (ties: the smaller weights). Weights given explicitly are not tuned.
 
 Needs ``scikit-learn`` and ``omikuji`` (``pip install hf_xmc[lexical]``). Memory: the TF-IDF matrix of the training
 queries (``12`` bytes per non-zero, ~25 per short query: 0.7 GB at 2.2M queries) while the ranker trains, plus
@@ -98,12 +103,15 @@ def fit_lexical_channel(
     n_threads: Optional[int] = None,
     max_features: Optional[int] = 200_000,
     batch_size: int = 128,
+    validation: Optional[XMCDataset] = None,
+    refit_ranker: bool = False,
     **settings,
 ) -> LexicalChannel:
-    """Fit a lexical channel for ``model`` on its training data, tune the weights left ``None`` (module docstring),
-    attach it (``model.set_lexical_channel``) and return it. The model's label index is rebuilt with its current
-    weights, over ``label_texts`` / ``label_uids`` (default: the model's labels). ``settings`` override the other
-    fusion settings (``dense_depth``, ``ranker_depth``, ``beam_size``)."""
+    """Fit a lexical channel for ``model`` on its training data, tune the weights left ``None`` on ``validation``
+    (or, without it, on held-out training queries: module docstring), attach it (``model.set_lexical_channel``) and
+    return it. The model's label index is rebuilt with its current weights, over ``label_texts`` / ``label_uids``
+    (default: the model's labels). ``settings`` override the other fusion settings (``dense_depth``, ``ranker_depth``,
+    ``beam_size``)."""
     if "image" in getattr(model, "input_modalities", ("text",)):
         raise ValueError(f"{type(model).__name__} ranks texts and images through its own predict: the lexical channel is for text models")
     if label_texts is not None:
@@ -121,12 +129,15 @@ def fit_lexical_channel(
     tuning = ranker_weight is None or text_weight is None
     n = len(train)
     holdout = np.zeros(0, dtype=np.int64)
-    if tuning:
+    if validation is not None and validation.targets.shape[1] != len(labels):
+        raise ValueError(f"validation targets have {validation.targets.shape[1]} label columns but the model has {len(labels)} labels")
+    if tuning and validation is None:
         size = min(int(tune_queries), n // 10)
         if size < 20:
             logger.warning("lexical channel: %d training queries are too few to tune the weights on; using the defaults", n)
             tuning = False
         else:
+            logger.warning("lexical channel: no validation split, so the weights are tuned on %d training queries the model has seen", size)
             holdout = np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False))
     fit_rows = np.setdiff1d(np.arange(n), holdout)
 
@@ -139,18 +150,36 @@ def fit_lexical_channel(
     model.build_label_index(batch_size=batch_size)
     if tuning:
         start = time.perf_counter()
+        tune_on = validation if validation is not None else train.select(holdout)
         chosen = tune_fusion_weights(
-            model, channel, train.select(holdout), train.targets,
+            model, channel, tune_on, train.targets,
             RANKER_WEIGHTS if ranker_weight is None else (ranker_weight,), TEXT_WEIGHTS if text_weight is None else (text_weight,),
             batch_size=batch_size,
         )
         ranker_weight, text_weight = chosen["ranker_weight"], chosen["text_weight"]
+        chosen["tuned_on"] = "validation" if validation is not None else "training"
         channel.tuning = chosen  # what the weights were chosen from (not saved)
-        logger.info("lexical channel: weights tuned on %d held-out training queries in %.1f s: %s", len(holdout), time.perf_counter() - start, chosen)
+        logger.info("lexical channel: weights tuned on %d %s queries in %.1f s: %s", len(tune_on), chosen["tuned_on"], time.perf_counter() - start,
+                    {k: v for k, v in chosen.items() if k != "grid"})
+    if validation is not None and refit_ranker:
+        refit_lexical_ranker(channel, train, validation, n_threads=n_threads)
     channel.settings.update(ranker_weight=float(ranker_weight if ranker_weight is not None else DEFAULT_SETTINGS["ranker_weight"]),
                             text_weight=float(text_weight if text_weight is not None else DEFAULT_SETTINGS["text_weight"]))
     model.set_lexical_channel(channel)
     return channel
+
+
+def refit_lexical_ranker(channel: LexicalChannel, train: XMCDataset, validation: XMCDataset, n_threads: Optional[int] = None) -> None:
+    """Train the channel's ranker again on the training and the validation queries, once everything tuned on the
+    validation queries is (the fusion weights, the score calibration): the saved ranker has seen every query.
+    Memory: the TF-IDF rows of both (12 bytes per non-zero) while Omikuji trains."""
+    start = time.perf_counter()
+    rows = CsrRows.concat([channel.features.transform(train.texts), channel.features.transform(validation.texts)])
+    targets = sp.vstack([train.targets, validation.targets], format="csr")
+    channel.ranker = train_omikuji(as_scipy(rows, channel.features.num_features), targets, n_threads=n_threads)
+    channel.ranker_files = None
+    channel.ranker_labels = None
+    logger.info("lexical channel: ranker trained again on the %d training and validation queries in %.1f s", len(rows), time.perf_counter() - start)
 
 
 def tune_fusion_weights(

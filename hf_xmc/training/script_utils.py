@@ -70,12 +70,33 @@ class XMCDataArguments:
         default=None,
         metadata={"help": "The paper's configuration for a dataset (e.g. lf-amazontitles-1.3m; 'list' names them): its values become the defaults, explicit flags win."},
     )
+    # --- the validation split: what a run tunes (fusion weights, calibration, the best checkpoint) is tuned on it ---
+    validation_file: Optional[str] = field(
+        default=None, metadata={"help": "Validation points: XC raw JSON lines, in the training file's format (default: carved out of the training points when the run needs them)."}
+    )
+    validation_split: Optional[str] = field(default=None, metadata={"help": "With --dataset_name: the split of the validation points (default: carved out of the training split when needed)."})
+    validation_split_percentage: Optional[float] = field(
+        default=None,
+        metadata={"help": "Percentage of the training points held out for validation (0 = none). Default: 5%%, at least 500 and at most 2,000 "
+                  "points (never over a fifth), when the run needs a validation split (--lexical_channel, --score_calibration, "
+                  "--eval_strategy, --load_best_model_at_end); none otherwise."},
+    )
+    validation_size: Optional[int] = field(default=None, metadata={"help": "Number of training points held out for validation, instead of a percentage (0 = none)."})
 
     def __post_init__(self):
         for name in ("max_seq_length", "label_max_seq_length", "eval_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name} must be >= 1, got {value}")
+        if self.validation_split_percentage is not None and not 0 <= self.validation_split_percentage < 100:
+            raise ValueError(f"--validation_split_percentage must be in [0, 100), got {self.validation_split_percentage}")
+        if self.validation_size is not None and self.validation_size < 0:
+            raise ValueError(f"--validation_size must be >= 0, got {self.validation_size}")
+        given = [flag for flag, value in (("--validation_file", self.validation_file), ("--validation_split", self.validation_split),
+                                          ("--validation_split_percentage", self.validation_split_percentage),
+                                          ("--validation_size", self.validation_size)) if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of {' and '.join(given)}: they name the validation points in different ways")
 
 
 def setup_logging(training_args: XMCTrainingArguments) -> None:
@@ -296,8 +317,9 @@ def uses_hf_dataset(data_args: XMCDataArguments) -> bool:
     return True
 
 
-def load_data(data_args: XMCDataArguments) -> XCData:
-    """Read the train/test/label files named by the data arguments, or the ``datasets`` dataset of ``--dataset_name``."""
+def load_data(data_args: XMCDataArguments, training_args: Optional[XMCTrainingArguments] = None) -> XCData:
+    """Read the train/test/label files named by the data arguments, or the ``datasets`` dataset of ``--dataset_name``;
+    with ``training_args``, also the validation points the run needs (:func:`prepare_validation`)."""
     if uses_hf_dataset(data_args):
         from ..data import load_hf_xc_data
 
@@ -306,17 +328,82 @@ def load_data(data_args: XMCDataArguments) -> XCData:
             label_dataset_name=data_args.label_dataset_name, label_dataset_config_name=data_args.label_dataset_config_name,
             label_split=data_args.label_split, text_column=data_args.text_column, label_column=data_args.label_column,
             image_column=data_args.image_column, label_text_column=data_args.label_text_column, label_image_column=data_args.label_image_column,
+            validation_split=data_args.validation_split,
         )
         logger.info("data from datasets %s: %d train, %d test points, %d labels", data_args.dataset_name, len(data.train), len(data.test), len(data.label_texts))
+    else:
+        if data_args.validation_split is not None:
+            raise ValueError("--validation_split names a split of --dataset_name; with XC files give --validation_file")
+        data = load_xc_dataset(
+            data_args.train_file,
+            data_args.test_file,
+            data_args.label_file,
+            text_fields=tuple(data_args.text_fields.split(",")),
+            label_text_fields=tuple(data_args.label_text_fields.split(",")),
+        )
+        logger.info("data: %d train, %d test points, %d labels", len(data.train), len(data.test), len(data.label_texts))
+        if data_args.validation_file:
+            from ..data import read_xc_raw
+
+            data.validation = read_xc_raw(data_args.validation_file, num_labels=len(data.label_texts), text_fields=tuple(data_args.text_fields.split(",")))
+            if len(data.validation) == 0:
+                raise ValueError(f"{data_args.validation_file}: no validation point has a label")
+    if training_args is not None:
+        data = prepare_validation(data, data_args, training_args)
+    return data
+
+
+def needs_validation(training_args: XMCTrainingArguments) -> list[str]:
+    """The flags of a run that tune on a validation split (empty: the run needs none)."""
+    from transformers.trainer_utils import IntervalStrategy
+
+    needs = []
+    if getattr(training_args, "lexical_channel", "none") != "none":
+        needs.append("--lexical_channel")
+    if getattr(training_args, "score_calibration", "auto") in ("isotonic", "platt"):
+        needs.append("--score_calibration")
+    if training_args.eval_strategy != IntervalStrategy.NO:
+        needs.append("--eval_strategy")
+    if training_args.load_best_model_at_end:
+        needs.append("--load_best_model_at_end")
+    return needs
+
+
+def prepare_validation(data: XCData, data_args: XMCDataArguments, training_args: XMCTrainingArguments) -> XCData:
+    """The validation points of the run, before anything trains: the ones of ``--validation_file`` /
+    ``--validation_split`` when given (already in ``data.validation``), else ``--validation_size`` queries or
+    ``--validation_split_percentage`` percent of the training queries, else, when the run needs a split
+    (:func:`needs_validation`), :func:`hf_xmc.data.splits.default_validation_size` of them; none otherwise. The draw
+    uses ``--seed`` only, so every process of a run (and a resumed run) holds out the same queries. Recorded in
+    ``data.validation_record`` (the saved config's ``validation`` and the card)."""
+    from ..data.splits import carve_validation, default_validation_size, validation_record
+
+    needs = needs_validation(training_args)
+    if data.validation is not None:
+        source = data_args.validation_file or f"split {data_args.validation_split!r}"
+        data.validation_record = validation_record(data, source)
+        logger.info("validation: %d points from %s", len(data.validation), source)
         return data
-    data = load_xc_dataset(
-        data_args.train_file,
-        data_args.test_file,
-        data_args.label_file,
-        text_fields=tuple(data_args.text_fields.split(",")),
-        label_text_fields=tuple(data_args.label_text_fields.split(",")),
-    )
-    logger.info("data: %d train, %d test points, %d labels", len(data.train), len(data.test), len(data.label_texts))
+    n = len(data.train)
+    if data_args.validation_size is not None:
+        size = data_args.validation_size
+    elif data_args.validation_split_percentage is not None:
+        size = int(round(n * data_args.validation_split_percentage / 100))
+    else:
+        size = default_validation_size(n) if needs else 0
+    if size == 0:
+        if needs:
+            if data_args.validation_size == 0 or data_args.validation_split_percentage == 0:
+                logger.warning("no validation split (asked for 0 points): %s tune on training points the model has seen", ", ".join(needs))
+            else:
+                raise ValueError(f"{', '.join(needs)} tune on a validation split, and {n} training points are too few to hold one out: give --validation_file")
+        data.validation_record = None
+        return data
+    if size >= n:
+        raise ValueError(f"--validation_size {size} leaves no training points (there are {n})")
+    data = carve_validation(data, size, training_args.seed)
+    data.validation_record = validation_record(data, "training split", seed=training_args.seed)
+    logger.info("validation: %d of the %d training points held out (seed %d), %d left to train on", size, n, training_args.seed, len(data.train))
     return data
 
 
@@ -331,7 +418,7 @@ def build_evaluator(data: XCData, data_args: XMCDataArguments) -> XMCEvaluator:
         data.test,
         data.label_texts,
         data.label_uids,
-        train_targets=data.train.targets if data.train is not None else None,  # no train split: no PS metrics
+        train_targets=data.propensity_targets() if data.train is not None else None,  # no train split: no PS metrics
         propensity_a=data_args.propensity_a,
         propensity_b=data_args.propensity_b,
         filter_matrix=filt,
@@ -364,6 +451,29 @@ def dataset_name_from_path(path: str) -> str:
     return os.path.basename(os.path.dirname(os.path.abspath(path))) or "dataset"
 
 
+def validation_evaluator(data: XCData, evaluator: XMCEvaluator) -> Optional[XMCEvaluator]:
+    """The evaluator of the run's validation points (keys ``eval_*``: what ``--eval_strategy`` logs and
+    ``--metric_for_best_model`` reads), a twin of the test ``evaluator``; None without a validation split."""
+    return evaluator.for_queries(data.validation, "eval") if data.validation is not None else None
+
+
+def stage_evaluation(data: XCData, data_args: XMCDataArguments) -> dict:
+    """``XMCTrainer`` keyword arguments for an earlier stage of a multi-stage recipe (SiameseXML's and MUFIN's Module I,
+    PRIME before PRIME (W)): its ``--eval_strategy`` evaluates on the validation split too ({} without one)."""
+    if data.validation is None:
+        return {}
+    return {"evaluator": validation_evaluator(data, build_evaluator(data, data_args)), "eval_dataset": data.validation}
+
+
+def check_validation(training_args: XMCTrainingArguments, validation: Optional[XMCEvaluator]) -> None:
+    """Refuse ``--eval_strategy`` / ``--load_best_model_at_end`` without validation points (they never read the test file)."""
+    from transformers.trainer_utils import IntervalStrategy
+
+    if validation is None and (training_args.eval_strategy != IntervalStrategy.NO or training_args.load_best_model_at_end):
+        raise ValueError("--eval_strategy / --load_best_model_at_end evaluate on a validation split, and this run has none "
+                         "(--validation_size 0?): give --validation_file, --validation_size N or --validation_split_percentage P")
+
+
 def train_and_evaluate(
     model,
     data: XCData,
@@ -372,12 +482,18 @@ def train_and_evaluate(
     card_kwargs: Optional[dict] = None,
     **trainer_kwargs,
 ) -> dict:
-    """Train ``model``, evaluate it with ``evaluator``, save it (with labels, vectors, index and model card) to
-    ``output_dir``, write ``eval_results.json`` there and, with ``--push_to_hub``, upload the directory; returns
-    the metrics (``train_*`` and ``<evaluator name>_*``). ``card_kwargs`` go to ``XMCTrainer.create_model_card``
-    (``dataset``, ``finetuned_from``, ``model_name``, ``license``, ``tags``)."""
+    """Train ``model`` on ``data.train``, tune what the run tunes on ``data.validation`` (the lexical channel's weights,
+    the score calibration; ``--eval_strategy`` evaluates on it during training and ``--load_best_model_at_end`` keeps
+    the best checkpoint by it), evaluate it with ``evaluator`` (the test file), save it (with labels, vectors, index and
+    model card) to ``output_dir``, write ``eval_results.json`` there and, with ``--push_to_hub``, upload the
+    directory; returns the metrics (``train_*``, ``<evaluator name>_*``). ``--max_steps 0`` trains nothing (the
+    untrained encoder, with whatever the run fits after training: the zero-shot baseline). ``card_kwargs`` go to
+    ``XMCTrainer.create_model_card`` (``dataset``, ``finetuned_from``, ``model_name``, ``license``, ``tags``)."""
     if training_args.lexical_channel != "none" and "image" in getattr(model, "input_modalities", ("text",)):
         raise ValueError(f"--lexical_channel: {type(model).__name__} ranks texts and images through its own predict; the lexical channel is for text models")
+    validation = validation_evaluator(data, evaluator)
+    check_validation(training_args, validation)
+    model.config.validation = data.validation_record
     set_seed(training_args.seed)
     trainer = XMCTrainer(
         model=model,
@@ -386,19 +502,25 @@ def train_and_evaluate(
         label_texts=data.label_texts,
         label_uids=data.label_uids,
         label_images=data.label_images,
-        evaluator=evaluator,
+        evaluator=validation,
+        eval_dataset=data.validation,  # transformers asks for one with --eval_strategy; the evaluator is what runs
         **trainer_kwargs,
     )
-    resume = resume_argument(training_args)
-    if resume is True:
-        resume = trainer.last_complete_checkpoint()
-        if resume is None:  # killed before its first checkpoint (or, in a multi-stage recipe, in an earlier stage)
-            logger.warning("%s: no complete checkpoint to resume from: training from the start", training_args.output_dir)
-    if resume:
-        logger.info("resuming from %s", resume)
-    train_result = trainer.train(resume_from_checkpoint=resume)
+    if training_args.max_steps == 0:
+        logger.info("--max_steps 0: no training step; the model is its starting point")
+        metrics = {"train_runtime": 0.0, "train_steps": 0}
+    else:
+        resume = resume_argument(training_args)
+        if resume is True:
+            resume = trainer.last_complete_checkpoint()
+            if resume is None:  # killed before its first checkpoint (or, in a multi-stage recipe, in an earlier stage)
+                logger.warning("%s: no complete checkpoint to resume from: training from the start", training_args.output_dir)
+        if resume:
+            logger.info("resuming from %s", resume)
+        train_result = trainer.train(resume_from_checkpoint=resume)
+        metrics = dict(train_result.metrics)
     trainer.release_training_state()  # the optimizer's moments and the batches' data: not needed from here on
-    metrics = dict(train_result.metrics)
+    index_current = False  # the model's label index was built with the final weights (no need to encode the labels again)
     if training_args.lexical_channel != "none":
         from .lexical import fit_lexical_channel
 
@@ -406,13 +528,40 @@ def train_and_evaluate(
         channel = fit_lexical_channel(
             model, data.train, data.label_texts, data.label_uids, ranker_weight=training_args.lexical_ranker_weight,
             text_weight=training_args.lexical_text_weight, tune_queries=training_args.lexical_tune_queries, seed=training_args.seed,
-            batch_size=evaluator.batch_size,
+            batch_size=evaluator.batch_size, validation=data.validation,
         )
         metrics["lexical_fit_runtime"] = round(time.perf_counter() - start, 4)
         metrics["lexical_ranker_weight"], metrics["lexical_text_weight"] = channel.settings["ranker_weight"], channel.settings["text_weight"]
-        evaluator.reuse_label_index = True  # the fit indexed the labels with the final weights
+        index_current = True
+    method = training_args.score_calibration
+    if method == "auto":
+        method = "isotonic" if validation is not None else "none"
+    if method != "none":
+        from .calibration import fit_score_calibration
+
+        start = time.perf_counter()
+        other = tuple(m for m in ("isotonic", "platt") if m != method)  # fitted beside it: its test ECE is reported too
+        calibrations = fit_score_calibration(model, validation, method, reuse_label_index=index_current, also=other)
+        metrics["calibration_runtime"] = round(time.perf_counter() - start, 4)
+        index_current = True
+    if training_args.lexical_channel != "none" and data.validation is not None and training_args.lexical_refit_ranker:
+        from .lexical import refit_lexical_ranker
+
+        start = time.perf_counter()  # after the calibration: it is fitted on queries the ranker has not seen
+        refit_lexical_ranker(model.lexical_channel, data.train, data.validation)
+        metrics["lexical_fit_runtime"] += round(time.perf_counter() - start, 4)
+    evaluator.reuse_label_index = index_current
+    trainer.evaluator = evaluator  # the test file, read for this final evaluation only (and the model card)
     metrics.update(trainer.evaluate(metric_key_prefix=evaluator.name))
     metrics.pop("epoch", None)
+    if method != "none" and evaluator.last_ranking is not None:
+        from .calibration import calibration_metrics
+
+        for name, calibration in calibrations.items():  # the chosen method's ECE is <name>_ECE; each one's under its name
+            value = calibration_metrics(model, *evaluator.last_ranking, evaluator.data.targets, calibration=calibration)["ECE"]
+            metrics[f"{evaluator.name}_ECE_{name}"] = round(value, 4)
+        metrics["calibration_method"] = method
+        metrics["calibration_reliability"] = evaluator.last_reliability  # the reliability diagram's rows on the test split
     trainer.save_model(training_args.output_dir)  # after evaluate: the saved index matches the final weights
     if trainer.is_world_process_zero():
         write_json_atomic(os.path.join(training_args.output_dir, EVAL_RESULTS_FILE), metrics)

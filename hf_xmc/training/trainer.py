@@ -94,7 +94,11 @@ class XMCTrainingArguments(TrainingArguments):
     lexical_channel: str = field(default="none", metadata={"help": "'omikuji': after training, fit a lexical channel (TF-IDF + an Omikuji ranker, needs omikuji and scikit-learn) that predict fuses with the dense score; 'none': dense only."})
     lexical_ranker_weight: Optional[float] = field(default=None, metadata={"help": "--lexical_channel: weight of the ranker's score (default: tuned on held-out training queries)."})
     lexical_text_weight: Optional[float] = field(default=None, metadata={"help": "--lexical_channel: weight of the label-text TF-IDF cosine (default: tuned)."})
-    lexical_tune_queries: int = field(default=2000, metadata={"help": "--lexical_channel: training queries held out from the ranker to tune the weights on (at most a tenth)."})
+    lexical_tune_queries: int = field(default=2000, metadata={"help": "--lexical_channel without a validation split (--validation_size 0): training queries held out from the ranker to tune the weights on (at most a tenth)."})
+    lexical_refit_ranker: bool = field(default=True, metadata={"help": "--lexical_channel: once the weights are tuned on the validation split, train the ranker again on the training and validation queries (the saved ranker has seen every training query)."})
+
+    # --- scores turned into probabilities of relevance, fitted on the validation split (hf_xmc.training.calibration) ---
+    score_calibration: str = field(default="auto", metadata={"help": "'isotonic' or 'platt': map predict's scores to the probability that a label is relevant (predict(threshold=)); 'auto': isotonic when the run has a validation split; 'none': no calibration."})
 
     def __post_init__(self):
         if not _accelerator_present():
@@ -130,6 +134,10 @@ class XMCTrainingArguments(TrainingArguments):
             missing = [name for name, module in (("omikuji", "omikuji"), ("scikit-learn", "sklearn")) if importlib.util.find_spec(module) is None]
             if missing:
                 raise ValueError(f"--lexical_channel omikuji needs {' and '.join(missing)}: pip install 'hf_xmc[lexical]'")
+        if self.score_calibration not in ("auto", "isotonic", "platt", "none"):
+            raise ValueError(f"--score_calibration takes 'auto', 'isotonic', 'platt' or 'none', got {self.score_calibration!r}")
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "P@1"  # the validation split's P@1 (transformers' default, the loss, is not computed)
         if self.hard_negatives > self.hard_negative_top_k:
             raise ValueError(f"--hard_negatives {self.hard_negatives} exceeds the shortlist they are drawn from (--hard_negative_top_k {self.hard_negative_top_k})")
         super().__post_init__()

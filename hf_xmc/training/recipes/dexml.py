@@ -65,7 +65,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     """Parse the recipe's arguments (``argv``, default ``sys.argv[1:]``; or one ``.json`` file), train, evaluate
     on the test file, save the model to ``--output_dir`` and write ``eval_results.json``; returns the metrics."""
     model_args, data_args, training_args = parse_script_args(DEXMLModelArguments, DEXMLTrainingArguments, argv, method="dexml")
-    data = load_data(data_args)
+    data = load_data(data_args, training_args)
     model = DEXMLModel.from_encoder_pretrained(
         model_args.model_name_or_path,
         **model_config_kwargs(model_args, data_args),

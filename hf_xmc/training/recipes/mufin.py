@@ -43,6 +43,7 @@ from ..script_utils import (
     resume_argument,
     train_and_evaluate,
     train_stage,
+    validation_evaluator,
 )
 from ..trainer import XMCTrainer, XMCTrainingArguments
 
@@ -153,13 +154,14 @@ def keep_modalities(data: XCData, modalities: str) -> XCData:
         return dataclasses.replace(split, texts=texts, images=images)
 
     train, test = strip(data.train), strip(data.test)
+    validation = strip(data.validation) if data.validation is not None else None
     # training points left with no descriptor teach nothing; test points keep their rows (the evaluator counts
     # them as misses: a model cannot rank labels for an item it is shown nothing of)
     described = train.has_descriptor()
     if not described.all():
         logger.info("item_modalities=%s: %d training points without a descriptor dropped", modalities, int((~described).sum()))
         train = train.select(described)
-    return dataclasses.replace(data, train=train, test=test)
+    return dataclasses.replace(data, train=train, test=test, validation=validation)
 
 
 def fit_dimensions(config: dict, text_encoder: str, vision_encoder: Optional[str]) -> None:
@@ -185,15 +187,16 @@ def fit_dimensions(config: dict, text_encoder: str, vision_encoder: Optional[str
         config["attention_heads"] = heads
 
 
-def pretrain_and_mine(model: MUFINModel, data: XCData, args: MUFINTrainingArguments) -> MUFINDataCollator:
-    """Modules I and II: siamese pre-training, then the shortlist; returns the Module IV collator holding it."""
+def pretrain_and_mine(model: MUFINModel, data: XCData, args: MUFINTrainingArguments, **trainer_kwargs) -> MUFINDataCollator:
+    """Modules I and II: siamese pre-training, then the shortlist; returns the Module IV collator holding it
+    (``trainer_kwargs``: Module I's validation evaluator)."""
     model.set_labels(data.label_texts, data.label_uids, data.label_images)
     if args.siamese_epochs > 0:
         model.set_training_stage("siamese")
         siamese = _stage_args(args, "siamese")
         collator = build_collator(model, data, siamese, "siamese")
         train = collator.anchor_label_dataset() if args.siamese_batch_over == "labels" else data.train
-        train_stage(XMCTrainer(model=model, args=siamese, train_dataset=train, data_collator=collator), resume_argument(args))
+        train_stage(XMCTrainer(model=model, args=siamese, train_dataset=train, data_collator=collator, **trainer_kwargs), resume_argument(args))
     collator = build_collator(model, data, args, "ranker")
     collator.set_shortlist(
         mine_mufin_shortlist(model, data.train.texts, data.train.images, data.train.targets, top_k=args.hard_negative_top_k, show_progress_bar=not args.disable_tqdm)
@@ -205,7 +208,7 @@ def pretrain_and_mine(model: MUFINModel, data: XCData, args: MUFINTrainingArgume
 def main(argv: Optional[list[str]] = None) -> dict:
     """Parse the arguments, run Modules I-IV, evaluate, save; returns the metrics of ``eval_results.json``."""
     model_args, data_args, training_args = parse_script_args(MUFINModelArguments, MUFINTrainingArguments, argv, method="mufin")
-    data = load_data(data_args)
+    data = load_data(data_args, training_args)
     config = model_config_kwargs(model_args, data_args)  # + token budgets and propensity constants
     vision_encoder = config.pop("vision_model_name_or_path")
     if config["vision_trainable_layers"] is None:  # freezing a tower built at random would keep it random
@@ -215,9 +218,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     model = MUFINModel.from_encoders_pretrained(model_args.model_name_or_path, vision_encoder, label_space_size=len(data.label_texts), **config)
     model.freeze_vision_layers()
     model.vision_learning_rate_multiplier = training_args.vision_learning_rate_multiplier
-    collator = pretrain_and_mine(model, data, training_args)
     evaluator: XMCEvaluator = build_evaluator(data, data_args)
     evaluator.label_images = data.label_images
+    stage = {"evaluator": validation_evaluator(data, evaluator), "eval_dataset": data.validation} if data.validation is not None else {}
+    collator = pretrain_and_mine(model, data, training_args, **stage)
     # after Module IV the centroids are recomputed with the final encoder: evaluation and the saved index use one space
     refresh = MUFINCentroidCallback(data.train.texts, data.train.images, data.train.targets, batch_size=data_args.eval_batch_size)
     return train_and_evaluate(model, data, evaluator, _stage_args(training_args, "ranker"), data_collator=collator, callbacks=[refresh])

@@ -46,6 +46,7 @@ from hf_xmc.training.script_utils import (
     model_config_kwargs,
     parse_script_args,
     resume_argument,
+    stage_evaluation,
     train_and_evaluate,
     train_stage,
 )
@@ -103,7 +104,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     """Parse the recipe's arguments (``argv``, default ``sys.argv[1:]``; or one ``.json`` file), train, evaluate
     on the test file, save the model to ``--output_dir`` and write ``eval_results.json``; returns the metrics."""
     model_args, data_args, training_args = parse_script_args(PRIMEModelArguments, PRIMETrainingArguments, argv, method="prime")
-    data = load_data(data_args)
+    data = load_data(data_args, training_args)
     model = PRIMEModel.from_encoder_pretrained(
         model_args.model_name_or_path,
         label_space_size=len(data.label_texts),
@@ -113,8 +114,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if not training_args.classifier_stage:
         return train_and_evaluate(model, data, evaluator, training_args)
     stage = dataclasses.replace(training_args, output_dir=os.path.join(training_args.output_dir, "prime"), push_to_hub=False)
-    train_stage(XMCTrainer(model=model, args=stage, train_dataset=data.train, label_texts=data.label_texts, label_uids=data.label_uids),
-                resume_argument(training_args))
+    train_stage(XMCTrainer(model=model, args=stage, train_dataset=data.train, label_texts=data.label_texts, label_uids=data.label_uids,
+                           **stage_evaluation(data, data_args)), resume_argument(training_args))
     collator = prepare_classifier_stage(model, data, training_args)
     stage = dataclasses.replace(
         training_args, num_train_epochs=training_args.classifier_epochs, learning_rate=training_args.classifier_learning_rate,

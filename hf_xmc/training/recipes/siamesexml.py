@@ -43,6 +43,7 @@ from hf_xmc.training.script_utils import (
     model_config_kwargs,
     parse_script_args,
     resume_argument,
+    stage_evaluation,
     stage_finished,
     train_and_evaluate,
     train_stage,
@@ -136,8 +137,8 @@ def _module_args(args: SiameseXMLTrainingArguments, module: str) -> SiameseXMLTr
     return dataclasses.replace(args, **changes)
 
 
-def train_siamese(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments) -> None:
-    """Module I: siamese training of the encoder on label batches."""
+def train_siamese(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments, **trainer_kwargs) -> None:
+    """Module I: siamese training of the encoder on label batches (``trainer_kwargs``: its validation evaluator)."""
     if args.num_train_epochs <= 0:
         return
     draws = args.label_draws_per_epoch or max(len(data.label_texts), len(data.train))
@@ -150,7 +151,7 @@ def train_siamese(model: SiameseXMLModel, data, args: SiameseXMLTrainingArgument
         draws_per_epoch=draws,
     )
     logger.info("SiameseXML Module I: %d label draws per epoch, %g epochs", draws, args.num_train_epochs)
-    trainer = XMCTrainer(model=model, args=_module_args(args, "siamese"), train_dataset=LabelDrawDataset(draws), data_collator=collator)
+    trainer = XMCTrainer(model=model, args=_module_args(args, "siamese"), train_dataset=LabelDrawDataset(draws), data_collator=collator, **trainer_kwargs)
     train_stage(trainer, resume_argument(args))
 
 
@@ -210,7 +211,7 @@ def mine(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments):
 def main(argv: Optional[list[str]] = None) -> dict:
     """Parse the arguments, run Modules I-IV, evaluate, save; returns the metrics of ``eval_results.json``."""
     model_args, data_args, training_args = parse_script_args(SiameseXMLModelArguments, SiameseXMLTrainingArguments, argv, method="siamesexml")
-    data = load_data(data_args)
+    data = load_data(data_args, training_args)
     model = SiameseXMLModel.from_encoder_pretrained(model_args.model_name_or_path, label_space_size=len(data.label_texts), **model_config_kwargs(model_args, data_args))
     model.set_labels(data.label_texts, data.label_uids)
     module1_restored = training_args.num_train_epochs > 0 and stage_finished(module1_dir(training_args), resume_argument(training_args))
@@ -218,6 +219,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
         texts = list(data.train.texts) + list(data.label_texts)
         df = bag_of_embeddings_document_frequency(model.tokenizer, texts, model.config.max_seq_length, model.config.boe_vocab_size)
         model.set_idf(df, len(texts))
-    train_siamese(model, data, training_args)
+    train_siamese(model, data, training_args, **stage_evaluation(data, data_args))
     collator = mine(model, data, training_args)
     return train_and_evaluate(model, data, build_evaluator(data, data_args), _module_args(training_args, "classifier"), data_collator=collator)

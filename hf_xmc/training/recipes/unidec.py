@@ -94,7 +94,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     """Parse the recipe's arguments (``argv``, default ``sys.argv[1:]``; or one ``.json`` file), train, evaluate
     on the test file, save the model to ``--output_dir`` and write ``eval_results.json``; returns the metrics."""
     model_args, data_args, training_args = parse_script_args(UniDECModelArguments, UniDECTrainingArguments, argv, method="unidec")
-    data = load_data(data_args)
+    data = load_data(data_args, training_args)
     model = UniDECModel.from_encoder_pretrained(
         model_args.model_name_or_path,
         label_space_size=len(data.label_texts),

@@ -1,0 +1,225 @@
+#!/usr/bin/env python
+"""Fusion tuned on a validation split against fusion tuned on training queries, and the score calibration, per text
+method and dataset.
+
+    python benchmarks/bench_validation.py --datasets debtags reuters --update_docs
+    python benchmarks/make_wordnet.py && python benchmarks/bench_validation.py --datasets wordnet --update_docs
+
+Each row runs ``training_scripts/train_<method>.py`` through the training-script contract with ``--lexical_channel
+omikuji`` and the script's defaults otherwise: a validation split (5% of the training queries, 500-2,000) is held out
+before training; the channel's weights and the isotonic score calibration are tuned on it; the script reports the
+fused ranking (``test_*``), the dense ranking of the same model (``test_dense_*``) and the calibration's test ECE.
+``zeroshot`` is the same script for DEXML with ``--max_steps 0``: the untrained encoder + the channel, the baseline a
+trained model must beat. Then, in this process, the saved model is loaded and scored on the test split again for:
+
+* **channel alone**: the candidates (the dense top 100 and the ranker's top 100) ranked by the ranker's score alone
+  (the dense order breaks its ties), i.e. the Omikuji peer inside the model;
+* **fused before**: the fusion as hf_xmc tuned it before the validation split existed, on this same model: the ranker
+  trained on the training queries but 2,000, the weights tuned on those 2,000, which the model trained on
+  (``fit_lexical_channel`` without ``validation``).
+
+The invariant of the validation-split issue is checked per row: fused now >= max(dense, untrained + channel) - 0.3 on
+P@1 and on PSP@5. Wall minutes are the training script's (data, training, channel, calibration, evaluation, save) on
+the machine it ran on; each row records the 1-minute load average when it ended. Rows already in ``--out`` are kept
+(``--rerun`` runs them again); ``--table_only`` re-renders the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.sweep_defaults import minilm, prepare, publish_table, training_command  # noqa: E402
+from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
+
+SHOWN = ("P@1", "P@5", "PSP@1", "PSP@5", "R@100")
+METHODS = ("zeroshot", "dexml", "prime", "unidec", "siamesexml")
+WORDNET = os.path.join(REPO, "outputs", "wordnet-xmc")
+# training flags per (dataset, method) beyond the dataset's own (sweep_defaults.prepare: Debtags half an epoch at batch
+# 64, Reuters one epoch at batch 32); WordNet: the 40-CPU-minute budgets of bench_wordnet.py
+BUDGETS = {
+    ("debtags", "siamesexml"): ["--num_train_epochs", "0.25", "--classifier_epochs", "2"],
+    ("reuters", "siamesexml"): ["--num_train_epochs", "0.5", "--classifier_epochs", "5"],
+    ("wordnet", "dexml"): ["--max_steps", "800", "--per_device_train_batch_size", "64"],
+    ("wordnet", "prime"): ["--max_steps", "650", "--per_device_train_batch_size", "64"],
+    ("wordnet", "unidec"): ["--max_steps", "550", "--per_device_train_batch_size", "64"],
+    ("wordnet", "siamesexml"): ["--max_steps", "350", "--per_device_train_batch_size", "64", "--classifier_max_steps", "1000"],
+}
+DESCRIPTIONS = {"zeroshot": "untrained MiniLM + channel", "dexml": "DEXML", "prime": "PRIME", "unidec": "UniDEC", "siamesexml": "SiameseXML"}
+
+
+def data_setup(dataset: str, work: str) -> tuple[str, list[str]]:
+    """The data directory and the script's data flags of a dataset."""
+    if dataset == "wordnet":
+        if not os.path.exists(os.path.join(WORDNET, "lbl.json.gz")):
+            raise SystemExit(f"{WORDNET}: build WordNet-XMC first (python benchmarks/make_wordnet.py)")
+        return WORDNET, ["--test_filter_file", os.path.join(WORDNET, "filter_labels_test.txt"), "--max_seq_length", "32"]
+    data_dir, _, flags = prepare(dataset, work)
+    return data_dir, flags
+
+
+def run_row(dataset: str, method: str, work: str) -> dict:
+    """Train through the script, then score the saved model's other rankings (module docstring)."""
+    data_dir, data_flags = data_setup(dataset, work)
+    out = os.path.join(work, f"{dataset}-{method}")
+    script = "dexml" if method == "zeroshot" else method
+    flags = ["--max_steps", "0"] if method == "zeroshot" else BUDGETS.get((dataset, method), [])
+    cmd, env = training_command(script, data_dir, minilm(), out, [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", *flags])
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{dataset}-{method}: the training script failed")
+    with open(os.path.join(out, "eval_results.json")) as f:
+        results = json.load(f)
+    row = {"row": f"{dataset}-{method}", "dataset": dataset, "method": method, "flags": flags, "wall_seconds": round(wall, 1),
+           "load_1min": round(os.getloadavg()[0], 2), "fused_now": pick(results, "test_"), "dense": pick(results, "test_dense_"),
+           "weights_now": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")],
+           "ece": {k[len("test_ECE_"):]: v for k, v in results.items() if k.startswith("test_ECE_")},
+           "reliability": results.get("calibration_reliability"), "train_runtime": results.get("train_runtime")}
+    row.update(post_hoc(out, data_dir, data_flags))
+    return row
+
+
+def pick(results: dict, prefix: str) -> dict:
+    return {m: results[prefix + m] for m in SHOWN if prefix + m in results}
+
+
+def post_hoc(model_dir: str, data_dir: str, data_flags: list[str]) -> dict:
+    """The saved model's channel-alone ranking and its fusion tuned the way it was before the validation split."""
+    import numpy as np
+    from transformers import AutoModel
+
+    import hf_xmc  # noqa: F401  (registers the model classes)
+    from hf_xmc.data import filter_predictions, read_filter_file
+    from hf_xmc.metrics import inverse_propensity, xmc_metrics
+    from hf_xmc.models.lexical_channel import FUSE_CHUNK
+    from hf_xmc.training import XMCTrainingArguments
+    from hf_xmc.training.lexical import fit_lexical_channel
+    from hf_xmc.training.script_utils import XMCDataArguments, load_data
+
+    filter_file = data_flags[data_flags.index("--test_filter_file") + 1] if "--test_filter_file" in data_flags else None
+    data_args = XMCDataArguments(train_file=f"{data_dir}/trn.json.gz", test_file=f"{data_dir}/tst.json.gz", label_file=f"{data_dir}/lbl.json.gz")
+    with tempfile.TemporaryDirectory() as tmp:
+        training_args = XMCTrainingArguments(output_dir=tmp, lexical_channel="omikuji", seed=42, disable_tqdm=True)
+    data = load_data(data_args, training_args)
+    model = AutoModel.from_pretrained(model_dir).eval()
+    if model.config.validation["fingerprint"] != data.validation_record["fingerprint"]:
+        raise SystemExit(f"{model_dir}: the model's validation split is not the one carved here")
+    test = data.test
+    filt = None
+    if filter_file:
+        filt = read_filter_file(filter_file, num_points=test.num_source_records, num_labels=len(data.label_texts))[test.record_indices()]
+    extra = int(np.diff(filt.indptr).max()) if filt is not None and filt.nnz else 0
+    inv_prop = inverse_propensity(data.propensity_targets(), model.config.propensity_a, model.config.propensity_b)
+
+    def score(ids, scores):
+        if filt is not None:
+            ids, scores = filter_predictions(ids, scores, filt, 100)
+        m = xmc_metrics(ids[:, :100], test.targets, inv_prop, ks=(1, 3, 5), recall_ks=(10, 100))
+        return {k: round(float(m[k]), 2) for k in SHOWN}
+
+    vectors = model.query_search_vectors(test.texts, batch_size=256, show_progress_bar=False)
+    dense_scores, dense_ids = model.search(vectors, 100 + extra)
+    channel = model.lexical_channel
+    alone_ids = np.full((len(test), 100 + extra), -1, dtype=np.int64)
+    alone_scores = np.full(alone_ids.shape, -np.inf, dtype=np.float32)
+    for start in range(0, len(test), FUSE_CHUNK):
+        stop = min(start + FUSE_CHUNK, len(test))
+        candidates = channel.candidates(test.texts[start:stop], dense_scores[start:stop], dense_ids[start:stop], 1.0, 0.0)
+        alone_scores[start:stop], alone_ids[start:stop] = candidates.top_k(1.0, 0.0, 100 + extra, dense_weight=0.0)
+    start = time.perf_counter()
+    before = fit_lexical_channel(model, data.train, seed=42, batch_size=256)  # the old procedure, on this model
+    fused_scores, fused_ids = before.fuse(test.texts, dense_scores, dense_ids, 100 + extra)
+    return {"channel_alone": score(alone_ids, alone_scores), "fused_before": score(fused_ids, fused_scores),
+            "weights_before": [before.settings["ranker_weight"], before.settings["text_weight"]],
+            "before_seconds": round(time.perf_counter() - start, 1)}
+
+
+def invariant(row: dict, zeroshot: dict | None) -> str:
+    """Whether fused now >= max(dense, untrained + channel) - 0.3 on P@1 and PSP@5 (the shortfalls otherwise)."""
+    misses = []
+    for m in ("P@1", "PSP@5"):
+        floor = max(row["dense"].get(m, 0.0), zeroshot["fused_now"][m] if zeroshot else 0.0)
+        if row["fused_now"][m] < floor - 0.3:
+            misses.append(f"{m} {row['fused_now'][m] - floor:+.2f}")
+    return "yes" if not misses else "no (" + ", ".join(misses) + ")"
+
+
+def tables(rows: list[dict]) -> str:
+    cols = " | ".join(SHOWN)
+    out = [f"| dataset | model | ranking | {cols} | weights (ranker, text) | wall min |", "|---|---|---|" + "---:|" * len(SHOWN) + "---|---:|"]
+    for r in rows:
+        zs = next((z for z in rows if z["dataset"] == r["dataset"] and z["method"] == "zeroshot"), None)
+        wall = f"{r['wall_seconds'] / 60:.1f}"
+        lines = [("dense", r["dense"], ""), ("channel alone", r["channel_alone"], ""),
+                 ("fused before (tuned on training queries)", r["fused_before"], "{:g}, {:g}".format(*r["weights_before"])),
+                 ("**fused now (tuned on validation)**", r["fused_now"], "{:g}, {:g}".format(*r["weights_now"]))]
+        if r["method"] == "zeroshot":
+            lines = [lines[0], lines[3]]
+        for name, metrics, weights in lines:
+            cells = " | ".join(f"{metrics[m]:.2f}" for m in SHOWN)
+            out.append(f"| {r['dataset']} | {DESCRIPTIONS[r['method']]} | {name} | {cells} | {weights} | {wall} |")
+        if r["method"] != "zeroshot":
+            held = invariant(r, zs)
+            out.append(f"| {r['dataset']} | {DESCRIPTIONS[r['method']]} | fused now >= max(dense, untrained + channel) - 0.3 on P@1 and PSP@5? | {held} |" + " |" * (len(SHOWN) + 1))
+    out.append("")
+    out.append("| dataset | model | test ECE, isotonic (the default) | test ECE, Platt |")
+    out.append("|---|---|---:|---:|")
+    for r in rows:
+        out.append(f"| {r['dataset']} | {DESCRIPTIONS[r['method']]} | {r['ece'].get('isotonic', float('nan')):.2f} | {r['ece'].get('platt', float('nan')):.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def reliability(rows: list[dict]) -> str:
+    """The reliability diagram (as a table) of each dataset's DEXML model: per probability bin, the mean calibrated
+    probability against the fraction of relevant labels on the test split."""
+    out = []
+    for r in rows:
+        if r["method"] != "dexml" or not r.get("reliability"):
+            continue
+        out.append(f"| {r['dataset']}, DEXML + channel: probability bin | pairs | mean probability | fraction relevant |")
+        out.append("|---|---:|---:|---:|")
+        out.extend(f"| {b['bin']} | {b['pairs']:,} | {b['mean_probability']:.3f} | {b['fraction_relevant']:.3f} |" for b in r["reliability"])
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters", "wordnet"])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "validation_fusion.json"))
+    ap.add_argument("--rerun", action="store_true", help="run rows already in --out again")
+    ap.add_argument("--table_only", action="store_true")
+    ap.add_argument("--update_docs", action="store_true", help="write the tables into docs/validation.md")
+    args = ap.parse_args(argv)
+    rows = json.load(open(args.out)) if os.path.exists(args.out) else []
+    order = {(d, m): i for i, (d, m) in enumerate((d, m) for d in ("debtags", "reuters", "wordnet") for m in METHODS)}
+    if not args.table_only:
+        with tempfile.TemporaryDirectory(prefix="validation_") as work:
+            for dataset in args.datasets:
+                for method in args.methods:
+                    name = f"{dataset}-{method}"
+                    if any(r["row"] == name for r in rows) and not args.rerun:
+                        continue
+                    row = run_row(dataset, method, work)
+                    rows = sorted([r for r in rows if r["row"] != name] + [row], key=lambda r: order[(r["dataset"], r["method"])])
+                    write_json_atomic(args.out, rows, sort_keys=False)
+                    print(f"{name}: now {row['fused_now']} before {row['fused_before']} dense {row['dense']} ({row['wall_seconds'] / 60:.1f} min)", flush=True)
+    publish_table(tables(rows), "<!-- bench:validation_fusion -->", args.update_docs)
+    publish_table(reliability(rows), "<!-- bench:validation_reliability -->", args.update_docs)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
