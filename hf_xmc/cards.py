@@ -191,6 +191,15 @@ def _config_rows(model) -> list[tuple[str, str]]:
         value = getattr(model.config, f.name, None)
         if f.name not in generic and value is not None and not isinstance(value, dict):
             rows.append((f.name, _format(value)))
+    validation = getattr(model.config, "validation", None)
+    if validation:
+        seed = f", seed {validation['seed']}" if "seed" in validation else ""
+        rows.append(("validation split", f"{validation['queries']:,} queries held out of training ({validation['source']}{seed}; uids sha256 "
+                                          f"{validation['fingerprint']}): what the run tuned, it tuned on them"))
+    calibration = getattr(model.config, "score_calibration", None)
+    if calibration:
+        rows.append(("score calibration", f"{calibration['method']}, fitted on the top {calibration.get('depth', '?')} labels of "
+                                           f"{calibration.get('queries', '?')} validation queries: `predict(texts, threshold=0.5)`"))
     return rows
 
 

@@ -165,18 +165,24 @@ def read_queries(path: str, text_fields: Sequence[str] = ("title",)) -> list[str
     return texts
 
 
-def prediction_records(model, texts: Sequence[Optional[str]], k: int, batch_size: int, images: Optional[Sequence[Optional[str]]] = None) -> Iterator[dict[str, Any]]:
-    """``{"text", "labels": [{"id", "uid", "text", "score"}, ...]}`` per query (``"image"`` too when given), best label
-    first (``model.predict`` top-``k``; empty slots, when ``k`` exceeds the label count, are dropped)."""
+def prediction_records(model, texts: Sequence[Optional[str]], k: Optional[int], batch_size: int, images: Optional[Sequence[Optional[str]]] = None,
+                       threshold: Optional[float] = None) -> Iterator[dict[str, Any]]:
+    """``{"text", "labels": [{"id", "uid", "text", "score"[, "probability"]}, ...]}`` per query (``"image"`` too when
+    given), best label first (``model.predict`` top-``k``, or with ``threshold`` the labels whose calibrated probability
+    reaches it; empty slots are dropped)."""
     uids, names = model.label_uids, model.label_texts
     for start in range(0, len(texts), PREDICT_CHUNK):
         chunk = list(texts[start : start + PREDICT_CHUNK])
         extra = {}
         if images is not None:
             extra["images"] = [[] if image is None else [image] for image in images[start : start + PREDICT_CHUNK]]
+        if threshold is not None:
+            extra["threshold"] = threshold
         pred = model.predict(chunk if any(t is not None for t in chunk) else None, k=k, batch_size=batch_size, **extra)
-        for i, (text, ids, scores) in enumerate(zip(chunk, pred.label_ids.tolist(), pred.scores.tolist())):
-            labels = [{"id": j, "uid": uids[j], "text": names[j], "score": s} for j, s in zip(ids, scores) if j >= 0]
+        probabilities = pred.probabilities.tolist() if pred.probabilities is not None else [None] * len(chunk)
+        for i, (text, ids, scores, probs) in enumerate(zip(chunk, pred.label_ids.tolist(), pred.scores.tolist(), probabilities)):
+            labels = [{"id": j, "uid": uids[j], "text": names[j], "score": s, **({"probability": probs[c]} if probs is not None else {})}
+                      for c, (j, s) in enumerate(zip(ids, scores)) if j >= 0]
             record = {"text": text, "labels": labels}
             if images is not None:
                 record["image"] = images[start + i]
@@ -185,8 +191,10 @@ def prediction_records(model, texts: Sequence[Optional[str]], k: int, batch_size
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Top-k labels for texts given on the command line or in a file, as JSON lines."""
-    if args.k < 1:
+    if args.k is not None and args.k < 1:
         raise UserError(f"--k must be at least 1, got {args.k}")
+    if args.threshold is not None and not 0 <= args.threshold <= 1:
+        raise UserError(f"--threshold is a probability in [0, 1], got {args.threshold}")
     _require_file(args.input_file, "--input_file")
     images = None
     if args.image:
@@ -208,7 +216,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
     _pick_device(model, args.device)
     if images is not None and "images" not in inspect.signature(model.predict).parameters:
         raise UserError(f"{args.model}: a {type(model).__name__} ranks texts only; --image needs a MUFIN model")
-    records = prediction_records(model, texts, args.k, args.batch_size, images)
+    if args.threshold is not None and model.score_calibration is None:
+        raise UserError(f"{args.model}: the model has no score calibration, so --threshold has no probabilities to cut (train it with a validation split)")
+    records = prediction_records(model, texts, args.k, args.batch_size, images, threshold=args.threshold)
     if args.output_file is None:
         _write_json_lines(sys.stdout, records)
     else:
@@ -341,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", action="append", help="MUFIN: a query image, a path or file:// URL (repeat for several; "
                    "with --text, one text per image)")
     p.add_argument("--text_fields", default="title", help="JSON fields joined into a query text (JSON input)")
-    p.add_argument("--k", type=int, default=5, help="labels per query")
+    p.add_argument("--k", type=int, default=None, help="labels per query (default 5; with --threshold, the 100 best are cut)")
+    p.add_argument("--threshold", type=float, help="keep the labels whose calibrated probability of being relevant is at least this (a model trained with a validation split)")
     p.add_argument("--batch_size", type=int, default=128, help="encoding batch size")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--output_file", help="write the JSON lines here (default: stdout)")

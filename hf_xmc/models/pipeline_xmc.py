@@ -34,7 +34,9 @@ class XMCPipeline(Pipeline):
     images for one item; an image may be a PIL image, a path or a ``file://`` URL); or a list of these (batched).
 
     Returns, per input, ``[{"label": text, "label_id": id, "score": s}, ...]`` best first (``top_k`` of them, fewer when
-    the model has fewer labels or MUFIN's shortlist is shorter); a list of such lists for a list of inputs.
+    the model has fewer labels or MUFIN's shortlist is shorter), with ``"probability"`` for a calibrated model; a list
+    of such lists for a list of inputs. ``threshold=p`` (a calibrated model) keeps the labels whose probability of being
+    relevant is at least ``p``, among the top ``top_k`` (default with a threshold: the model's ``THRESHOLD_DEPTH``, 100).
     """
 
     # the model carries its own tokenizer (and MUFIN its image processor): nothing for the pipeline to load
@@ -44,44 +46,55 @@ class XMCPipeline(Pipeline):
     _load_processor = False
     _load_video_processor = False
 
-    def _sanitize_parameters(self, top_k: Optional[int] = None, **kwargs):
+    def _sanitize_parameters(self, top_k: Optional[int] = None, threshold: Optional[float] = None, **kwargs):
         forward = {} if top_k is None else {"top_k": int(top_k)}
+        if threshold is not None:
+            forward["threshold"] = float(threshold)
         return {}, forward, {}
 
-    def __call__(self, inputs: Any, top_k: int = 5, batch_size: Optional[int] = None, **kwargs) -> list:
+    def __call__(self, inputs: Any, top_k: Optional[int] = None, batch_size: Optional[int] = None, threshold: Optional[float] = None, **kwargs) -> list:
         """Rank the labels of one input or a list of inputs (``batch_size`` inputs per ``predict`` call, default 64)."""
         if kwargs:
             raise TypeError(f"XMCPipeline got unexpected arguments {sorted(kwargs)}")
-        if top_k < 1:
+        if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         single = not isinstance(inputs, (list, tuple))
         items = [inputs] if single else list(inputs)
         size = batch_size or self._batch_size or 64
         rows: list = []
         for start in range(0, len(items), size):
-            rows.extend(self._rank(items[start : start + size], top_k))
+            rows.extend(self._rank(items[start : start + size], top_k, threshold))
         return rows[0] if single else rows
 
     # the single-item path of transformers' Pipeline (``pipe.preprocess`` / ``forward`` / ``postprocess``)
     def preprocess(self, inputs: Any) -> dict:
         return {"items": [inputs]}
 
-    def _forward(self, model_inputs: dict, top_k: int = 5) -> dict:
-        return {"rows": self._rank(model_inputs["items"], top_k)}
+    def _forward(self, model_inputs: dict, top_k: Optional[int] = None, threshold: Optional[float] = None) -> dict:
+        return {"rows": self._rank(model_inputs["items"], top_k, threshold)}
 
     def postprocess(self, model_outputs: dict) -> list[dict]:
         return model_outputs["rows"][0]
 
-    def _rank(self, items: list, top_k: int) -> list[list[dict]]:
+    def _rank(self, items: list, top_k: Optional[int], threshold: Optional[float] = None) -> list[list[dict]]:
         texts, images = self._split(items)
         takes_images = "images" in inspect.signature(self.model.predict).parameters
         if images is not None and not takes_images:
             raise ValueError(f"{type(self.model).__name__} ranks texts only; got an image input")
         kwargs = {"images": images} if images is not None else {}
+        if threshold is not None:
+            kwargs["threshold"] = threshold
+        elif top_k is None:
+            top_k = 5
         pred = self.model.predict(texts, k=top_k, batch_size=len(items), **kwargs)
+        probabilities = pred.probabilities.tolist() if getattr(pred, "probabilities", None) is not None else [None] * len(pred.label_texts)
         rows = []
-        for ids, scores, names in zip(pred.label_ids.tolist(), pred.scores.tolist(), pred.label_texts):
-            rows.append([{"label": n, "label_id": i, "score": s} for i, s, n in zip(ids, scores, names) if i >= 0])
+        for ids, scores, names, probs in zip(pred.label_ids.tolist(), pred.scores.tolist(), pred.label_texts, probabilities):
+            row = []
+            for j, (i, s, n) in enumerate(zip(ids, scores, names)):
+                if i >= 0:
+                    row.append({"label": n, "label_id": i, "score": s, **({"probability": probs[j]} if probs is not None else {})})
+            rows.append(row)
         return rows
 
     @staticmethod

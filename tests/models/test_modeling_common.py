@@ -32,8 +32,12 @@ REMOTE_PREDICT = textwrap.dedent(
     images = {"images": request["images"]} if request["images"] is not None else {}
     if request.get("rebuild_index"):
         model.build_label_index()  # re-encode the labels from what the directory holds (texts, label images)
+    if request.get("threshold") is not None:  # a calibrated model: the labels whose probability reaches it
+        images["threshold"] = request["threshold"]
     pred = model.predict(request["texts"], k=5, **images)
     result = {"ids": pred.label_ids.tolist(), "scores": pred.scores.tolist(), "texts": pred.label_texts}
+    if pred.probabilities is not None:
+        result["probabilities"] = pred.probabilities.tolist()
     if request.get("pipeline_inputs") is not None:  # the same directory through pipeline(model=dir), in the same process
         from transformers import pipeline
         pipe = pipeline(model=sys.argv[1], trust_remote_code=True, device="cpu")
@@ -45,14 +49,16 @@ REMOTE_PREDICT = textwrap.dedent(
 )
 
 
-def predict_through_remote_code(model_dir, tmp_path, texts, images=None, rebuild_index: bool = False, pipeline_inputs=None) -> dict:
+def predict_through_remote_code(model_dir, tmp_path, texts, images=None, rebuild_index: bool = False, pipeline_inputs=None, threshold=None) -> dict:
     """Top-5 of ``texts`` (and ``images``, paths) from ``model_dir`` loaded with ``trust_remote_code`` in a fresh
     process where hf_xmc cannot be imported, offline (with ``rebuild_index``, after re-encoding the labels); returns
-    ``{"ids", "scores", "texts"}``, plus ``"pipeline"`` (as :func:`pipeline_through_remote_code` returns it) when
-    ``pipeline_inputs`` are given: one process start for both."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
+    ``{"ids", "scores", "texts"}`` (and ``"probabilities"`` for a calibrated model; ``threshold`` goes to predict), plus
+    ``"pipeline"`` (as :func:`pipeline_through_remote_code` returns it) when ``pipeline_inputs`` are given: one process
+    start for both."""
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", PYTHONPATH="")
+    request = {"texts": texts, "images": images, "rebuild_index": rebuild_index, "pipeline_inputs": pipeline_inputs, "threshold": threshold}
     proc = subprocess.run(
-        [sys.executable, "-c", REMOTE_PREDICT, str(model_dir), json.dumps({"texts": texts, "images": images, "rebuild_index": rebuild_index, "pipeline_inputs": pipeline_inputs})],
+        [sys.executable, "-c", REMOTE_PREDICT, str(model_dir), json.dumps(request)],
         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300, stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
