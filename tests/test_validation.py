@@ -269,6 +269,9 @@ def test_eval_strategy_keeps_the_best_checkpoint(tiny_task, tiny_encoder_dir, tm
     assert len(evals) == 3 and not any(k.startswith("eval_") and "test" in k for row in evals for k in row)
     best = max(evals, key=lambda row: row["eval_P@1"])
     assert state["best_metric"] == pytest.approx(best["eval_P@1"])
+    # at this learning rate the second epoch is the best one (98.96 against 97.92 for the third on this task): the saved
+    # model is not simply the last state
+    assert os.path.basename(state["best_model_checkpoint"]) != checkpoints[-1]
     best_weights = load_file(os.path.join(state["best_model_checkpoint"], "model.safetensors"))
     saved = load_file(out / "model.safetensors")
     encoder_keys = [k for k in saved if k.startswith("encoder.")]
