@@ -25,7 +25,7 @@ from hf_xmc.training import XMCEvaluator, XMCTrainer, XMCTrainingArguments
 # exact index searches the label vectors themselves: no faiss file).
 DEXML_REPO_FILES = {
     "config.json", "model.safetensors",
-    "configuration_dexml.py", "configuration_xmc.py", "modeling_dexml.py", "modeling_xmc.py", "label_index.py", "xmc_losses.py", "pipeline_xmc.py", "lexical_channel.py",
+    "configuration_dexml.py", "configuration_xmc.py", "modeling_dexml.py", "modeling_xmc.py", "label_index.py", "xmc_losses.py", "pipeline_xmc.py", "lexical_channel.py", "calibration.py",
     "tokenizer.json", "tokenizer_config.json",
     "labels.jsonl", "label_embeddings.safetensors", "label_index.json",
     "README.md", "xmc_metrics.png",
