@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 import scipy.sparse as sp
 
-from ..models.calibration import ScoreCalibration
+from ..models.calibration import CALIBRATION_METHODS, ScoreCalibration
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +124,8 @@ def fit_score_calibration(model, evaluator, method: str = "isotonic", depth: int
     ``reuse_label_index``: the model's index was just built with its final weights (not built again). ``also``: other
     methods fitted on the same pairs (not attached), for comparison; then a dict ``{method: calibration}`` is returned."""
     for name in (method, *also):
-        if name not in ("isotonic", "platt"):
-            raise ValueError(f"score calibration method must be 'isotonic' or 'platt', got {name!r}")
+        if name not in CALIBRATION_METHODS:
+            raise ValueError(f"score calibration method must be one of {CALIBRATION_METHODS}, got {name!r}")
     evaluator.reuse_label_index = reuse_label_index
     ids, scores, _ = evaluator.predict(model)
     scores_flat, relevant = ranked_pairs(ids, scores, evaluator.data.targets, depth)

@@ -18,6 +18,7 @@ import transformers
 from transformers import HfArgumentParser, set_seed
 
 from ..data import XCData, load_xc_dataset, read_filter_file
+from ..models.calibration import CALIBRATION_METHODS
 from ..models.label_index import atomic_write
 from ..models.modeling_xmc import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from .evaluation import XMCEvaluator
@@ -360,7 +361,7 @@ def needs_validation(training_args: XMCTrainingArguments) -> list[str]:
     needs = []
     if getattr(training_args, "lexical_channel", "none") != "none":
         needs.append("--lexical_channel")
-    if getattr(training_args, "score_calibration", "auto") in ("isotonic", "platt"):
+    if getattr(training_args, "score_calibration", "auto") in CALIBRATION_METHODS:
         needs.append("--score_calibration")
     if training_args.eval_strategy != IntervalStrategy.NO:
         needs.append("--eval_strategy")
@@ -457,12 +458,13 @@ def validation_evaluator(data: XCData, evaluator: XMCEvaluator) -> Optional[XMCE
     return evaluator.for_queries(data.validation, "eval") if data.validation is not None else None
 
 
-def stage_evaluation(data: XCData, data_args: XMCDataArguments) -> dict:
+def stage_evaluation(data: XCData, evaluator: XMCEvaluator) -> dict:
     """``XMCTrainer`` keyword arguments for an earlier stage of a multi-stage recipe (SiameseXML's and MUFIN's Module I,
-    PRIME before PRIME (W)): its ``--eval_strategy`` evaluates on the validation split too ({} without one)."""
+    PRIME before PRIME (W)): its ``--eval_strategy`` evaluates on the validation split too, with the twin of the test
+    ``evaluator`` ({} without a split)."""
     if data.validation is None:
         return {}
-    return {"evaluator": validation_evaluator(data, build_evaluator(data, data_args)), "eval_dataset": data.validation}
+    return {"evaluator": validation_evaluator(data, evaluator), "eval_dataset": data.validation}
 
 
 def check_validation(training_args: XMCTrainingArguments, validation: Optional[XMCEvaluator]) -> None:
@@ -540,7 +542,7 @@ def train_and_evaluate(
         from .calibration import fit_score_calibration
 
         start = time.perf_counter()
-        other = tuple(m for m in ("isotonic", "platt") if m != method)  # fitted beside it: its test ECE is reported too
+        other = tuple(m for m in CALIBRATION_METHODS if m != method)  # fitted beside it: its test ECE is reported too
         calibrations = fit_score_calibration(model, validation, method, reuse_label_index=index_current, also=other)
         metrics["calibration_runtime"] = round(time.perf_counter() - start, 4)
         index_current = True

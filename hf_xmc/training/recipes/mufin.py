@@ -41,9 +41,9 @@ from ..script_utils import (
     model_config_kwargs,
     parse_script_args,
     resume_argument,
+    stage_evaluation,
     train_and_evaluate,
     train_stage,
-    validation_evaluator,
 )
 from ..trainer import XMCTrainer, XMCTrainingArguments
 
@@ -220,8 +220,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     model.vision_learning_rate_multiplier = training_args.vision_learning_rate_multiplier
     evaluator: XMCEvaluator = build_evaluator(data, data_args)
     evaluator.label_images = data.label_images
-    stage = {"evaluator": validation_evaluator(data, evaluator), "eval_dataset": data.validation} if data.validation is not None else {}
-    collator = pretrain_and_mine(model, data, training_args, **stage)
+    collator = pretrain_and_mine(model, data, training_args, **stage_evaluation(data, evaluator))
     # after Module IV the centroids are recomputed with the final encoder: evaluation and the saved index use one space
     refresh = MUFINCentroidCallback(data.train.texts, data.train.images, data.train.targets, batch_size=data_args.eval_batch_size)
     return train_and_evaluate(model, data, evaluator, _stage_args(training_args, "ranker"), data_collator=collator, callbacks=[refresh])
