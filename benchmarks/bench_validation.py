@@ -145,7 +145,7 @@ def post_hoc(model_dir: str, data_dir: str, data_flags: list[str]) -> dict:
         alone_scores[start:stop], alone_ids[start:stop] = candidates.top_k(1.0, 0.0, 100 + extra, dense_weight=0.0)
     normalised = normalised_fusion(model, data, test, extra, inv_prop, dense_scores, dense_ids, score)
     start = time.perf_counter()
-    before = fit_lexical_channel(model, data.train, seed=42, batch_size=256)  # the old procedure, on this model
+    before = fit_lexical_channel(model, data.train, seed=42, batch_size=256, rebuild_label_index=False)  # the old procedure, on this model
     fused_scores, fused_ids = before.fuse(test.texts, dense_scores, dense_ids, 100 + extra)
     return {"channel_alone": score(alone_ids, alone_scores), "fused_before": score(fused_ids, fused_scores),
             "weights_before": [before.settings["ranker_weight"], before.settings["text_weight"]],
@@ -180,7 +180,7 @@ def normalised_fusion(model, data, test, extra, inv_prop, dense_scores, dense_id
     from hf_xmc.training.lexical import RANKER_WEIGHTS, TEXT_WEIGHTS, fit_lexical_channel
 
     start = time.perf_counter()
-    channel = fit_lexical_channel(model, data.train, seed=42, batch_size=256, validation=data.validation)  # raw weights, tuned on validation
+    channel = fit_lexical_channel(model, data.train, seed=42, batch_size=256, validation=data.validation, rebuild_label_index=False)  # raw weights, tuned on validation
     validation = data.validation
     val_scores, val_ids = model.search(model.query_search_vectors(validation.texts, batch_size=256, show_progress_bar=False), 100)
     val = normalise_dense(candidates_of(channel, validation.texts, val_scores, val_ids))

@@ -105,12 +105,14 @@ def fit_lexical_channel(
     batch_size: int = 128,
     validation: Optional[XMCDataset] = None,
     refit_ranker: bool = False,
+    rebuild_label_index: bool = True,
     **settings,
 ) -> LexicalChannel:
     """Fit a lexical channel for ``model`` on its training data, tune the weights left ``None`` on ``validation``
     (or, without it, on held-out training queries: module docstring), attach it (``model.set_lexical_channel``) and
     return it. The model's label index is rebuilt with its current weights, over ``label_texts`` / ``label_uids``
-    (default: the model's labels). ``settings`` override the other fusion settings (``dense_depth``, ``ranker_depth``,
+    (default: the model's labels); ``rebuild_label_index=False`` keeps the index (or the stored label vectors) the
+    model already has, for a loaded model whose weights have not changed since they were encoded. ``settings`` override the other fusion settings (``dense_depth``, ``ranker_depth``,
     ``beam_size``)."""
     if "image" in getattr(model, "input_modalities", ("text",)):
         raise ValueError(f"{type(model).__name__} ranks texts and images through its own predict: the lexical channel is for text models")
@@ -147,7 +149,10 @@ def fit_lexical_channel(
     channel = LexicalChannel(features, label_rows, ranker, settings=settings)
 
     # the current weights' label vectors, for the tuning (an evaluation right after can reuse them)
-    model.build_label_index(batch_size=batch_size)
+    if rebuild_label_index or label_texts is not None:
+        model.build_label_index(batch_size=batch_size)
+    else:
+        model.ensure_label_index()
     if tuning:
         start = time.perf_counter()
         tune_on = validation if validation is not None else train.select(holdout)
