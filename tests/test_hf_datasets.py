@@ -40,6 +40,42 @@ def test_dataset_dict_round_trips_through_disk_and_files(tiny_task, tmp_path):
     assert_same_task(from_files, data)
 
 
+def test_parquet_files_go_to_their_own_splits(tiny_task, tmp_path):
+    """``train.parquet,test.parquet`` (and a folder of train / test / labels files) give each split its own file's rows:
+    the test points never reach training (before, every split read every file). A file that names no split, or two,
+    is refused instead of being read as both."""
+    data = tiny_task[0]
+    dd = xc_data_to_hf_dataset_dict(data)
+    folder = tmp_path / "task"
+    folder.mkdir()
+    for split in dd:
+        dd[split].to_parquet(str(folder / f"{split}.parquet"))
+    listed = load_hf_xc_data(f"{folder}/train.parquet,{folder}/test.parquet", label_dataset_name=str(folder / "labels.parquet"))
+    whole_folder = load_hf_xc_data(str(folder))
+    for loaded in (listed, whole_folder):
+        assert_same_task(loaded, data)
+        assert not set(loaded.train.uids) & set(loaded.test.uids)  # disjoint: train rows != test rows
+    with pytest.raises(ValueError, match="train.parquet: no file for split 'test'"):
+        load_hf_xc_data(str(folder / "train.parquet"), label_dataset_name=str(folder / "labels.parquet"))
+    os.rename(folder / "test.parquet", folder / "train-and-test.parquet")
+    with pytest.raises(ValueError, match="train-and-test.parquet is named for split 'train' and for 'test'"):
+        load_hf_xc_data(str(folder))
+
+
+def test_split_files_in_datasets_formats(tiny_task, tmp_path):
+    """--train_file / --validation_file / --test_file / --label_file take csv, json lines, parquet (and XC raw files
+    beside them), one file per split, as transformers' example scripts do."""
+    data, task_dir = tiny_task
+    dd = xc_data_to_hf_dataset_dict(data)
+    dd["train"].to_csv(str(tmp_path / "train.csv"), index=False)  # labels as "[23 25 35]" strings: CSV has no lists
+    dd["test"].to_json(str(tmp_path / "test.jsonl"))  # a json lines file with text / labels, not XC raw fields
+    dd["labels"].to_parquet(str(tmp_path / "labels.parquet"))
+    args = XMCDataArguments(train_file=str(tmp_path / "train.csv"), test_file=str(tmp_path / "test.jsonl"), label_file=str(tmp_path / "labels.parquet"))
+    assert_same_task(load_data(args), data)
+    mixed = load_data(dataclasses.replace(args, train_file=f"{task_dir}/trn.json.gz", validation_file=str(tmp_path / "test.jsonl")))
+    assert mixed.train.uids == data.train.uids and mixed.validation.uids == data.test.uids
+
+
 def test_labels_from_a_second_dataset_and_column_names(tiny_task, tmp_path):
     data = tiny_task[0]
     dd = xc_data_to_hf_dataset_dict(data)

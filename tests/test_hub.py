@@ -25,7 +25,7 @@ from hf_xmc.training import XMCEvaluator, XMCTrainer, XMCTrainingArguments
 # exact index searches the label vectors themselves: no faiss file).
 DEXML_REPO_FILES = {
     "config.json", "model.safetensors",
-    "configuration_dexml.py", "configuration_xmc.py", "modeling_dexml.py", "modeling_xmc.py", "label_index.py", "xmc_losses.py", "pipeline_xmc.py", "lexical_channel.py", "calibration.py",
+    "configuration_dexml.py", "configuration_xmc.py", "modeling_dexml.py", "modeling_xmc.py", "label_index.py", "xmc_losses.py", "pipeline_xmc.py", "lexical_channel.py", "calibration.py", "model_files.py",
     "tokenizer.json", "tokenizer_config.json",
     "labels.jsonl", "label_embeddings.safetensors", "label_index.json",
     "README.md", "xmc_metrics.png",
@@ -180,6 +180,12 @@ def test_push_directory_checks_it_and_leaves_training_leftovers_local(evaluated_
     (upload,) = api.uploads
     assert set(upload["files"]) == DEXML_REPO_FILES | {"eval_results.json"}
     assert upload["create_pr"] is True and not any(c[0] == "create_branch" for c in api.calls)
+    # the saved card's loading example had a placeholder owner: the pushed one names the repo, the local one is as it was
+    local_card = (out / "README.md").read_text()
+    assert "<your-username>/tiny-dexml" in local_card
+    pushed = upload["files"]["README.md"].decode()
+    assert 'from_pretrained("org/from-dir"' in pushed and "<your-username>" not in pushed
+    assert (out / "README.md").read_text() == local_card
 
     # a directory without a card gets one built from eval_results.json before upload
     (out / "README.md").unlink()

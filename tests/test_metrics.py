@@ -387,10 +387,16 @@ def test_evaluate_load_matches_xmc_metrics(tmp_path):
     assert res["PSnDCG@3"] == pytest.approx(100 * PSNDCG3)
     assert res["R@3"] == pytest.approx(100 * R3)
 
-    # random data, default k lists, batched via add_batch
+    # R@k follows k_list unless recall_k_list is given (it added R@10 / R@100 to k_list=[1, 3] before)
+    assert sorted(metric.compute(predictions=preds, references=refs, k_list=[1, 3])) == ["P@1", "P@3", "R@1", "R@3", "nDCG@1", "nDCG@3"]
+    # percentages by default; percent=False gives the same scores as fractions
+    fractions = metric.compute(predictions=preds, references=refs, k_list=[1, 3], percent=False)
+    assert fractions["P@1"] == pytest.approx(P1) and fractions["R@3"] == pytest.approx(R3)
+
+    # random data, default k lists (R@k at k_list's cut-offs), batched via add_batch
     topk, truth, train = _random_problem(seed=1, n=60)
     inv_p = inverse_propensity(train)
-    expected = xmc_metrics(topk, truth, inv_p)
+    expected = xmc_metrics(topk, truth, inv_p, recall_ks=(1, 3, 5))
     rankings = [[int(x) for x in row if x >= 0] for row in topk]
     references = [truth.indices[truth.indptr[i] : truth.indptr[i + 1]].tolist() for i in range(truth.shape[0])]
     metric.add_batch(predictions=rankings[:30], references=references[:30])

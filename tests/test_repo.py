@@ -104,3 +104,17 @@ def test_import_and_cli_help_print_nothing_to_stderr():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr == "", proc.stderr[-2000:]
     assert "usage: hf-xmc" in proc.stdout
+
+
+def test_readme_and_reliability_docs_quote_the_bad_input_corpus_size():
+    """The "N kinds of bad input" of the README and docs/reliability.md is the corpus the tests hold."""
+    from tests.test_bad_data import BAD_DATA_KINDS
+    from tests.test_bad_inputs import BAD_INPUT_KINDS
+    from tests.test_bad_model_dirs import MODEL_DIR_KINDS
+
+    total = BAD_INPUT_KINDS + BAD_DATA_KINDS + MODEL_DIR_KINDS
+    assert f"{total} kinds of bad input" in open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    reliability = open(os.path.join(ROOT, "docs", "reliability.md"), encoding="utf-8").read()
+    assert f"**{total} kinds**" in reliability
+    table = re.findall(r"^\| [^|]+ \| (\d+) \|", reliability.split("## Nothing unsafe")[0], flags=re.M)
+    assert sum(map(int, table)) == total, table

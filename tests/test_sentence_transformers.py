@@ -127,3 +127,18 @@ def test_save_query_encoder_refuses_what_has_no_st_form(tiny_encoder_dir, tmp_pa
     assert np.all([not n.startswith(".tmp-") for n in os.listdir(tmp_path)])
     with pytest.raises(NotImplementedError, match="MUFIN"):
         MUFINModel.query_encoder_modules(None)
+
+
+def test_encode_returns_numpy_on_request(tiny_encoder_dir):
+    """encode_queries / encode_labels: a tensor by default (as before), numpy with convert_to_numpy=True (what
+    sentence-transformers users expect), the same vectors either way; convert_to_tensor=True wins, as in ST."""
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir)
+    model.set_labels(["w0 w1", "w2"])
+    default = model.encode_queries(["w0", "w1 w2"])
+    as_numpy = model.encode_queries(["w0", "w1 w2"], convert_to_numpy=True)
+    assert isinstance(default, torch.Tensor) and isinstance(as_numpy, np.ndarray) and as_numpy.dtype == np.float32
+    np.testing.assert_allclose(as_numpy, default.numpy(), rtol=1e-6)
+    assert isinstance(model.encode_queries(["w0"], convert_to_tensor=False), np.ndarray)
+    assert isinstance(model.encode_queries(["w0"], convert_to_numpy=True, convert_to_tensor=True), torch.Tensor)
+    labels = model.encode_labels(convert_to_numpy=True)
+    assert isinstance(labels, np.ndarray) and labels.shape == (2, default.shape[1])

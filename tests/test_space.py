@@ -169,6 +169,28 @@ def test_predict_fn_equals_model_top_k(app, saved_model, tiny_task):
             assert bars[0] == 1.0 and all(0.0 <= b <= 1.0 for b in bars) and bars == sorted(bars, reverse=True)
 
 
+def test_page_names_the_model_and_says_what_the_bars_are(app, saved_model, tiny_task, monkeypatch):
+    """The page names a local model by its folder, never its absolute path (a Hub id as it is); without a score
+    calibration the bars are labelled as relative scores, not probabilities; with one they are the calibrated
+    probabilities (XMCPrediction.probabilities), shown in the table too."""
+    directory = saved_model[1]
+    page = " ".join(str(block.value) for block in _blocks(app.demo, gr.Markdown))
+    assert f"Model `{os.path.basename(directory)}`" in page and directory not in page and "not probabilities" in page
+    assert app.display_name("org/dexml-debtags") == "org/dexml-debtags" and app.display_name(directory) == os.path.basename(directory)
+    (bars,) = _blocks(app.demo, gr.Label)
+    assert bars.label == app.SCORE_BARS_LABEL and "not a probability" in bars.label
+    # a calibrated model: isotonic map from [-1, 1] onto [0, 1], so probability = (score + 1) / 2
+    monkeypatch.setattr(app.model.config, "score_calibration", {"method": "isotonic", "x": [-1.0, 1.0], "y": [0.0, 1.0]})
+    demo = app.build_demo(app.model)
+    (bars,) = _blocks(demo, gr.Label)
+    (table,) = _blocks(demo, gr.Dataframe)
+    assert bars.label == app.PROBABILITY_BARS_LABEL and table.headers == app.CALIBRATED_TABLE_HEADERS
+    confidences, rows = app.make_predict_fn(app.model)(tiny_task[0].test.texts[0], 5)
+    probabilities = [row[4] for row in rows]
+    np.testing.assert_allclose(probabilities, (np.array([row[3] for row in rows]) + 1) / 2, atol=1e-6)
+    assert list(confidences.values()) == pytest.approx(probabilities)  # the bars are the probabilities, not relative scores
+
+
 def test_predict_fn_bounds(app, tiny_task):
     n_labels = len(tiny_task[0].label_texts)
     text = tiny_task[0].test.texts[0]

@@ -8,11 +8,14 @@ Modules:
 * :mod:`~hf_xmc.data.filters` -- ``filter_labels_*.txt`` files and filtered top-k predictions.
 * :mod:`~hf_xmc.data.images` -- :func:`load_images` (image paths or PIL images -> RGB PIL images).
 * :mod:`~hf_xmc.data.hf_bridge` -- conversion to/from ``datasets.Dataset`` (``datasets`` imported lazily).
+* :mod:`~hf_xmc.data.data_files` -- one file per split (XC raw, parquet, arrow, csv, json lines) and which file of a
+  ``--dataset_name`` list or folder is which split.
 * :mod:`~hf_xmc.data.synthetic` -- synthetic tasks with planted structure for scale tests.
 * :mod:`~hf_xmc.data.debtags` -- the bundled real Debtags dataset.
 """
 
 from .bow import read_bow, read_sparse_matrix, write_bow, write_sparse_matrix
+from .data_files import load_data_files
 from .debtags import DEBTAGS_DIR, load_debtags
 from .filters import filter_predictions, read_filter_file
 from .hf_bridge import from_hf_dataset, labels_to_hf_dataset, load_hf_xc_data, to_hf_dataset, xc_data_to_hf_dataset_dict
@@ -40,6 +43,7 @@ __all__ = [
     "write_xc_labels",
     "load_xc_dataset",
     "load_hf_xc_data",
+    "load_data_files",
     "xc_data_to_hf_dataset_dict",
     "image_cache_directory",
     "read_bow",

@@ -8,6 +8,7 @@ from the CSR ``indptr``/``indices`` buffers, without per-row Python lists. Multi
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,33 @@ def _images_from_column(col: Any, column: str, image_cache_dir: str | None = Non
     return out
 
 
+# a CSV cell of label ids: "3 17", "3,17", "[3, 17]", "" (no label); a character class, so matching is linear
+_LABEL_STRING = re.compile(r"[\s\d,;\[\]-]*")
+
+
+def _label_lists_from_scalars(col: Any, column: str) -> Any:
+    """A ``list<int64>`` column from a column of strings (a CSV cell: ids separated by spaces, commas or semicolons,
+    optionally in brackets; empty = no label) or of single integer ids. Raises ``ValueError`` naming the first bad row."""
+    import pyarrow as pa
+
+    rows = []
+    for i, value in enumerate(col.to_pylist()):
+        if value is None:
+            rows.append(None)
+        elif isinstance(value, int):
+            rows.append([value])
+        else:
+            match = _LABEL_STRING.fullmatch(value)
+            if match is None:
+                raise ValueError(f"row {i}: column {column!r} holds {value[:40]!r}, not label ids (e.g. '3 17' or '[3, 17]')")
+            ids = re.findall(r"-?\d+", value)
+            long = next((x for x in ids if len(x.lstrip("-")) > 18), None)  # beyond int64 (and int()'s digit limit)
+            if long is not None:
+                raise ValueError(f"row {i}: column {column!r}: label id {long[:10]}... ({len(long.lstrip('-')):,} digits) out of range")
+            rows.append([int(x) for x in ids])
+    return pa.array(rows, type=pa.list_(pa.int64()))
+
+
 def to_hf_dataset(ds: XMCDataset) -> datasets.Dataset:
     """Convert an :class:`XMCDataset` to a ``datasets.Dataset`` with columns ``uid``, ``text``, ``labels``.
 
@@ -158,6 +186,8 @@ def from_hf_dataset(hf_ds: datasets.Dataset, num_labels: int, text_column: str =
         indptr = np.zeros(1, dtype=np.int64)
         indices = np.zeros(0, dtype=np.int64)
     else:
+        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type) or pa.types.is_integer(col.type):
+            col = _label_lists_from_scalars(col, label_column)  # a CSV file: "3 17" / "[3, 17]" / one id per row
         if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
             raise ValueError(f"column {label_column!r} must hold lists of label ids, got type {col.type}")
         if col.null_count:
@@ -218,12 +248,16 @@ def xc_data_to_hf_dataset_dict(data) -> datasets.DatasetDict:
     })
 
 
-def _load_split(name: str, config: str | None, split: str, **kwargs) -> datasets.Dataset:
-    """One split of a Hub dataset, a ``save_to_disk`` directory, or data files (``.parquet`` / ``.json[l]`` /
-    ``.csv``, a comma-separated list), read with ``datasets``."""
+def _load_split(name: str, config: str | None, split: str, others: Sequence[str] = (), whole: bool = False, **kwargs) -> datasets.Dataset:
+    """One split of a Hub dataset, a ``save_to_disk`` directory, or local data files (``.parquet`` / ``.json[l]`` /
+    ``.csv`` / ``.arrow``: a comma-separated list or a folder of them). Local files go to the split their names say
+    (:func:`~hf_xmc.data.data_files.files_for_split`; ``others``: the other splits read from ``name``), or all to
+    ``split`` when ``whole``; one file is never read as two splits."""
     import os
 
     import datasets
+
+    from .data_files import load_local_split, local_data_files
 
     if os.path.isdir(name) and (os.path.exists(os.path.join(name, "dataset_dict.json")) or os.path.exists(os.path.join(name, "state.json"))):
         loaded = datasets.load_from_disk(name)  # a save_to_disk directory: load_dataset does not read those
@@ -232,11 +266,10 @@ def _load_split(name: str, config: str | None, split: str, **kwargs) -> datasets
                 raise ValueError(f"{name}: no split {split!r} (splits: {', '.join(loaded)})")
             return loaded[split]
         return loaded
-    files = [f for f in name.split(",") if f]
-    builders = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".gz": "json", ".csv": "csv"}
-    kinds = {builders.get(os.path.splitext(f)[1].lower()) for f in files}
-    if files and all(os.path.isfile(f) for f in files) and len(kinds) == 1 and None not in kinds:
-        return datasets.load_dataset(kinds.pop(), data_files={split: files}, split=split, **kwargs)
+    files = local_data_files(name)
+    if files is not None:
+        sole = not [other for other in others if other != split]  # one file that only this split reads is all of it
+        return load_local_split(name, files, split, others, whole=whole or (len(files) == 1 and sole), **kwargs)
     try:
         return datasets.load_dataset(name, config, split=split, **kwargs)
     except ValueError as err:  # an unknown split: name the ones there are
@@ -274,44 +307,31 @@ def load_hf_xc_data(
     points (``XCData.validation``). Memory: the Arrow tables are memory-mapped; the
     texts and the CSR targets are built once (``8 x`` labels-per-point bytes per point).
     """
-    import numpy as np
-
+    from .data_files import labels_from_dataset, points_from_dataset
     from .xc_raw import XCData
 
+    # the splits read from dataset_name's own files: no file of them may be read as two (train = test leaks the test set)
+    point_splits = [s for s, files in ((train_split, train_files), (test_split, test_files), (validation_split, None)) if s and not files]
     same = label_dataset_name is None or label_dataset_name == dataset_name
-    label_ds = _load_split(label_dataset_name or dataset_name, label_dataset_config_name or (dataset_config_name if same else None), label_split)
-    if label_text_column not in label_ds.column_names:
-        raise ValueError(f"labels ({label_dataset_name or dataset_name}, split {label_split!r}): no column {label_text_column!r} "
-                         f"(columns: {label_ds.column_names})")
-    label_texts = [str(t) if t is not None else "" for t in label_ds[label_text_column]]
-    if not label_texts:
-        raise ValueError(f"labels ({label_dataset_name or dataset_name}, split {label_split!r}): the label split is empty")
-    label_uids = [str(u) for u in label_ds["uid"]] if "uid" in label_ds.column_names else [str(i) for i in range(len(label_texts))]
-    label_images = None
-    if label_image_column in label_ds.column_names:
-        import pyarrow as pa
-
-        col = label_ds.with_format("arrow")[:].column(label_image_column).combine_chunks()
-        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):  # one image (or path) per label
-            col = pa.ListArray.from_arrays(pa.array(np.arange(len(col) + 1, dtype=np.int32)), col)
-        label_images = _images_from_column(col, label_image_column, image_cache_dir)
+    label_source = label_dataset_name or dataset_name
+    label_ds = _load_split(label_source, label_dataset_config_name or (dataset_config_name if same else None), label_split,
+                           others=point_splits if same else ())
+    label_uids, label_texts, label_images = labels_from_dataset(label_ds, f"labels ({label_source}, split {label_split!r})", label_text_column,
+                                                                label_image_column, image_cache_dir)
+    others = point_splits + ([label_split] if same else [])
 
     def points(split: str, files: str | None):
-        ds = _load_split(files or dataset_name, None if files else dataset_config_name, split)
-        xc = from_hf_dataset(ds, len(label_texts), text_column, label_column, image_column, image_cache_dir)
-        keep = np.flatnonzero(np.diff(xc.targets.indptr) > 0)
-        if len(keep) == len(xc):
-            return xc
-        return XMCDataset(
-            texts=[xc.texts[i] for i in keep], targets=xc.targets[keep], uids=[xc.uids[i] for i in keep],
-            num_skipped=len(xc) - len(keep), source_rows=keep,
-            images=[xc.images[i] for i in keep] if xc.images is not None else None,
-        )
+        if files:  # named for this split: every file is its
+            ds = _load_split(files, None, split, whole=True)
+        else:
+            ds = _load_split(dataset_name, dataset_config_name, split, others=others)
+        return points_from_dataset(ds, len(label_texts), f"{files or dataset_name}, split {split!r}", text_column, label_column, image_column,
+                                   image_cache_dir)
 
     train = points(train_split, train_files) if train_split else None
     test = points(test_split, test_files)
     if train is not None and len(train) == 0:
-        raise ValueError(f"{dataset_name}, split {train_split!r}: no training point has a label")
+        raise ValueError(f"{train_files or dataset_name}, split {train_split!r}: no training point has a label")
     validation = points(validation_split, None) if validation_split else None
     if validation is not None and len(validation) == 0:
         raise ValueError(f"{dataset_name}, split {validation_split!r}: no validation point has a label")

@@ -24,6 +24,7 @@ import io
 import json
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -88,6 +89,15 @@ def _open_text(path: PathLike) -> IO[str]:
     return open(path, encoding="utf-8", newline="")
 
 
+def _bars_turned_off() -> bool:
+    """``TQDM_DISABLE`` set, or transformers' ``disable_progress_bar()`` called (asked only when transformers is already
+    imported: the readers do not import it); the twin of ``hf_xmc.models.label_index.progress_bar_disabled``."""
+    if os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off"):
+        return True
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    return hf_logging is not None and not hf_logging.is_progress_bar_enabled()
+
+
 def _iter_lines(f: IO[str], path: PathLike, desc: str = "reading") -> Iterator[tuple[int, str]]:
     """Yield ``(1-based line number, line without the line terminator)``, with a tqdm bar on a tty.
 
@@ -97,7 +107,7 @@ def _iter_lines(f: IO[str], path: PathLike, desc: str = "reading") -> Iterator[t
     bar = None
     if _tqdm is not None:
         bar = _tqdm(f, desc=f"{desc} {os.path.basename(os.fspath(path))}", unit=" lines",
-                    disable=None, leave=False)
+                    disable=True if _bars_turned_off() else None, leave=False)
         it = bar
     lineno = 0
     try:
@@ -272,15 +282,71 @@ class XCData:
 # --------------------------------------------------------------------------------------------
 
 
+class _LongInt(int):
+    """Stands in for a JSON integer too long for ``int()`` (Python's integer-string conversion limit), so that the
+    error names the field that holds it (see :func:`_long_integer_fault`)."""
+
+    digits: int = 0
+
+
+def _parse_long_int(text: str) -> int:
+    """``json.loads``' ``parse_int`` for the error path only: an over-long integer becomes a :class:`_LongInt`."""
+    try:
+        return int(text)
+    except ValueError:
+        value = _LongInt(0)
+        value.digits = len(text.lstrip("-"))
+        return value
+
+
+def _long_integer_fault(line: str) -> str:
+    """The fault of a line holding an integer too long to read: which field holds it (parsed again, on this error path
+    only, with :func:`_parse_long_int`)."""
+    try:
+        obj = json.loads(line, parse_int=_parse_long_int)
+    except (ValueError, RecursionError):  # pragma: no cover - the line parsed up to its long integer before
+        obj = None
+    if isinstance(obj, dict):
+        ind = obj.get("target_ind")
+        long_ids = [x for x in ind if isinstance(x, _LongInt)] if isinstance(ind, list) else []
+        if long_ids:
+            return f"label id with {long_ids[0].digits:,} digits out of range"
+        for field, value in obj.items():
+            if isinstance(value, _LongInt):
+                return f"field '{field}' holds an integer of {value.digits:,} digits (too long to read)"
+    return f"an integer of more than {sys.get_int_max_str_digits():,} digits (too long to read)"
+
+
 def _parse_object(line: str, path: PathLike, lineno: int) -> dict[str, Any]:
-    """Parse one JSON-lines record, raising :class:`XMCDataError` for bad JSON / non-objects."""
+    """Parse one JSON-lines record, raising :class:`XMCDataError` for bad JSON / non-objects (JSON nested too deep for
+    the parser and integers too long to convert included: Python raises RecursionError / ValueError there)."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise XMCDataError(path, lineno, f"malformed JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise XMCDataError(path, lineno, "malformed JSON (nested too deep)") from None
+    except ValueError:  # "Exceeds the limit (4300 digits) for integer string conversion"
+        raise XMCDataError(path, lineno, _long_integer_fault(line)) from None
     if not isinstance(obj, dict):
         raise XMCDataError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
+    if "\\ud" in line or "\\uD" in line:  # the file decoded as strict UTF-8: only a \\uD800-\\uDFFF escape makes a surrogate
+        _check_surrogates(obj, path, lineno)
     return obj
+
+
+def _check_surrogates(obj: dict[str, Any], path: PathLike, lineno: int) -> None:
+    """Refuse a record whose strings (top-level values, and strings in top-level lists) hold a lone surrogate
+    (``"\\ud800"``: valid JSON escapes, but no character; tokenizers and UTF-8 writers refuse it later, far from the
+    file), naming the field. Run only on lines with such an escape, so reading costs nothing more otherwise."""
+    for field, value in obj.items():
+        for text in (value if isinstance(value, list) else (value,)):
+            if not isinstance(text, str):
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise XMCDataError(path, lineno, f"field '{field}' holds an unpaired surrogate (\\u{ord(text[e.start]):04x})") from None
 
 
 def _get_uid(obj: dict[str, Any], path: PathLike, lineno: int) -> str:
@@ -343,6 +409,15 @@ def _finish_images(images: list[list[str] | None]) -> list[list[str]] | None:
     return [item if item is not None else [] for item in images]
 
 
+_MAX_LABEL_ID = 2**63 - 1
+
+
+def _short_int(value: int) -> str:
+    """An integer for a one-line message: as is up to 20 digits, else its first digits and its length."""
+    text = str(value)
+    return text if len(text) <= 20 else f"{text[:10]}... ({len(text.lstrip('-')):,} digits)"
+
+
 def _check_text_fields(text_fields: Sequence[str]) -> tuple[str, ...]:
     """Validate the ``text_fields`` argument."""
     if isinstance(text_fields, str):
@@ -395,9 +470,11 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
             if ind:
                 lo, hi = min(ind), max(ind)
                 if lo < 0:
-                    raise XMCDataError(path, lineno, f"label id {lo} is negative")
+                    raise XMCDataError(path, lineno, f"label id {_short_int(lo)} is negative")
                 if num_labels is not None and hi >= num_labels:
-                    raise XMCDataError(path, lineno, f"label id {hi} out of range (num_labels={num_labels})")
+                    raise XMCDataError(path, lineno, f"label id {_short_int(hi)} out of range (num_labels={num_labels})")
+                if hi > _MAX_LABEL_ID:  # no label file to check against: the int64 id arrays bound it
+                    raise XMCDataError(path, lineno, f"label id {_short_int(hi)} out of range (over 2**63 - 1)")
                 if len(ind) > 1:
                     ind = sorted(set(ind))
                 max_id = max(max_id, hi)

@@ -101,6 +101,12 @@ class SiameseXMLConfig(XMCConfig):
             return self.boe_embedding_dim
         return self.encoder_config.hidden_size
 
+    def sequence_length_fault(self) -> str | None:
+        """As :meth:`XMCConfig.sequence_length_fault`; a bag of embeddings has no positions to run out of."""
+        if self.encoder_type == "boe":
+            return None
+        return super().sequence_length_fault()
+
     def validate_xmc(self) -> None:
         super().validate_xmc()
         if self.label_space_size < 1:

@@ -97,3 +97,16 @@ class XMCConfig(PreTrainedConfig):
             raise ValueError(f"label_embeddings_dtype must be one of {LABEL_EMBEDDINGS_DTYPES}, got {self.label_embeddings_dtype!r}")
         if not 0.0 <= self.embedding_dropout < 1.0:
             raise ValueError(f"embedding_dropout must be in [0, 1), got {self.embedding_dropout}")
+
+    def sequence_length_fault(self) -> str | None:
+        """Why ``max_seq_length`` / ``label_max_seq_length`` cannot run on the encoder (more tokens than its position
+        embeddings: an index error at the first long text), or None. Checked when a saved model loads."""
+        encoder = self.encoder_config
+        positions = encoder.get("max_position_embeddings") if isinstance(encoder, dict) else getattr(encoder, "max_position_embeddings", None)
+        for name in ("max_seq_length", "label_max_seq_length"):
+            value = getattr(self, name, None)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                return f"{name} must be a positive integer, got {value!r}"
+            if isinstance(positions, int) and value > positions:
+                return f"{name} is {value} but the encoder has {positions} positions (max_position_embeddings)"
+        return None

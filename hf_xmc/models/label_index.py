@@ -12,8 +12,11 @@ Backends
   faiss is not installed and the test oracle for the others.
 
 The label vectors are the source of truth; the faiss file written by :meth:`LabelIndex.save` (``hnsw`` and ``ivf``
-only) is a cache that is rebuilt whenever it is missing, was written by another faiss version, or was built from
-other vectors (its ``label_index.json`` keeps a fingerprint of them).
+only) is a cache that is rebuilt whenever it is missing, unreadable, was written by another faiss version, or was
+built from other vectors (its ``label_index.json`` keeps a fingerprint of them). A file read back is also checked
+against the vectors themselves (:meth:`LabelIndex.mismatch`: a sample of label vectors searched must find themselves
+first, with the scores the vectors give): a faiss file swapped for another one, with its sha256 updated, is rebuilt,
+never served.
 
 Memory model (``L`` labels of ``d`` dims; ``s`` = 4 bytes per value for fp32 vectors, 2 for fp16)
 ------------------------------------------------------------------------------------------------
@@ -62,6 +65,9 @@ IVF_TRAIN_POINTS_PER_LIST = 40
 # parameters that shape the faiss index: a saved file built with other values is rebuilt
 BUILD_PARAMS = ("hnsw_m", "hnsw_ef_construction", "ivf_nlist")
 SEARCH_PARAMS = ("hnsw_ef_search", "ivf_nprobe")
+# label vectors searched in a faiss file read back, to check that it indexes the stored vectors (:meth:`LabelIndex.mismatch`)
+VERIFY_SAMPLE = 48
+VERIFY_DEPTH = 4
 
 Vectors = Union[np.ndarray, torch.Tensor]
 
@@ -324,6 +330,47 @@ class LabelIndex:
                 reuse.add(kept[start : start + self.chunk_size].float().numpy())
         return LabelIndex([kept], _faiss_index=reuse, **params)
 
+    def mismatch(self, sample: int = VERIFY_SAMPLE) -> Optional[str]:
+        """Why the faiss index does not search these label vectors (``None`` when it does, or holds no faiss index).
+
+        The label vectors are what is trusted: the index must hold as many vectors of their width, rank by inner
+        product, and ``sample`` of them (evenly spread, plus a fixed-seed draw) searched must each come first (or tie
+        with a label that scores as high), every hit scored as the stored vectors score it. A file built from other
+        vectors, or from these in another order, fails; so does one edited in a sampled row. Cost: ``sample`` searches
+        and ``sample * VERIFY_DEPTH`` stored rows read."""
+        index = self._index
+        if index is None:
+            return None
+        if int(index.ntotal) != self.num_labels or int(index.d) != self.dim:
+            return f"it holds {int(index.ntotal)} vectors of width {int(index.d)}, the label store {self.num_labels} of width {self.dim}"
+        if faiss is not None and getattr(index, "metric_type", faiss.METRIC_INNER_PRODUCT) != faiss.METRIC_INNER_PRODUCT:
+            return "it does not rank by inner product"
+        n = self.num_labels
+        spread = np.linspace(0, n - 1, min(n, sample // 2)).astype(np.int64)
+        drawn = np.random.default_rng(0).choice(n, min(n, sample - sample // 2), replace=False)
+        rows = np.unique(np.concatenate([spread, drawn]))
+        queries = self._gather(rows).float()
+        scores, ids = self._faiss_search_index().search(queries.numpy(), min(n, VERIFY_DEPTH))
+        if ids.min() < -1 or ids.max() >= n:
+            return f"it returns label id {int(ids.max()) if ids.max() >= n else int(ids.min())}, outside [0, {n})"
+        found = ids.clip(min=0)
+        unique, inverse = np.unique(found, return_inverse=True)
+        hit_vectors = self._gather(unique).float()[torch.from_numpy(inverse.reshape(-1))].reshape(*found.shape, self.dim)
+        true = torch.einsum("qd,qkd->qk", queries, hit_vectors).numpy()
+        own = (queries * queries).sum(1).numpy()
+        tolerance = (1e-2 if self.dtype == torch.float16 else 1e-3) * np.maximum(1.0, np.abs(own))
+        valid = ids >= 0
+        wrong = valid & (np.abs(true - scores) > tolerance[:, None])
+        if wrong.any():
+            j = int(np.nonzero(wrong.any(1))[0][0])
+            return f"it scores label {int(rows[j])}'s vector against label {int(ids[j][wrong[j]][0])} unlike the stored vectors"
+        first = np.where(valid[:, 0], true[:, 0], -np.inf)
+        lost = first < own - tolerance
+        if lost.any():
+            j = int(np.nonzero(lost)[0][0])
+            return f"label {int(rows[j])}'s own vector does not find itself first"
+        return None
+
     def metadata(self) -> dict:
         """What :meth:`save` writes to ``label_index.json``: kind, shape, precision, parameters, faiss version and the
         fingerprint of the vectors the index was built from."""
@@ -369,14 +416,16 @@ class LabelIndex:
         ``meta_path`` / ``index_path`` are local paths to the files written by :meth:`save` (either may be
         ``None``). The saved parameters are restored; ``params`` (``hnsw_ef_search=...``, ``ivf_nprobe=...``,
         ``chunk_size=...``) override them. The saved faiss file is reused only if it was written by the installed
-        faiss version for these vectors (shape, dtype, fingerprint) with the same build parameters; otherwise the
-        index is rebuilt from the embeddings. Exact kinds read no faiss file.
+        faiss version for these vectors (shape, dtype, fingerprint) with the same build parameters, its sha256 matches
+        the recorded one and it searches the vectors themselves (:meth:`mismatch`); otherwise the index is rebuilt from
+        the embeddings (with a warning where a file was unusable). A ``label_index.json`` that is not a readable JSON
+        object counts as absent. Exact kinds read no faiss file.
         """
-        meta = {}
-        if meta_path and os.path.exists(meta_path):
-            with open(meta_path, encoding="utf-8") as f:
-                meta = json.load(f)
+        meta = _read_index_meta(meta_path)
         kind = kind or meta.get("kind", "exact")
+        if kind not in INDEX_KINDS:
+            logger.warning("%s: unknown index kind %r; searching exactly", meta_path, kind)
+            kind = "exact"
         blocks = as_label_blocks(embeddings)
         fingerprint = vectors_fingerprint(blocks)
         same_store = (
@@ -384,9 +433,10 @@ class LabelIndex:
             and meta.get("num_labels") == sum(b.shape[0] for b in blocks)
             and meta.get("dim") == blocks[0].shape[1]
             and meta.get("dtype", "float32") == str(blocks[0].dtype).replace("torch.", "")
-            and meta.get("fingerprint", fingerprint) == fingerprint  # files from before fingerprints are trusted
+            and meta.get("fingerprint", fingerprint) == fingerprint  # files from before fingerprints: checked by search below
         )
-        restored = {k: meta[k] for k in (*BUILD_PARAMS, *SEARCH_PARAMS) if meta.get(k) is not None}
+        # a parameter that is no positive integer (a hand-edited or damaged file) is left at its default
+        restored = {k: meta[k] for k in (*BUILD_PARAMS, *SEARCH_PARAMS) if type(meta.get(k)) is int and meta[k] > 0}
         if meta.get("num_labels") != sum(b.shape[0] for b in blocks):
             restored.pop("ivf_nlist", None)  # sized for another label count
         params = {**restored, **params}
@@ -408,6 +458,11 @@ class LabelIndex:
                 except RuntimeError as err:  # a corrupt cache is rebuilt, never trusted
                     logger.warning("could not read %s (%s); rebuilding the label index", index_path, err)
         index = cls(blocks, kind=kind, use_gpu=use_gpu, _faiss_index=saved, **params)
+        if saved is not None:
+            fault = index.mismatch()
+            if fault:
+                logger.warning("%s does not index the label vectors it is stored with (%s); rebuilding the label index from them", index_path, fault)
+                return cls(blocks, kind=kind, use_gpu=use_gpu, **params)
         index.restored_from_file = saved is not None
         return index
 
@@ -428,6 +483,23 @@ class LabelIndex:
         elif index.kind in ("hnsw", "ivf"):
             index.save(directory)
         return index
+
+
+def _read_index_meta(meta_path: Optional[str]) -> dict:
+    """``label_index.json`` as a dict; ``{}`` (the index is then built from the label vectors, with a warning) when it
+    is missing, truncated, not JSON or not a JSON object: it describes a cache, so it is never a reason to refuse."""
+    if not meta_path or not os.path.exists(meta_path):
+        return {}
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as err:
+        logger.warning("%s is not readable JSON (%s); the label index is built from the label vectors", meta_path, err)
+        return {}
+    if not isinstance(meta, dict):
+        logger.warning("%s is not a JSON object; the label index is built from the label vectors", meta_path)
+        return {}
+    return meta
 
 
 def file_sha256(path: str, chunk_bytes: int = 1 << 22) -> str:
@@ -465,3 +537,14 @@ def temp_path_for(path: str) -> str:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
     os.close(fd)
     return tmp
+
+
+def progress_bar_disabled() -> bool:
+    """True when the user turned progress bars off: ``TQDM_DISABLE`` set (tqdm's own switch, which a bar given an
+    explicit ``disable=`` would ignore) or transformers' ``disable_progress_bar()`` / ``HF_HUB_DISABLE_PROGRESS_BARS``.
+    Every bar of the models and the training code asks it."""
+    if os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off"):
+        return True
+    from transformers.utils import logging as hf_logging  # lazily: the index itself needs no transformers
+
+    return not hf_logging.is_progress_bar_enabled()

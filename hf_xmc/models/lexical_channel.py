@@ -56,6 +56,7 @@ from typing import Optional
 import numpy as np
 
 from .label_index import atomic_write
+from .model_files import ModelFileError, check_csr, check_listed_name, read_safetensors_with_metadata
 
 try:  # the ranker's library: optional at load time (the channel then fuses dense + text scores only)
     import omikuji
@@ -279,6 +280,8 @@ class LexicalChannel:
             if self.ranker_labels is not None:
                 inside = labels < len(self.ranker_labels)
                 labels = np.where(inside, self.ranker_labels[np.minimum(labels, len(self.ranker_labels) - 1)], -1)
+            else:  # the ranker's labels are the model's: one it names beyond them (a foreign ranker file) is dropped
+                labels = np.where(labels < self.num_labels, labels, -1)
             keep = labels >= 0
             ids[i, : keep.sum()], scores[i, : keep.sum()] = labels[keep], probs[keep]
         return ids, scores
@@ -379,19 +382,38 @@ class LexicalChannel:
 
     @classmethod
     def load(cls, path: str, settings: Optional[dict] = None) -> LexicalChannel:
-        """Read a saved channel; without omikuji installed its ranker is skipped with a warning."""
-        from safetensors import safe_open
-
-        with safe_open(path, framework="numpy") as f:
-            metadata = f.metadata() or {}
-            if metadata.get("format") != LEXICAL_FORMAT:
-                raise ValueError(f"{path}: not a lexical channel file (format {metadata.get('format')!r}, expected {LEXICAL_FORMAT!r})")
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-        vocabulary = tensors["vocabulary"].tobytes().decode("utf-8")
+        """Read a saved channel, checked whole before anything is served (a :class:`ModelFileError` naming ``path`` and the
+        fault: not safetensors, a tensor missing or out of range, a listed ranker file not stored or unreadable); without
+        omikuji installed its ranker is skipped with a warning."""
+        tensors, metadata = read_safetensors_with_metadata(path, "numpy", ("vocabulary", "idf", "label_indptr", "label_indices", "label_data"))
+        if metadata.get("format") != LEXICAL_FORMAT:
+            raise ModelFileError(f"{path}: not a lexical channel file (format {metadata.get('format')!r}, expected {LEXICAL_FORMAT!r})")
+        try:
+            vocabulary = tensors["vocabulary"].tobytes().decode("utf-8")
+            ngram_max, sublinear_tf = int(metadata["ngram_max"]), json.loads(metadata["sublinear_tf"])
+            names = json.loads(metadata.get("ranker_files", "[]"))
+            if not isinstance(names, list):
+                raise TypeError(f"ranker_files is a {type(names).__name__}")
+        except (ValueError, KeyError, TypeError) as err:  # UnicodeDecodeError is a ValueError
+            raise ModelFileError(f"{path}: malformed lexical channel metadata ({type(err).__name__}: {err})") from None
         terms = vocabulary.split("\n") if vocabulary else []
-        features = TfidfFeatures(terms, tensors["idf"], int(metadata["ngram_max"]), json.loads(metadata["sublinear_tf"]))
+        if tensors["idf"].ndim != 1 or len(tensors["idf"]) != len(terms):
+            raise ModelFileError(f"{path}: idf has shape {list(tensors['idf'].shape)} for {len(terms)} vocabulary terms")
+        features = TfidfFeatures(terms, tensors["idf"], ngram_max, sublinear_tf)
+        check_csr(path, tensors["label_indptr"], tensors["label_indices"], tensors["label_data"], len(terms), "label TF-IDF rows")
         label_rows = CsrRows(tensors["label_indptr"], tensors["label_indices"], tensors["label_data"])
-        files = {name: tensors[f"ranker/{name}"].tobytes() for name in json.loads(metadata.get("ranker_files", "[]"))}
+        ranker_labels = tensors.get("ranker_labels")
+        if ranker_labels is not None:
+            if ranker_labels.ndim != 1 or (len(ranker_labels) and (int(ranker_labels.min()) < -1 or int(ranker_labels.max()) >= len(label_rows))):
+                raise ModelFileError(f"{path}: ranker_labels holds label ids outside [-1, {len(label_rows)}) (shape {list(ranker_labels.shape)})")
+        files = {}
+        for name in names:
+            check_listed_name(path, name, "ranker file")
+            if "/" in name or "\\" in name:
+                raise ModelFileError(f"{path}: lists ranker file {name!r}, which is no plain file name")
+            if f"ranker/{name}" not in tensors:
+                raise ModelFileError(f"{path}: lists ranker file {name!r} but does not store it")
+            files[name] = tensors[f"ranker/{name}"].tobytes()
         ranker = None
         if files:
             if omikuji is None:
@@ -400,8 +422,13 @@ class LexicalChannel:
                     "dense and label-text scores only", path,
                 )
             else:
-                ranker = load_omikuji(files)
-        return cls(features, label_rows, ranker, tensors.get("ranker_labels"), settings, ranker_files=files or None)
+                try:
+                    ranker = load_omikuji(files)
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as err:  # omikuji's RuntimeError, or a Rust panic (a BaseException) on garbage bytes
+                    raise ModelFileError(f"{path}: the ranker's files do not load as an Omikuji model ({type(err).__name__}: {err})") from None
+        return cls(features, label_rows, ranker, ranker_labels, settings, ranker_files=files or None)
 
 
 def load_omikuji(files: dict[str, bytes]):

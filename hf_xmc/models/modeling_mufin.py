@@ -47,7 +47,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoTokenizer
 from transformers import initialization as init
@@ -57,7 +57,8 @@ from transformers.utils import ModelOutput, logging
 
 from .classifier_head import ExtremeClassifier
 from .configuration_mufin import MUFIN_SEARCH_MODES, OPEN_CLIP_PREFIX, MUFINConfig
-from .label_index import INDEX_FILE, INDEX_META_FILE, LabelIndex, atomic_write
+from .label_index import INDEX_META_FILE, LabelIndex, atomic_write, progress_bar_disabled
+from .model_files import ModelFileError, check_offsets, read_safetensors
 from .modeling_xmc import (
     LABEL_EMBEDDINGS_FILE,
     LABEL_EMBEDDINGS_INDEX_FILE,
@@ -785,7 +786,7 @@ class MUFINModel(MUFINPreTrainedModel):
         vectors, item_bags = [], []
         try:
             starts = range(0, len(texts), batch_size)
-            if show_progress_bar:
+            if show_progress_bar and not progress_bar_disabled():
                 from tqdm.auto import tqdm
 
                 starts = tqdm(starts, desc="Encoding items", unit="batch")
@@ -1304,20 +1305,30 @@ class MUFINModel(MUFINPreTrainedModel):
                 logger.warning("MUFIN loaded without its image processor (texts only): %s", self.image_processor_error)
         centroids_path = fetch(LABEL_CENTROIDS_FILE)
         if centroids_path is not None:
-            saved = load_file(centroids_path)
+            saved = read_safetensors(centroids_path, keys=("label_centroids", "label_centroid_counts"))
             self.label_centroids, self.label_centroid_counts = saved["label_centroids"], saved["label_centroid_counts"]
         bags_path = fetch(LABEL_BAGS_FILE)
         if bags_path is not None:
-            saved = load_file(bags_path)
+            saved = read_safetensors(bags_path, keys=("label_bag_rows", "label_bag_offsets", "label_vectors"))
             num_labels = saved["label_vectors"].shape[0]
             if self.label_texts is not None and num_labels != len(self.label_texts):
-                raise ValueError(f"{bags_path} holds {num_labels} label bags but labels.jsonl lists {len(self.label_texts)} labels")
+                raise ModelFileError(f"{bags_path}: holds {num_labels} label bags but labels.jsonl lists {len(self.label_texts)} labels")
+            check_offsets(bags_path, saved["label_bag_offsets"].numpy(), num_labels, saved["label_bag_rows"].shape[0], "label_bag_offsets")
+            if saved["label_bag_rows"].ndim != 2 or saved["label_vectors"].ndim != 2 or saved["label_bag_rows"].shape[1] != saved["label_vectors"].shape[1]:
+                raise ModelFileError(
+                    f"{bags_path}: label_bag_rows {list(saved['label_bag_rows'].shape)} and label_vectors {list(saved['label_vectors'].shape)} "
+                    "are not (rows, dim) tensors of one width"
+                )
             self.label_bag_rows, self.label_bag_offsets, self.label_vectors = saved["label_bag_rows"], saved["label_bag_offsets"], saved["label_vectors"]
+            self._label_store_path = bags_path
         images_path = fetch(LABEL_IMAGES_FILE)
         if images_path is not None:
-            images = unpack_label_images(load_file(images_path))
+            packed = read_safetensors(images_path, keys=("image_bytes", "image_offsets", "label_image_offsets"))
+            check_offsets(images_path, packed["image_offsets"].numpy(), len(packed["image_offsets"]) - 1, packed["image_bytes"].numel(), "image_offsets")
+            check_offsets(images_path, packed["label_image_offsets"].numpy(), len(packed["label_image_offsets"]) - 1, len(packed["image_offsets"]) - 1, "label_image_offsets")
+            images = unpack_label_images(packed)
             if self.label_texts is not None and len(images) != len(self.label_texts):
-                raise ValueError(f"{images_path} holds images of {len(images)} labels but labels.jsonl lists {len(self.label_texts)} labels")
+                raise ModelFileError(f"{images_path}: holds images of {len(images)} labels but labels.jsonl lists {len(self.label_texts)} labels")
             self.label_images = images if any(images) else None
         elif self.label_bag_offsets is not None and self.label_texts is not None:
             # rows of a label's bag beyond its text are images: had the labels any, re-encoding them needs them back
@@ -1326,7 +1337,7 @@ class MUFINModel(MUFINPreTrainedModel):
         if bags_path is not None:
             vectors, self.shortlist_row_labels = self.shortlist_vectors()
             # the saved faiss file is reused when it matches these rows and the installed faiss, else rebuilt
-            self.label_index = LabelIndex.load(vectors, meta_path=fetch(INDEX_META_FILE), index_path=fetch(INDEX_FILE), kind=self.config.index_kind)
+            self.label_index = LabelIndex.load(vectors, meta_path=fetch(INDEX_META_FILE), index_path=self._saved_index_path(fetch), kind=self.config.index_kind)
 
 
 __all__ = [

@@ -38,7 +38,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from huggingface_hub import HfApi, ModelCardData
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
@@ -54,10 +53,21 @@ from .label_index import (
     LabelIndex,
     as_label_blocks,
     atomic_write,
+    progress_bar_disabled,
     temp_path_for,
     write_json,
 )
 from .lexical_channel import LEXICAL_FILE, LexicalChannel
+from .model_files import (
+    DropLoadReport,
+    ModelFileError,
+    check_loaded_model,
+    check_weights_index,
+    check_weights_report,
+    file_name,
+    read_labels,
+    read_safetensors,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -369,8 +379,10 @@ def load_label_store(fetch: Callable[[str], Optional[str]]) -> Optional[list[tor
 
 def _mmap_label_vectors(path: str) -> torch.Tensor:
     # safetensors maps the file: no bytes are read until search touches them
-    with safe_open(path, framework="pt") as f:
-        return f.get_tensor(LABEL_EMBEDDINGS_KEY)
+    vectors = read_safetensors(path, keys=(LABEL_EMBEDDINGS_KEY,))[LABEL_EMBEDDINGS_KEY]
+    if vectors.ndim != 2 or vectors.dtype not in (torch.float32, torch.float16):
+        raise ModelFileError(f"{path}: {LABEL_EMBEDDINGS_KEY} is a {vectors.dtype} tensor of shape {list(vectors.shape)}, not (labels, dim) float32 or float16")
+    return vectors
 
 
 def model_directory_files(directory: str | os.PathLike, model_class: type["XMCPreTrainedModel"], complete: bool = True) -> list[str]:
@@ -469,10 +481,22 @@ def default_model_card(model: "XMCPreTrainedModel", repo_id: str, tags: Optional
     return ModelCardFiles({MODEL_CARD_FILE: text.encode("utf-8")})
 
 
+def _as_requested(vectors: torch.Tensor, convert_to_numpy: bool, convert_to_tensor: Optional[bool]) -> torch.Tensor | np.ndarray:
+    """``encode_*``'s result in the form asked for, with sentence-transformers' rule: ``convert_to_tensor=True`` wins;
+    else ``convert_to_numpy=True`` (or ``convert_to_tensor=False``) gives a numpy array (bfloat16 as float32)."""
+    if convert_to_tensor or not (convert_to_numpy or convert_to_tensor is False):
+        return vectors
+    vectors = vectors.detach().cpu()
+    return (vectors.float() if vectors.dtype == torch.bfloat16 else vectors).numpy()
+
+
 def card_pipeline_tag(model: "XMCPreTrainedModel") -> Optional[str]:
-    """The card's ``pipeline_tag``: text classification for text models; none for models that take images (no Hub
-    pipeline ranks labels for an image + text item)."""
-    return None if "image" in getattr(model, "input_modalities", ("text",)) else "text-classification"
+    """The card's ``pipeline_tag``: none, for every model. The Hub's tag names one of its own tasks, and the task these
+    models register (``pipeline_xmc.XMC_PIPELINE_TASK``, found through ``config.custom_pipelines``) is not one of them;
+    the nearest, ``text-classification``, makes the Hub's "Use this model" snippet ``pipeline("text-classification",
+    model=repo)`` fail (no sequence-classification head). Without a tag the snippet is ``AutoModel.from_pretrained(repo,
+    trust_remote_code=True)``, which works, and ``pipeline(model=repo, trust_remote_code=True)`` runs the XMC pipeline."""
+    return None
 
 
 ST_MODULES_FILE = "modules.json"  # a sentence-transformers checkpoint names its modules (Transformer, Pooling, ...) here
@@ -980,7 +1004,7 @@ class XMCPreTrainedModel(PreTrainedModel):
         out: Optional[torch.Tensor] = None  # (n, dim), allocated once the first batch tells the width
         show = len(texts) > 10 * batch_size if show_progress_bar is None else show_progress_bar
         try:
-            for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=not show, unit="batch"):
+            for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=not show or progress_bar_disabled(), unit="batch"):
                 idx = order[start : start + batch_size]
                 batch = self.tokenize([texts[i] for i in idx], max_length)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
@@ -993,10 +1017,15 @@ class XMCPreTrainedModel(PreTrainedModel):
         return out
 
     def encode_queries(
-        self, texts: Sequence[str], batch_size: int = 128, show_progress_bar: Optional[bool] = None, dtype: Optional[torch.dtype] = None
-    ) -> torch.Tensor:
-        """Embed query texts (``max_seq_length`` tokens); ``dtype`` as in :meth:`encode_texts`."""
-        return self.encode_texts(texts, self.config.max_seq_length, batch_size, show_progress_bar, desc="Encoding queries", dtype=dtype)
+        self, texts: Sequence[str], batch_size: int = 128, show_progress_bar: Optional[bool] = None, dtype: Optional[torch.dtype] = None,
+        convert_to_numpy: bool = False, convert_to_tensor: Optional[bool] = None,
+    ) -> torch.Tensor | np.ndarray:
+        """Embed query texts (``max_seq_length`` tokens): a ``(n, dim)`` CPU tensor, or a numpy array with
+        ``convert_to_numpy=True`` (sentence-transformers' ``encode`` returns numpy by default; here a tensor stays the
+        default, as before; ``convert_to_tensor=True`` wins over ``convert_to_numpy``, as there). ``dtype`` as in
+        :meth:`encode_texts`."""
+        vectors = self.encode_texts(texts, self.config.max_seq_length, batch_size, show_progress_bar, desc="Encoding queries", dtype=dtype)
+        return _as_requested(vectors, convert_to_numpy, convert_to_tensor)
 
     def encode_labels(
         self,
@@ -1004,13 +1033,17 @@ class XMCPreTrainedModel(PreTrainedModel):
         batch_size: int = 128,
         show_progress_bar: Optional[bool] = None,
         normalize: Optional[bool] = None,
+        convert_to_numpy: bool = False,
+        convert_to_tensor: Optional[bool] = None,
         **embed_kwargs,
-    ) -> torch.Tensor:
-        """Embed label texts (``label_max_seq_length`` tokens); defaults to the model's own labels."""
+    ) -> torch.Tensor | np.ndarray:
+        """Embed label texts (``label_max_seq_length`` tokens); defaults to the model's own labels. A tensor, or a numpy
+        array with ``convert_to_numpy=True``, as :meth:`encode_queries`."""
         texts = self._require_labels() if texts is None else texts
-        return self.encode_texts(
+        vectors = self.encode_texts(
             texts, self.config.label_max_seq_length, batch_size, show_progress_bar, desc="Encoding labels", normalize=normalize, **embed_kwargs
         )
+        return _as_requested(vectors, convert_to_numpy, convert_to_tensor)
 
     # ------------------------------------------------------------------ label store and index
     @property
@@ -1223,6 +1256,8 @@ class XMCPreTrainedModel(PreTrainedModel):
             texts = [texts]
         k = self._prediction_depth(k, threshold)
         self._require_labels()
+        if len(texts) == 0:  # as pipeline([]) gives []: an empty prediction, not an error
+            return self._prediction(np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32), threshold)
         queries = self.query_search_vectors(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
         scores, ids = self.search_texts(texts, queries, k)
         return self._prediction(ids, scores, threshold)
@@ -1516,32 +1551,58 @@ class XMCPreTrainedModel(PreTrainedModel):
                 f.write(json.dumps({"uid": uid, "text": text}, ensure_ascii=False) + "\n")
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """Load weights and config, then the tokenizer, labels, label vectors and index saved beside them. A weights file
-        that is not valid safetensors (truncated by an interrupted download or copy) is named in the error."""
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, use_saved_index: Optional[bool] = None, **kwargs):
+        """Load weights and config, then the tokenizer, labels, label vectors and index saved beside them, and check the
+        whole directory before anything is served (:mod:`model_files`): a fault is one :class:`ModelFileError` line naming
+        the file. Weights load strictly: a tensor of the model missing from the weights file, one the model has no place
+        for, or one of another shape (unless ``ignore_mismatched_sizes=True``) is refused by name.
+
+        ``use_saved_index``: read the saved faiss index (``label_index.faiss``, HNSW / IVF) instead of building it from the
+        label vectors. ``None`` (default): from a local directory yes, from a Hub repo no (faiss parses the file's native
+        bytes); either way a file read back is checked against the label vectors and rebuilt from them if it does not
+        match (:meth:`LabelIndex.load`)."""
         from safetensors import SafetensorError
 
+        path = str(pretrained_model_name_or_path)
         hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
-        quiet = _saved_adapter_only(str(pretrained_model_name_or_path), hub)  # the encoder's weights come later: no "missing" report
+
+        def fetch(name: str) -> Optional[str]:
+            return cls._fetch_artifact(path, name, hub)
+
+        check_weights_index(fetch, WEIGHTS_FILE, WEIGHTS_INDEX_FILE)  # before transformers opens a shard it names
+        want_info = kwargs.pop("output_loading_info", False)
+        mismatched_ok = bool(kwargs.get("ignore_mismatched_sizes", False))
+        kwargs["ignore_mismatched_sizes"] = True  # a mismatch comes back in the report and is refused below, by name
+        quiet = _saved_adapter_only(path, hub)  # the encoder's weights come later: no "missing" report
         verbosity = logging.get_verbosity()
+        report_filter = DropLoadReport()  # its entries become the one-line error below
+        logging.get_logger("transformers.modeling_utils").addFilter(report_filter)
         try:
             if quiet:
                 logging.set_verbosity_error()
-            model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
         except SafetensorError as err:
-            raise OSError(
-                f"{pretrained_model_name_or_path}: the weights file is not valid safetensors ({err}); it is truncated or "
+            raise ModelFileError(
+                f"{fetch(WEIGHTS_FILE) or fetch(WEIGHTS_INDEX_FILE) or path}: not valid safetensors ({err}); it is truncated or "
                 "corrupt: download it again (or save the model again)"
             ) from None
+        except RuntimeError as err:  # transformers' "Error(s) in loading state_dict", weight conversion errors
+            if "state_dict" not in str(err) and "conversion" not in str(err):
+                raise
+            raise ModelFileError(f"{fetch(WEIGHTS_FILE) or fetch(WEIGHTS_INDEX_FILE) or path}: {str(err).strip()}") from None
         finally:
             logging.set_verbosity(verbosity)
-        model._load_artifacts(str(pretrained_model_name_or_path), hub)
-        return model
+            logging.get_logger("transformers.modeling_utils").removeFilter(report_filter)
+        weights_path = fetch(WEIGHTS_FILE) or fetch(WEIGHTS_INDEX_FILE) or file_name(path, WEIGHTS_FILE)
+        encoder_later = (lambda key: key.startswith("encoder.")) if model.config.encoder_adapter_only else (lambda key: False)
+        check_weights_report(info, weights_path, cls.__name__, encoder_later, mismatched_ok)
+        model._use_saved_index = os.path.isdir(path) if use_saved_index is None else bool(use_saved_index)
+        model._load_artifacts(path, hub)
+        model._check_loaded_artifacts(path, fetch)
+        return (model, info) if want_info else model
 
     def _load_encoder_from_base_and_adapter(self, path: str, adapter_path: Optional[str], hub: dict) -> None:
         """An adapter-only save: the encoder's weights from ``config.encoder_base_model``, then the adapter's."""
-        from safetensors.torch import load_file
-
         peft = _import_peft()
         if adapter_path is None:
             raise ValueError(f"{path}: config.json says the encoder is saved as an adapter, but there is no {ADAPTER_WEIGHTS_FILE}")
@@ -1551,7 +1612,7 @@ class XMCPreTrainedModel(PreTrainedModel):
         if unexpected or [k for k in missing if not k.endswith("position_ids")]:
             raise ValueError(f"{self.config.encoder_base_model}: its weights do not fit this model's encoder (missing {missing[:3]}, unexpected {unexpected[:3]})")
         self.encoder = peft.get_peft_model(self.encoder, _peft_config(self.config.encoder_adapter)).to(next(self.parameters()).device)
-        result = peft.set_peft_model_state_dict(self.encoder, load_file(adapter_path))
+        result = peft.set_peft_model_state_dict(self.encoder, read_safetensors(adapter_path))
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"{adapter_path}: adapter weights that the encoder has no place for: {result.unexpected_keys[:3]}")
         self.encoder.train(self.training)  # from_pretrained left the model in eval mode: the adapter's dropout too
@@ -1571,47 +1632,52 @@ class XMCPreTrainedModel(PreTrainedModel):
         if fetch("tokenizer_config.json") is not None:
             # Hand over the encoder's config so AutoTokenizer does not re-read config.json (with its auto_map,
             # that would prompt for trust_remote_code again); the tokenizer itself is a stock class.
-            self.tokenizer = AutoTokenizer.from_pretrained(path, config=self.config.encoder_config, **hub)
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(path, config=self.config.encoder_config, **hub)
+            except Exception as err:  # a half-written tokenizer.json, a vocabulary file that is no vocabulary, ...
+                name = "tokenizer.json" if fetch("tokenizer.json") is not None else "tokenizer_config.json"
+                raise ModelFileError(f"{file_name(path, name)}: the tokenizer does not load ({type(err).__name__}: {err})") from None
         labels_path = fetch(LABELS_FILE)
         if labels_path is not None:
-            uids, texts = [], []
-            with open(labels_path, encoding="utf-8") as f:
-                for line_no, line in enumerate(f, 1):
-                    try:
-                        row = json.loads(line)
-                        uids.append(str(row["uid"]))
-                        texts.append(str(row["text"]))
-                    except (ValueError, KeyError, TypeError) as err:
-                        raise ValueError(f"{labels_path}, line {line_no}: not a {{'uid', 'text'}} JSON object ({err})") from err
-            self.label_uids, self.label_texts = uids, texts
+            self.label_uids, self.label_texts = read_labels(labels_path)
         blocks = load_label_store(fetch)  # memory-mapped, in the precision they were saved in
         if blocks is not None:
+            self._label_store_path = fetch(LABEL_EMBEDDINGS_INDEX_FILE) or fetch(LABEL_EMBEDDINGS_FILE)
             num_vectors = sum(b.shape[0] for b in blocks)
             per_label = self.label_store_rows_per_label
             if self.label_texts is not None and num_vectors != per_label * len(self.label_texts):
-                raise ValueError(
-                    f"{path}: the label store holds {num_vectors} label vectors but {LABELS_FILE} lists {len(self.label_texts)} labels"
+                raise ModelFileError(
+                    f"{self._label_store_path}: holds {num_vectors} label vectors but {LABELS_FILE} lists {len(self.label_texts)} labels"
                     + (f" ({per_label} vectors per label expected)" if per_label != 1 else "")
                 )
             self.label_embedding_blocks = blocks
-            self.label_index = LabelIndex.load(
-                blocks, meta_path=fetch(INDEX_META_FILE), index_path=fetch(INDEX_FILE), kind=self.config.index_kind
-            )
+            self.label_index = LabelIndex.load(blocks, meta_path=fetch(INDEX_META_FILE), index_path=self._saved_index_path(fetch), kind=self.config.index_kind)
         if self.config.score_calibration:
             try:
                 ScoreCalibration.from_dict(self.config.score_calibration)
             except (ValueError, TypeError) as err:
-                raise ValueError(f"{path}: config.json's score_calibration is malformed ({err})") from None
+                raise ModelFileError(f"{file_name(path, CONFIG_FILE)}: score_calibration is malformed ({err})") from None
         if self.config.lexical_channel:
             lexical_path = fetch(LEXICAL_FILE)
             if lexical_path is None:
-                raise ValueError(f"{path}: config.json names a lexical channel but there is no {LEXICAL_FILE}")
+                raise ModelFileError(f"{file_name(path, LEXICAL_FILE)}: missing, but config.json names a lexical channel")
             channel = LexicalChannel.load(lexical_path, self.config.lexical_channel)
             if self.label_texts is not None and channel.num_labels != len(self.label_texts):
-                raise ValueError(f"{path}: {LEXICAL_FILE} scores {channel.num_labels} labels but {LABELS_FILE} lists {len(self.label_texts)}")
+                raise ModelFileError(f"{lexical_path}: scores {channel.num_labels} labels but {LABELS_FILE} lists {len(self.label_texts)}")
             self.lexical_channel = channel
         card_path = fetch(MODEL_CARD_FILE)
         if card_path is not None:
             files = {MODEL_CARD_FILE: card_path}
             files.update({name: fetch(name) for name in MODEL_CARD_ASSETS})
             self.model_card = ModelCardFiles({name: _read_bytes(p) for name, p in files.items() if p is not None})
+
+    def _saved_index_path(self, fetch: Callable[[str], Optional[str]]) -> Optional[str]:
+        """The saved faiss index to read back (``from_pretrained(use_saved_index=)``), or None: the index is then built
+        from the label vectors. A Hub repo's faiss file is not even downloaded unless asked for."""
+        if not getattr(self, "_use_saved_index", True) or self.config.index_kind not in ("hnsw", "ivf"):
+            return None
+        return fetch(INDEX_FILE)
+
+    def _check_loaded_artifacts(self, path: str, fetch: Callable[[str], Optional[str]]) -> None:
+        """What only the loaded model as a whole can tell (after every ``_load_artifacts``): :func:`check_loaded_model`."""
+        check_loaded_model(self, path, fetch, getattr(self, "_label_store_path", None) or path)

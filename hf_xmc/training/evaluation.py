@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from ..data import XMCDataset, filter_predictions
 from ..metrics import inverse_propensity, xmc_metrics
+from ..models.label_index import progress_bar_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class XMCEvaluator:
         scores = np.full((n, k), -np.inf, dtype=np.float32)
         show = n > self.chunk_size if show_progress_bar is None else show_progress_bar
         chunks = range(0, n, self.chunk_size)
-        for start in tqdm(chunks, desc="Searching", disable=not show or len(chunks) < 2, unit="chunk"):
+        for start in tqdm(chunks, desc="Searching", disable=not show or len(chunks) < 2 or progress_bar_disabled(), unit="chunk"):
             stop = min(start + self.chunk_size, n)
             queries = model.query_search_vectors(texts[start:stop], batch_size=self.batch_size, show_progress_bar=show_progress_bar if len(chunks) < 2 else False)
             if getattr(model, "lexical_channel", None) is None:

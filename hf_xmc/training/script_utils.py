@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ from typing import Optional
 import transformers
 from transformers import HfArgumentParser, set_seed
 
-from ..data import XCData, load_xc_dataset, read_filter_file
+from ..data import XCData, read_filter_file
 from ..models.calibration import CALIBRATION_METHODS
 from ..models.label_index import atomic_write
 from ..models.modeling_xmc import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
@@ -35,9 +37,9 @@ class XMCDataArguments:
     """Data arguments of every training script: Extreme Classification Repository raw files (``--train_file``,
     ``--test_file``, ``--label_file``), or a ``datasets`` dataset (``--dataset_name`` without the files)."""
 
-    train_file: Optional[str] = field(default=None, metadata={"help": "Training points: XC raw JSON lines (trn.json.gz)."})
-    test_file: Optional[str] = field(default=None, metadata={"help": "Test points: XC raw JSON lines (tst.json.gz)."})
-    label_file: Optional[str] = field(default=None, metadata={"help": "Labels: XC raw JSON lines (lbl.json.gz), line i = label id i."})
+    train_file: Optional[str] = field(default=None, metadata={"help": "Training points: XC raw JSON lines (trn.json.gz), or a .parquet/.arrow/.csv/.json[l] file (columns --text_column, --label_column)."})
+    test_file: Optional[str] = field(default=None, metadata={"help": "Test points: XC raw JSON lines (tst.json.gz), or a .parquet/.arrow/.csv/.json[l] file."})
+    label_file: Optional[str] = field(default=None, metadata={"help": "Labels: XC raw JSON lines (lbl.json.gz), or a .parquet/.arrow/.csv/.json[l] file (column --label_text_column); line/row i = label id i."})
     test_filter_file: Optional[str] = field(
         default=None, metadata={"help": "Pairs 'point_idx label_idx' removed from test predictions before scoring (point_idx: row of the test file or split)."}
     )
@@ -46,7 +48,7 @@ class XMCDataArguments:
     dataset_name: Optional[str] = field(
         default=None,
         metadata={"help": "Without --train_file: the data, read with `datasets` (a Hub dataset id, a save_to_disk directory, or "
-                  "comma-separated .parquet/.json/.csv files). With the XC files: the dataset's name on the model card "
+                  "local .parquet/.arrow/.json/.csv files, comma-separated or a folder, each named for its split: train.parquet, test.parquet, labels.parquet). With the XC files: the dataset's name on the model card "
                   "(default: the train file's folder name)."},
     )
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "The dataset's configuration (datasets.load_dataset's name)."})
@@ -73,7 +75,7 @@ class XMCDataArguments:
     )
     # --- the validation split: what a run tunes (fusion weights, calibration, the best checkpoint) is tuned on it ---
     validation_file: Optional[str] = field(
-        default=None, metadata={"help": "Validation points: XC raw JSON lines, in the training file's format (default: carved out of the training points when the run needs them)."}
+        default=None, metadata={"help": "Validation points: XC raw JSON lines or a .parquet/.arrow/.csv/.json[l] file (default: carved out of the training points when the run needs them)."}
     )
     validation_split: Optional[str] = field(default=None, metadata={"help": "With --dataset_name: the split of the validation points (default: carved out of the training split when needed)."})
     validation_split_percentage: Optional[float] = field(
@@ -100,11 +102,70 @@ class XMCDataArguments:
             raise ValueError(f"give one of {' and '.join(given)}: they name the validation points in different ways")
 
 
+def run_log_level(training_args: XMCTrainingArguments) -> int:
+    """The level this process logs at: ``--log_level`` on the main process, ``--log_level_replica`` on the others.
+    ``passive`` (the default) is INFO on the main process (WARNING elsewhere) unless transformers' verbosity was
+    turned down (``TRANSFORMERS_VERBOSITY``, ``transformers.logging.set_verbosity_*``): then that verbosity."""
+    from transformers.training_args import trainer_log_levels
+
+    main = training_args.process_index == 0
+    level = trainer_log_levels[training_args.log_level if main else training_args.log_level_replica]
+    if level != -1:
+        return level
+    verbosity = transformers.utils.logging.get_verbosity()
+    if os.environ.get("TRANSFORMERS_VERBOSITY") or verbosity > logging.WARNING:
+        return verbosity
+    return logging.INFO if main else logging.WARNING
+
+
 def setup_logging(training_args: XMCTrainingArguments) -> None:
-    """Log INFO on the main process and warnings elsewhere, for this package and transformers."""
-    level = logging.INFO if training_args.process_index == 0 else logging.WARNING
+    """Log at :func:`run_log_level` for this package and transformers (``--log_level warning`` keeps INFO, the
+    encoder's config among it, off the console)."""
+    level = run_log_level(training_args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout, level=level)
+    # basicConfig changes nothing once the root logger has a handler (a notebook, a second run in one process)
+    logging.getLogger(__name__.split(".")[0]).setLevel(level)
     transformers.utils.logging.set_verbosity(level)
+
+
+class XMCArgumentParser(HfArgumentParser):
+    """The training scripts' ``HfArgumentParser``: hf_xmc's flags first, in titled groups (the model's, ``hf_xmc
+    data``, ``hf_xmc training``), then transformers' ``TrainingArguments``; no prefix matching (``--max_step`` is an
+    unknown flag, not ``--max_steps``); and a ``--no_<flag>`` whose help says that it turns ``--<flag>`` off."""
+
+    def __init__(self, dataclass_types, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(dataclass_types, **kwargs)
+        if "usage" not in kwargs:  # argparse's usage lists every flag (~170 lines): the required ones and where to look
+            required = " ".join(f"{a.option_strings[0]} {a.metavar or a.dest.upper()}" for a in self._actions if a.required)
+            self.usage = f"%(prog)s {required} [flags: --help lists them, hf_xmc's first]\n       %(prog)s config.json"
+
+    def _add_dataclass_arguments(self, dtype) -> None:
+        from typing import get_type_hints
+
+        from transformers import TrainingArguments
+
+        hints = get_type_hints(dtype)
+        fields = [f for f in dataclasses.fields(dtype) if f.init]
+        if issubclass(dtype, TrainingArguments):
+            theirs = {f.name for f in dataclasses.fields(TrainingArguments)}
+            groups = [("hf_xmc training", [f for f in fields if f.name not in theirs]),
+                      ("transformers TrainingArguments", [f for f in fields if f.name in theirs])]
+        elif dtype is XMCDataArguments:
+            groups = [("hf_xmc data", fields)]
+        else:
+            groups = [(f"hf_xmc model ({dtype.__name__})", fields)]
+        for title, group_fields in groups:
+            group = self.add_argument_group(title)
+            for f in group_fields:
+                f.type = hints[f.name]
+                self._parse_dataclass_field(group, f)
+                if f.default is True:  # HfArgumentParser's --no_<name> copies the help of --<name>: say what it does
+                    negation = next((a for a in group._group_actions if f"--no_{f.name}" in a.option_strings), None)
+                    if negation is not None:
+                        what = (negation.help or "").strip().rstrip(".")
+                        negation.help = f"Switch --{f.name} off (it is on by default{': ' + what if what else ''})."
+                        negation.default = argparse.SUPPRESS  # its "(default: False)" read as the opposite; --<name> sets the default
 
 
 def parse_script_args(model_arguments: type, training_arguments: type, argv: Optional[list[str]] = None, method: Optional[str] = None) -> tuple:
@@ -116,7 +177,7 @@ def parse_script_args(model_arguments: type, training_arguments: type, argv: Opt
     (:mod:`hf_xmc.training.presets`): its values become the parser's defaults, so flags given explicitly (or keys of
     the JSON file) win. An unknown name, or ``list``, prints the known presets on one line and exits with status 2.
     """
-    parser = HfArgumentParser((model_arguments, XMCDataArguments, training_arguments))
+    parser = XMCArgumentParser((model_arguments, XMCDataArguments, training_arguments))
     parser.error = functools.partial(_one_line_parser_error, parser)
     args = sys.argv[1:] if argv is None else list(argv)
     if len(args) == 1 and args[0].endswith(".json"):
@@ -125,7 +186,7 @@ def parse_script_args(model_arguments: type, training_arguments: type, argv: Opt
         preset = _resolve_preset(parser, method, config.get("preset"))
         model_args, data_args, training_args = parser.parse_dict({**preset, **config})
     else:
-        pre = argparse.ArgumentParser(add_help=False)
+        pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
         pre.add_argument("--preset", default=None)
         preset = _resolve_preset(parser, method, pre.parse_known_args(args)[0].preset)
         for action in parser._actions:  # a preset may name what is otherwise required (the encoder)
@@ -148,17 +209,93 @@ def _one_line_parser_error(parser: argparse.ArgumentParser, message: str) -> Non
     raise SystemExit(2)
 
 
+def looks_like_local_path(path: str) -> bool:
+    """Whether a model name is meant as a local path, not a Hub id (``name`` or ``org/name``): absolute, starting with
+    ``.`` or ``~``, more than one ``/``, the system's own separator, or ``dir/name`` where ``dir`` is a local
+    directory (``out/dexml`` mistyped)."""
+    if os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1 or (os.sep != "/" and os.sep in path):
+        return True
+    return "/" in path and os.path.isdir(path.split("/", 1)[0])
+
+
 def check_model_path(path: Optional[str]) -> None:
-    """Name a ``--model_name_or_path`` that is meant as a local directory but is none (an absolute or ``./`` path,
-    or more than one ``/``: a Hub id is ``name`` or ``org/name``), or a directory without ``config.json``, before
-    transformers turns it into a Hub-id error."""
+    """Name a ``--model_name_or_path`` that is meant as a local directory but is none (:func:`looks_like_local_path`),
+    or a directory without ``config.json``, at once: before transformers spends a minute on Hub retries and turns it
+    into a Hub-id error."""
     if not path or os.path.isfile(os.path.join(path, "config.json")):
         return
     if os.path.isdir(path):
         raise ValueError(f"{path}: not a model directory (no config.json); --model_name_or_path takes a saved encoder or model, or a Hub id")
-    local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
-    if local:
+    if looks_like_local_path(path):
         raise ValueError(f"{path}: no such model directory (--model_name_or_path); a Hub id is 'name' or 'org/name'")
+
+
+# ------------------------------------------------------------------------------------------------ a full disk
+_DISK_FULL_WORDS = ("no space left on device", "storagefull", "disk quota exceeded", "os error 28", "file write failed")
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err`` says the disk (or the quota) is full: an ``OSError`` with ``ENOSPC`` / ``EDQUOT``, or an error
+    raised from native code that says so in words (safetensors' ``SafetensorError``, torch's ``file write failed``)."""
+    import errno
+
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return True
+    text = str(err).lower()
+    return any(word in text for word in _DISK_FULL_WORDS)
+
+
+class DiskFullError(OSError):
+    """A save that ran out of disk: the message names the directory, the space the save needs and the space free."""
+
+
+def estimated_save_bytes(model) -> int:
+    """About how many bytes a save of ``model`` writes: its weights and buffers plus the label vectors and label texts
+    stored beside them."""
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    for block in getattr(model, "label_embedding_blocks", None) or ():
+        total += int(getattr(block, "nbytes", 0)) or block.numel() * block.element_size()
+    total += sum(len(t.encode("utf-8")) + 32 for t in getattr(model, "label_texts", None) or ())  # labels.jsonl
+    return total
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def disk_full_message(directory: str, model=None, what: str = "the model", factor: float = 1.0) -> str:
+    """``<directory>: no space left on device while saving <what> (about N needed, M free there)``."""
+    parts = []
+    if model is not None:
+        parts.append(f"about {_human_bytes(estimated_save_bytes(model) * factor)} needed")
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    try:
+        parts.append(f"{_human_bytes(shutil.disk_usage(existing).free)} free there")
+    except OSError:
+        pass
+    detail = f" ({', '.join(parts)})" if parts else ""
+    return f"{directory}: no space left on device while saving {what}{detail}: free some space or save elsewhere"
+
+
+@contextlib.contextmanager
+def disk_full_named(directory: str, model=None, what: str = "the model", factor: float = 1.0):
+    """Turn a full disk met inside the block (an ``OSError``, or a ``SafetensorError`` / ``RuntimeError`` from native
+    code) into a :class:`DiskFullError` naming ``directory`` and the space ``model``'s save needs (``factor`` times its
+    files: 3 for a checkpoint, which adds the optimizer's two moments). Saves are staged, so the previous model stays."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        raise DiskFullError(disk_full_message(directory, model, what, factor)) from err
 
 
 DEBUG_ENV = "HF_XMC_DEBUG"  # set (to anything but 0) for the full traceback of an input fault
@@ -166,12 +303,14 @@ DEBUG_ENV = "HF_XMC_DEBUG"  # set (to anything but 0) for the full traceback of 
 
 def run_script(main, argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     """Run a training script's ``main``: a fault in the input (a data file, a model or output directory, an argument
-    value; ``ValueError`` / ``OSError``, which name the file and the fault) ends as ONE line on stderr, ``<prog>:
-    <message>``, and exit status 2, nothing written by the run; running out of memory ends as one line with what to
+    value, a missing optional dependency, a full disk; ``ValueError`` / ``OSError`` / ``ImportError`` and the IO errors
+    of native code, which name the file and the fault) ends as ONE line on stderr, ``<prog>: <message>``, and exit
+    status 2, nothing written by the run; running out of memory ends as one line with what to
     lower, exit status 1. In a run of several processes the line names the rank (``<prog> (rank 1): ...``); the
     launcher (``accelerate launch`` / ``torchrun``) then stops the other ranks, which would wait for it forever.
     ``--debug`` (or ``HF_XMC_DEBUG=1``) re-raises with the traceback. Returns the exit status."""
     import torch
+    from safetensors import SafetensorError
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get(DEBUG_ENV, "") not in ("", "0")
@@ -182,16 +321,7 @@ def run_script(main, argv: Optional[list[str]] = None, prog: Optional[str] = Non
     out_of_memory = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
     try:
         main(args)
-    except (ValueError, OSError) as err:  # XMCDataError is a ValueError
-        if debug:
-            raise
-        if isinstance(err, OSError) and err.filename and err.strerror:  # "[Errno 2] No such file ..." -> "<file>: no such file or directory"
-            message = f"{err.filename}: {err.strerror[:1].lower()}{err.strerror[1:]}"
-        else:
-            message = _first_line(err)
-        print(f"{prog}: {message}", file=sys.stderr)
-        return 2
-    except out_of_memory as err:
+    except out_of_memory as err:  # before RuntimeError: torch's OutOfMemoryError is one
         if debug:
             raise
         print(
@@ -200,6 +330,17 @@ def run_script(main, argv: Optional[list[str]] = None, prog: Optional[str] = Non
             file=sys.stderr,
         )
         return 1
+    except (ValueError, OSError, ImportError, SafetensorError, RuntimeError) as err:  # XMCDataError is a ValueError
+        # ImportError: an optional dependency missing; SafetensorError / RuntimeError: native code's IO faults (a full
+        # disk); any other RuntimeError is a bug and keeps its traceback
+        if debug or (isinstance(err, RuntimeError) and not is_disk_full(err)):
+            raise
+        if isinstance(err, OSError) and err.filename and err.strerror:  # "[Errno 2] No such file ..." -> "<file>: no such file or directory"
+            message = f"{err.filename}: {err.strerror[:1].lower()}{err.strerror[1:]}"
+        else:
+            message = _first_line(err)
+        print(f"{prog}: {message}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -249,10 +390,12 @@ def train_stage(trainer: XMCTrainer, resume) -> None:
         load_model(model, weights, strict=True, device=str(trainer.args.device))
         logger.info("%s: the stage finished before; its weights are read back, not trained again", out)
         return
-    trainer.train(resume_from_checkpoint=trainer.last_complete_checkpoint() if resume else None)
+    with disk_full_named(out, model, "a checkpoint (weights and optimizer state)", factor=3):
+        trainer.train(resume_from_checkpoint=trainer.last_complete_checkpoint() if resume else None)
     if trainer.args.save_strategy != "no" and trainer.is_world_process_zero():
-        atomic_write(weights, lambda p: save_model(model, p, metadata={"format": "pt"}))
-        write_json_atomic(done, {"global_step": trainer.state.global_step, "weights": STAGE_WEIGHTS_FILE})
+        with disk_full_named(out, model, "the stage's weights"):
+            atomic_write(weights, lambda p: save_model(model, p, metadata={"format": "pt"}))
+            write_json_atomic(done, {"global_step": trainer.state.global_step, "weights": STAGE_WEIGHTS_FILE})
     trainer.accelerator.wait_for_everyone()
 
 
@@ -335,20 +478,16 @@ def load_data(data_args: XMCDataArguments, training_args: Optional[XMCTrainingAr
     else:
         if data_args.validation_split is not None:
             raise ValueError("--validation_split names a split of --dataset_name; with XC files give --validation_file")
-        data = load_xc_dataset(
-            data_args.train_file,
-            data_args.test_file,
-            data_args.label_file,
-            text_fields=tuple(data_args.text_fields.split(",")),
-            label_text_fields=tuple(data_args.label_text_fields.split(",")),
+        from ..data.data_files import load_data_files
+
+        # one file per split, each XC raw JSON lines or a parquet / arrow / csv / json file read with datasets
+        data = load_data_files(
+            data_args.train_file, data_args.test_file, data_args.label_file, data_args.validation_file,
+            text_fields=tuple(data_args.text_fields.split(",")), label_text_fields=tuple(data_args.label_text_fields.split(",")),
+            text_column=data_args.text_column, label_column=data_args.label_column, image_column=data_args.image_column,
+            label_text_column=data_args.label_text_column, label_image_column=data_args.label_image_column,
         )
         logger.info("data: %d train, %d test points, %d labels", len(data.train), len(data.test), len(data.label_texts))
-        if data_args.validation_file:
-            from ..data import read_xc_raw
-
-            data.validation = read_xc_raw(data_args.validation_file, num_labels=len(data.label_texts), text_fields=tuple(data_args.text_fields.split(",")))
-            if len(data.validation) == 0:
-                raise ValueError(f"{data_args.validation_file}: no validation point has a label")
     if training_args is not None:
         data = prepare_validation(data, data_args, training_args)
     return data
@@ -519,7 +658,8 @@ def train_and_evaluate(
                 logger.warning("%s: no complete checkpoint to resume from: training from the start", training_args.output_dir)
         if resume:
             logger.info("resuming from %s", resume)
-        train_result = trainer.train(resume_from_checkpoint=resume)
+        with disk_full_named(training_args.output_dir, model, "a checkpoint (weights and optimizer state)", factor=3):
+            train_result = trainer.train(resume_from_checkpoint=resume)
         metrics = dict(train_result.metrics)
     trainer.release_training_state()  # the optimizer's moments and the batches' data: not needed from here on
     index_current = False  # the model's label index was built with the final weights (no need to encode the labels again)
@@ -554,7 +694,12 @@ def train_and_evaluate(
         metrics["lexical_fit_runtime"] += round(time.perf_counter() - start, 4)
     evaluator.reuse_label_index = index_current
     trainer.evaluator = evaluator  # the test file, read for this final evaluation only (and the model card)
-    metrics.update(trainer.evaluate(metric_key_prefix=evaluator.name))
+    try:
+        metrics.update(trainer.evaluate(metric_key_prefix=evaluator.name))
+    except Exception:  # never lose a finished training to an evaluation error: save what trained, then report the error
+        logger.error("the final evaluation failed: saving the trained model to %s first", training_args.output_dir)
+        trainer.save_model(training_args.output_dir)
+        raise
     metrics.pop("epoch", None)
     if method != "none" and evaluator.last_ranking is not None:
         from .calibration import calibration_metrics
@@ -564,11 +709,12 @@ def train_and_evaluate(
             metrics[f"{evaluator.name}_ECE_{name}"] = round(value, 4)
         metrics["calibration_method"] = method
         metrics["calibration_reliability"] = evaluator.last_reliability  # the reliability diagram's rows on the test split
-    trainer.save_model(training_args.output_dir)  # after evaluate: the saved index matches the final weights
-    if trainer.is_world_process_zero():
-        write_json_atomic(os.path.join(training_args.output_dir, EVAL_RESULTS_FILE), metrics)
-        logger.info("test metrics: %s", json.dumps({k: round(v, 2) for k, v in metrics.items() if k.startswith("test_")}))
-    trainer.create_model_card(**(card_kwargs or {}))  # README.md + plot from this run's results, beside the model
+    with disk_full_named(training_args.output_dir, model):  # one line naming the directory and the space a save needs
+        trainer.save_model(training_args.output_dir)  # after evaluate: the saved index matches the final weights
+        if trainer.is_world_process_zero():
+            write_json_atomic(os.path.join(training_args.output_dir, EVAL_RESULTS_FILE), metrics)
+            logger.info("test metrics: %s", json.dumps({k: round(v, 2) for k, v in metrics.items() if k.startswith("test_")}))
+        trainer.create_model_card(**(card_kwargs or {}))  # README.md + plot from this run's results, beside the model
     if training_args.push_to_hub:
         trainer.push_to_hub()  # to --hub_model_id: the model directory with its card, labels and index
     return metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput
 
 from ..data import XMCDataset
 from ..metrics import inverse_propensity
+from ..models.label_index import progress_bar_disabled
 from .collator import (
     LabelTokens,
     PSLDataCollator,
@@ -122,6 +124,8 @@ class XMCTrainingArguments(TrainingArguments):
             raise ValueError(f"--peft takes 'lora' (or give any peft config with --peft_config FILE), got {self.peft!r}")
         if self.peft and self.peft_config:
             raise ValueError("give --peft lora or --peft_config FILE, not both")
+        if (self.peft or self.peft_config) and importlib.util.find_spec("peft") is None:
+            raise ValueError(f"{'--peft lora' if self.peft else '--peft_config'} needs peft, which is not installed: pip install 'hf_xmc[peft]'")
         if self.save_adapter_only and not (self.peft or self.peft_config):
             raise ValueError("--save_adapter_only needs an adapter: --peft lora or --peft_config FILE")
         if self.encoder_dropout is not None and not 0 <= self.encoder_dropout < 1:
@@ -129,8 +133,6 @@ class XMCTrainingArguments(TrainingArguments):
         if self.lexical_channel not in ("none", "omikuji"):
             raise ValueError(f"--lexical_channel takes 'none' or 'omikuji', got {self.lexical_channel!r}")
         if self.lexical_channel == "omikuji":
-            import importlib.util
-
             missing = [name for name, module in (("omikuji", "omikuji"), ("scikit-learn", "sklearn")) if importlib.util.find_spec(module) is None]
             if missing:
                 raise ValueError(f"--lexical_channel omikuji needs {' and '.join(missing)}: pip install 'hf_xmc[lexical]'")
@@ -141,6 +143,8 @@ class XMCTrainingArguments(TrainingArguments):
         if self.hard_negatives > self.hard_negative_top_k:
             raise ValueError(f"--hard_negatives {self.hard_negatives} exceeds the shortlist they are drawn from (--hard_negative_top_k {self.hard_negative_top_k})")
         super().__post_init__()
+        if progress_bar_disabled():  # TQDM_DISABLE=1 or transformers' disable_progress_bar(): every bar of the run off
+            self.disable_tqdm = True
 
 
 def encoder_adapter_config(args: XMCTrainingArguments):

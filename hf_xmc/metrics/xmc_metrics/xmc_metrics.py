@@ -38,7 +38,9 @@ top-k predicted label ids of each query and its set of true label ids: precision
 nDCG@k, recall@k (R@k) and, when per-label inverse propensities are given, the normalised
 propensity-scored precision PSP@k and PSnDCG@k of Jain et al. (2016), with the exact
 conventions of pyxclib / napkinxc (averaged over all queries, queries without positives
-included). Scores are percentages.
+included). Scores are PERCENTAGES in [0, 100], as the XC repository reports them
+(``percent=False`` gives fractions in [0, 1], as most `evaluate` metrics do). R@k is
+computed at the cut-offs of ``k_list`` unless ``recall_k_list`` names others.
 """
 
 _KWARGS_DESCRIPTION = """
@@ -46,19 +48,24 @@ Args:
     predictions (`list` of `list` of `int`): ranked predicted label ids per query, best
         first; rows may have different lengths; negative ids mean "no prediction".
     references (`list` of `list` of `int`): true label ids per query (may be empty).
-    k_list (`Sequence[int]`, defaults to `(1, 3, 5)`): cut-offs for P@k, nDCG@k, PSP@k, PSnDCG@k.
-    recall_k_list (`Sequence[int]`, defaults to `(10, 100)`): cut-offs for R@k.
+    k_list (`Sequence[int]`, defaults to `(1, 3, 5)`): cut-offs for P@k, nDCG@k, PSP@k, PSnDCG@k
+        (and R@k unless `recall_k_list` is given).
+    recall_k_list (`Sequence[int]`, optional): cut-offs for R@k; defaults to `k_list`; `[]`
+        for no R@k. (The training scripts report R@10 and R@100: pass `[10, 100]`.)
     inv_propensity (`list` or `np.ndarray` of `float`, optional): inverse propensity of each
         label (e.g. `hf_xmc.metrics.inverse_propensity(train_targets)`); enables PSP@k and PSnDCG@k.
     num_labels (`int`, optional): size of the label space; defaults to `len(inv_propensity)`
         if given, else 1 + the largest label id seen.
+    percent (`bool`, defaults to `True`): percentages in [0, 100]; `False`: fractions in [0, 1].
 Returns:
     `dict` mapping `"P@k"`, `"nDCG@k"` (and `"PSP@k"`, `"PSnDCG@k"`) for k in `k_list` and
-    `"R@k"` for k in `recall_k_list` to percentages in [0, 100].
+    `"R@k"` for k in `recall_k_list` (default `k_list`) to percentages in [0, 100]
+    (fractions with `percent=False`).
 Examples:
     >>> xmc = evaluate.load("hf_xmc/metrics/xmc_metrics")
-    >>> results = xmc.compute(predictions=[[0, 2, 1], [3, 4, 5]], references=[[0, 1], [5]],
-    ...                       k_list=[1, 3], recall_k_list=[3])
+    >>> results = xmc.compute(predictions=[[0, 2, 1], [3, 4, 5]], references=[[0, 1], [5]], k_list=[1, 3])
+    >>> sorted(results)
+    ['P@1', 'P@3', 'R@1', 'R@3', 'nDCG@1', 'nDCG@3']
     >>> round(results["P@1"], 2), round(results["P@3"], 2), results["R@3"]
     (50.0, 50.0, 100.0)
 """
@@ -91,11 +98,13 @@ class XmcMetrics(evaluate.Metric):
         predictions: list[list[int]],
         references: list[list[int]],
         k_list: Sequence[int] = (1, 3, 5),
-        recall_k_list: Sequence[int] = (10, 100),
+        recall_k_list: Optional[Sequence[int]] = None,
         inv_propensity: Optional[Sequence[float]] = None,
         num_labels: Optional[int] = None,
+        percent: bool = True,
     ) -> dict:
-        """Compute the XMC metrics (percentages) with the shared hf_xmc formulas."""
+        """Compute the XMC metrics (percentages, or fractions with ``percent=False``) with the shared hf_xmc
+        formulas; R@k at ``recall_k_list``, by default the cut-offs asked for in ``k_list``."""
         if len(predictions) != len(references):
             raise ValueError(f"got {len(predictions)} prediction rows but {len(references)} reference rows")
         inv_p = None if inv_propensity is None else np.asarray(inv_propensity, dtype=np.float64)
@@ -110,4 +119,6 @@ class XmcMetrics(evaluate.Metric):
                 num_labels = max_id + 1
         truth = label_lists_to_csr(references, int(num_labels))
         topk = pad_rankings(predictions)
-        return xmc_metrics(topk, truth, inv_propensity=inv_p, ks=tuple(k_list), recall_ks=tuple(recall_k_list))
+        recall_ks = tuple(k_list) if recall_k_list is None else tuple(recall_k_list)
+        scores = xmc_metrics(topk, truth, inv_propensity=inv_p, ks=tuple(k_list), recall_ks=recall_ks)
+        return scores if percent else {name: value / 100.0 for name, value in scores.items()}
