@@ -224,8 +224,7 @@ def adapter_base_warning(model_or_directory) -> Optional[str]:
         adapter_only, base, where = config.get("encoder_adapter_only"), config.get("encoder_base_model"), config_path
     else:
         model = model_or_directory
-        adapter_only = getattr(model, "has_encoder_adapter", False) and (getattr(model, "save_adapter_only", False) or model.config.encoder_adapter_only)
-        base, where = model.config.encoder_base_model, type(model).__name__
+        adapter_only, base, where = _saves_adapter_only(model), model.config.encoder_base_model, type(model).__name__
     if not adapter_only or _hub_repo_id(base):
         return None
     known = encoder_hub_id(base)
@@ -279,8 +278,14 @@ def _saved_config_values(model) -> dict[str, Any]:
     ``encoder_adapter_only: true`` and restores the in-memory ``False`` after, so a card rendered from memory said the
     opposite of config.json."""
     if getattr(model, "has_encoder_adapter", False):
-        return {"encoder_adapter_only": bool(getattr(model, "save_adapter_only", False) or model.config.encoder_adapter_only)}
+        return {"encoder_adapter_only": _saves_adapter_only(model)}
     return {}
+
+
+def _saves_adapter_only(model) -> bool:
+    """Whether ``save_pretrained`` writes ``model``'s encoder as its adapter alone (``encoder_adapter_only: true`` in
+    config.json), the base encoder named by ``config.encoder_base_model``."""
+    return bool(getattr(model, "has_encoder_adapter", False) and (getattr(model, "save_adapter_only", False) or model.config.encoder_adapter_only))
 
 
 def _training_rows(training_args, train_metrics: Optional[Mapping[str, float]]) -> list[tuple[str, str]]:

@@ -506,21 +506,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``hf-xmc`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     from .data import XMCDataError
+    from .training.script_utils import debug_requested, error_line
 
     args = build_parser().parse_args(argv)
-    debug = os.environ.get("HF_XMC_DEBUG", "") not in ("", "0")
     try:
         return args.func(args)
     except (UserError, XMCDataError) as err:  # XMCDataError names the file, the line and the fault
         print(f"{PROG} {args.command}: {err}", file=sys.stderr)
     except OSError as err:  # a file that cannot be read or written (permissions, a full disk: DiskFullError)
-        if debug:
+        if debug_requested():
             raise
-        if err.filename and err.strerror:
-            message = f"{err.filename}: {err.strerror[:1].lower()}{err.strerror[1:]}"
-        else:
-            message = _first_line(err)
-        print(f"{PROG} {args.command}: {message}", file=sys.stderr)
+        print(f"{PROG} {args.command}: {error_line(err)}", file=sys.stderr)
     return EXIT_USER_ERROR
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from .xc_raw import XCData, XMCDataError, XMCDataset, _open_text, read_xc_labels, read_xc_raw
+from .xc_raw import XCData, XMCDataError, XMCDataset, _open_text, check_training_points, read_xc_labels, read_xc_raw
 
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
@@ -192,11 +192,7 @@ def load_data_files(
                    image_cache_dir=image_cache_dir)
     train = None
     if train_file:
-        train = read_points_file(train_file, len(label_uids), "train", **columns)
-        if len(train) == 0 and not train.num_skipped:
-            raise XMCDataError(train_file, None, "the training file is empty: it has no point line")
-        if len(train) == 0:
-            raise XMCDataError(train_file, None, f"no training point has a label ({train.num_skipped} point(s) without one)")
+        train = check_training_points(read_points_file(train_file, len(label_uids), "train", **columns), train_file)
     test = read_points_file(test_file, len(label_uids), "test", **columns)
     validation = None
     if validation_file:

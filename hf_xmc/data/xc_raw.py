@@ -89,25 +89,18 @@ def _open_text(path: PathLike) -> IO[str]:
     return open(path, encoding="utf-8", newline="")
 
 
-def _bars_turned_off() -> bool:
-    """``TQDM_DISABLE`` set, or transformers' ``disable_progress_bar()`` called (asked only when transformers is already
-    imported: the readers do not import it); the twin of ``hf_xmc.models.label_index.progress_bar_disabled``."""
-    if os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off"):
-        return True
-    hf_logging = sys.modules.get("transformers.utils.logging")
-    return hf_logging is not None and not hf_logging.is_progress_bar_enabled()
-
-
 def _iter_lines(f: IO[str], path: PathLike, desc: str = "reading") -> Iterator[tuple[int, str]]:
     """Yield ``(1-based line number, line without the line terminator)``, with a tqdm bar on a tty.
 
     Decoding errors (bad gzip stream, invalid UTF-8) are re-raised as :class:`XMCDataError`.
     """
+    from ..models.label_index import progress_bar_disabled  # the one switch every bar asks
+
     it: Any = f
     bar = None
     if _tqdm is not None:
         bar = _tqdm(f, desc=f"{desc} {os.path.basename(os.fspath(path))}", unit=" lines",
-                    disable=True if _bars_turned_off() else None, leave=False)
+                    disable=True if progress_bar_disabled() else None, leave=False)
         it = bar
     lineno = 0
     try:
@@ -639,6 +632,15 @@ def write_xc_labels(path: PathLike, uids: Sequence[str], texts: Sequence[str],
             f.write("\n")
 
 
+def check_training_points(train: XMCDataset, path: PathLike) -> XMCDataset:
+    """``train``, read from ``path``, refused when it has no labelled point (an empty file, or only unlabelled lines)."""
+    if len(train) == 0 and not train.num_skipped:
+        raise XMCDataError(path, None, "the training file is empty: it has no point line")
+    if len(train) == 0:
+        raise XMCDataError(path, None, f"no training point has a label ({train.num_skipped} point(s) without one)")
+    return train
+
+
 def load_xc_dataset(train_file: PathLike, test_file: PathLike, label_file: PathLike,
                     text_fields: Sequence[str] = ("title",),
                     label_text_fields: Sequence[str] | None = None, check_images: bool = True) -> XCData:
@@ -650,10 +652,6 @@ def load_xc_dataset(train_file: PathLike, test_file: PathLike, label_file: PathL
     label_uids, label_texts, label_images = read_xc_labels(
         label_file, text_fields=label_text_fields or text_fields, return_images=True, check_images=check_images)
     num_labels = len(label_uids)
-    train = read_xc_raw(train_file, num_labels=num_labels, text_fields=text_fields, check_images=check_images)
-    if len(train) == 0 and not train.num_skipped:
-        raise XMCDataError(train_file, None, "the training file is empty: it has no point line")
-    if len(train) == 0:
-        raise XMCDataError(train_file, None, f"no training point has a label ({train.num_skipped} point(s) without one)")
+    train = check_training_points(read_xc_raw(train_file, num_labels=num_labels, text_fields=text_fields, check_images=check_images), train_file)
     test = read_xc_raw(test_file, num_labels=num_labels, text_fields=text_fields, check_images=check_images)
     return XCData(train=train, test=test, label_texts=label_texts, label_uids=label_uids, label_images=label_images)

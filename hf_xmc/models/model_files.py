@@ -164,9 +164,10 @@ def check_tokenizer(tokenizer, label_texts: Sequence[Optional[str]], directory: 
             f"{file_name(directory, 'tokenizer.json')}: its tokenizer ({len(tokenizer)} tokens) turns every label text into {unk}: "
             "not the vocabulary the model was trained with"
         )
-    if embedding_rows is not None and max(max(row) for row in ids if row) >= embedding_rows:
+    largest = max(max(row) for row in ids if row)
+    if embedding_rows is not None and largest >= embedding_rows:
         raise ModelFileError(
-            f"{file_name(directory, 'tokenizer.json')}: gives token id {max(max(row) for row in ids if row)} but the encoder has "
+            f"{file_name(directory, 'tokenizer.json')}: gives token id {largest} but the encoder has "
             f"{embedding_rows} token embeddings: not the tokenizer of this model"
         )
 
@@ -199,12 +200,17 @@ class DropLoadReport(logging.Filter):
         return "LOAD REPORT" not in str(record.msg)
 
 
+def _delimits(offsets: np.ndarray, num_rows: int) -> bool:
+    """Whether 1-D ``offsets`` slice ``num_rows`` rows into groups: from 0, non-decreasing, ending at ``num_rows``."""
+    return int(offsets[0]) == 0 and not bool(np.any(np.diff(offsets) < 0)) and int(offsets[-1]) == num_rows
+
+
 def check_csr(path: str, indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, num_columns: int, what: str) -> None:
     """CSR rows read from ``path`` (``what`` names them in the error): 1-D arrays, ``indptr`` from 0, non-decreasing, up
     to ``len(indices) == len(data)``, every column id in ``[0, num_columns)``."""
     if indptr.ndim != 1 or indices.ndim != 1 or data.ndim != 1 or len(indptr) < 1:
         raise ModelFileError(f"{path}: {what} are not 1-D arrays (shapes {indptr.shape}, {indices.shape}, {data.shape})")
-    if int(indptr[0]) != 0 or bool(np.any(np.diff(indptr) < 0)) or int(indptr[-1]) != len(indices) or len(indices) != len(data):
+    if not _delimits(indptr, len(indices)) or len(indices) != len(data):
         raise ModelFileError(
             f"{path}: {what}: the row pointers do not delimit the {len(indices)} entries (first {int(indptr[0])}, last "
             f"{int(indptr[-1])}, {len(data)} values)"
@@ -219,5 +225,5 @@ def check_offsets(path: str, offsets, num_groups: int, num_rows: int, what: str)
     offsets = np.asarray(offsets)
     if offsets.ndim != 1 or len(offsets) != num_groups + 1:
         raise ModelFileError(f"{path}: {what} has shape {list(offsets.shape)}, expected [{num_groups + 1}]")
-    if int(offsets[0]) != 0 or bool(np.any(np.diff(offsets) < 0)) or int(offsets[-1]) != num_rows:
+    if not _delimits(offsets, num_rows):
         raise ModelFileError(f"{path}: {what} do not delimit {num_rows} rows (first {int(offsets[0])}, last {int(offsets[-1])}, or not increasing)")

@@ -301,6 +301,19 @@ def disk_full_named(directory: str, model=None, what: str = "the model", factor:
 DEBUG_ENV = "HF_XMC_DEBUG"  # set (to anything but 0) for the full traceback of an input fault
 
 
+def debug_requested() -> bool:
+    """Whether ``HF_XMC_DEBUG`` asks for the full traceback instead of the one-line error."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def error_line(err: BaseException) -> str:
+    """The one line an input fault ends on: ``<file>: <reason>`` for an ``OSError`` that names its file ("[Errno 2] No
+    such file ..." -> "<file>: no such file or directory"), else the first line of the message."""
+    if isinstance(err, OSError) and err.filename and err.strerror:
+        return f"{err.filename}: {err.strerror[:1].lower()}{err.strerror[1:]}"
+    return _first_line(err)
+
+
 def run_script(main, argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     """Run a training script's ``main``: a fault in the input (a data file, a model or output directory, an argument
     value, a missing optional dependency, a full disk; ``ValueError`` / ``OSError`` / ``ImportError`` and the IO errors
@@ -313,7 +326,7 @@ def run_script(main, argv: Optional[list[str]] = None, prog: Optional[str] = Non
     from safetensors import SafetensorError
 
     args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    debug = "--debug" in args or debug_requested()
     args = [a for a in args if a != "--debug"]
     prog = prog or os.path.basename(sys.argv[0])
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -335,11 +348,7 @@ def run_script(main, argv: Optional[list[str]] = None, prog: Optional[str] = Non
         # disk); any other RuntimeError is a bug and keeps its traceback
         if debug or (isinstance(err, RuntimeError) and not is_disk_full(err)):
             raise
-        if isinstance(err, OSError) and err.filename and err.strerror:  # "[Errno 2] No such file ..." -> "<file>: no such file or directory"
-            message = f"{err.filename}: {err.strerror[:1].lower()}{err.strerror[1:]}"
-        else:
-            message = _first_line(err)
-        print(f"{prog}: {message}", file=sys.stderr)
+        print(f"{prog}: {error_line(err)}", file=sys.stderr)
         return 2
     return 0
 
