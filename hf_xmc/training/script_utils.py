@@ -350,6 +350,10 @@ def run_script(main, argv: Optional[list[str]] = None, prog: Optional[str] = Non
             raise
         print(f"{prog}: {error_line(err)}", file=sys.stderr)
         return 2
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # a process group still alive when the interpreter exits can abort the process ("terminate called without an
+        # active exception") after a run that succeeded
+        torch.distributed.destroy_process_group()
     return 0
 
 
