@@ -3,7 +3,7 @@
 script contract): SiameseXML (MiniLM and the paper's bag-of-embeddings encoder) against its Module-I siamese model, and
 PRIME (W) against PRIME.
 
-    python benchmarks/bench_classifier_stage.py [--datasets debtags reuters] [--runs siamesexml_minilm siamesexml_boe prime_w] [--update_readme]
+    python benchmarks/bench_classifier_stage.py [--datasets debtags reuters] [--runs siamesexml_minilm siamesexml_boe prime_w] [--update_docs]
 
 Each (dataset, run) is one training run; the saved model is then evaluated on the test set with each of its rankings
 (``model.set_search_mode``). SiameseXML: ``label_text`` = ``cos(f(x), z~_l)``, the Module-I siamese model alone;
@@ -14,12 +14,11 @@ stage, so this is the PRIME model itself), ``classifier`` = PRIME (W). Debtags i
 on it), Reuters-21578 (``benchmarks/make_reuters.py``) the check on data they were not tuned on. ``minilm`` =
 all-MiniLM-L6-v2 fine-tuned; ``boe`` = the TF-IDF bag of MiniLM's token embeddings (``--encoder_type boe``, the table
 starting from MiniLM's input embeddings as the paper's starts from FastText). Writes
-benchmarks/results/classifier_stage.json and, with --update_readme, the table between the markers (README.md or docs/)
-``<!-- bench:classifier-stage -->`` markers.
+benchmarks/results/classifier_stage.json (``--out``) and, with --update_docs, the table between the
+``<!-- bench:classifier-stage -->`` lines of docs/benchmarks.md; ``--table_only`` re-renders the table of ``--out``.
 """
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -27,8 +26,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.sweep_defaults import BENCH_SHOWN, prepare, run_training_script, update_readme_block  # noqa: E402
-from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
+from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.sweep_defaults import BENCH_SHOWN, prepare, run_training_script  # noqa: E402
 
 RANKING_NAMES = {
     "label_text": "Module I alone: cos(f(x), z~_l)",
@@ -62,21 +61,12 @@ def evaluate_rankings(model_dir: str, data_dir: str, propensity: tuple[float, fl
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters"])
-    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
-    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more script arguments for every run")
-    ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", "classifier_stage.json"))
-    ap.add_argument("--update_readme", action="store_true")
-    ap.add_argument("--from_results", nargs="+", help="results files of earlier runs (e.g. made side by side): merge their rows, run nothing")
-    args = ap.parse_args()
+def run_rows(args) -> list[dict]:
+    """One training run per (dataset, run) of ``args``, its saved model scored under each of its rankings; ``args.out``
+    is rewritten after every run."""
     rows = []
-    for path in args.from_results or ():
-        with open(path) as f:
-            rows += json.load(f)["rows"]
     with tempfile.TemporaryDirectory() as work:
-        for dataset in args.datasets if not rows else ():
+        for dataset in args.datasets:
             data_dir, encoder, extra_data = prepare(dataset, work)
             batch = extra_data[extra_data.index("--per_device_train_batch_size") + 1]
             for run in args.runs:
@@ -91,16 +81,35 @@ def main() -> None:
                     rows.append({"dataset": dataset, "run": run, "method": method, "encoder": encoder_name, "epochs": epochs[dataset], "batch_size": batch,
                                  "ranking": ranking, "wall_seconds": seconds, "args": script_args + args.extra, **metrics})
                     print(f"{dataset} {run} {ranking}: " + " ".join(f"{k[5:]}={metrics[k]:.2f}" for k in BENCH_SHOWN), flush=True)
-                write_json_atomic(args.results, {"rows": rows})  # after every run: a long benchmark cut short keeps what it measured
-    table = "| dataset | method, encoder (epochs) | ranking | " + " | ".join(k[5:] for k in BENCH_SHOWN) + " | train wall s |\n"
-    table += "|---|---|---|" + "---:|" * (len(BENCH_SHOWN) + 1) + "\n"
+                write_json(args.out, {"rows": rows})  # after every run: a long benchmark cut short keeps what it measured
+    return rows
+
+
+def classifier_stage_table(rows: list[dict]) -> str:
+    """One row per (dataset, run, ranking): the BENCH_SHOWN metrics and the training's wall seconds."""
+    header = ["dataset", "method, encoder (epochs)", "ranking", *(k[5:] for k in BENCH_SHOWN), "train wall s"]
+    cells = []
     for r in rows:
         method = {"siamesexml": "SiameseXML", "prime": "PRIME (W)"}[r["method"]]
-        table += f"| {r['dataset']} | {method}, {r['encoder']} ({r['epochs']}) | {RANKING_NAMES[r['ranking']]} | " + " | ".join(f"{r[k]:.2f}" for k in BENCH_SHOWN) + f" | {r['wall_seconds']:.0f} |\n"
-    print("\n" + table)
-    write_json_atomic(args.results, {"rows": rows})
-    if args.update_readme:
-        update_readme_block("<!-- bench:classifier-stage -->", table)
+        cells.append([r["dataset"], f"{method}, {r['encoder']} ({r['epochs']})", RANKING_NAMES[r["ranking"]],
+                      *(f"{r[k]:.2f}" for k in BENCH_SHOWN), f"{r['wall_seconds']:.0f}"])
+    return markdown_table(header, cells, "lll" + "r" * (len(BENCH_SHOWN) + 1)) + "\n"
+
+
+def main() -> None:
+    ap = bench_parser(__doc__, result_path("classifier_stage.json"), docs_block="classifier-stage", table_only=True)
+    ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters"])
+    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    ap.add_argument("--from_results", nargs="+", help="results files of earlier runs (e.g. made side by side): merge their rows, run nothing")
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more script arguments for every run")
+    args = ap.parse_args()
+    if args.table_only:
+        rows = read_json(args.out)["rows"]
+    else:
+        rows = [row for path in args.from_results or () for row in read_json(path)["rows"]]
+        rows = rows or run_rows(args)
+        write_json(args.out, {"rows": rows})
+    publish(classifier_stage_table(rows), "classifier-stage", args.update_docs)
 
 
 if __name__ == "__main__":

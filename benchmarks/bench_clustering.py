@@ -5,8 +5,8 @@
 
 Each configuration runs in its own subprocess, so the reported peak RSS (``ru_maxrss``: input array + working set)
 belongs to that configuration alone. The number of clusters is the sampler's ``2^ceil(log2(n / cluster_size))``
-(1M points at cluster size 4 -> 2^18 clusters). Writes ``benchmarks/results/clustering.json`` and prints a
-markdown table. Random Gaussian data is the worst case for the 2-means iterations (no structure, so most splits
+(1M points at cluster size 4 -> 2^18 clusters). Writes ``benchmarks/results/clustering.json`` (``--out``) and prints
+a markdown table. Random Gaussian data is the worst case for the 2-means iterations (no structure, so most splits
 run the full ``max_iter`` rounds); real embeddings converge faster.
 """
 
@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
+from benchmarks.harness import bench_parser, markdown_table, result_path, write_json  # noqa: E402
 
 
 def num_clusters_for(n: int, cluster_size: int) -> int:
@@ -61,29 +61,24 @@ def run_one(n: int, dim: int, num_clusters: int, threads: int, seed: int) -> dic
     }
 
 
-def markdown_table(rows: list[dict]) -> str:
+def clustering_table(rows: list[dict]) -> str:
     """Markdown table of the measurements."""
-    lines = [
-        "| n | d | clusters | seconds | max / min cluster size | peak RSS (GiB) |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['n']:,} | {r['d']} | {r['clusters']:,} | {r['seconds']:.1f} | "
-            f"{r['max_cluster_size']} / {r['min_cluster_size']} | {r['peak_rss_gib']:.2f} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(
+        ["n", "d", "clusters", "seconds", "max / min cluster size", "peak RSS (GiB)"],
+        [[f"{r['n']:,}", r["d"], f"{r['clusters']:,}", f"{r['seconds']:.1f}", f"{r['max_cluster_size']} / {r['min_cluster_size']}",
+          f"{r['peak_rss_gib']:.2f}"] for r in rows],
+        "rrrrrr",
+    )
 
 
 def main() -> None:
     """Run every configuration in a subprocess, print the table and write the JSON results."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, result_path("clustering.json"))
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--cluster_sizes", type=int, nargs="+", default=[4, 64])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--output", default=os.path.join(RESULTS_DIR, "clustering.json"))
     ap.add_argument("--one", type=int, nargs=2, metavar=("N", "NUM_CLUSTERS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -105,8 +100,6 @@ def main() -> None:
 
     import torch
 
-    from hf_xmc.training.script_utils import write_json_atomic
-
     result = {
         "benchmark": "balanced_2means_tree on standard-normal float32 vectors (cosine), max_iter=20, tol=1e-4",
         "machine": {"cpus": os.cpu_count(), "torch_threads": args.threads, "python": platform.python_version(),
@@ -114,8 +107,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "rows": rows,
     }
-    write_json_atomic(args.output, result, sort_keys=False)
-    print(markdown_table(rows))
+    write_json(args.out, result, sort_keys=False)
+    print(clustering_table(rows))
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@
 the peers a user would pick instead (Omikuji and napkinXC on TF-IDF, and the lexical TF-IDF zero-shot baseline),
 all on the same bundled split.
 
-    python benchmarks/bench_debtags.py [--num_train_epochs 1.0] [--update_readme]
+    python benchmarks/bench_debtags.py [--num_train_epochs 1.0] [--update_docs]
 
-Writes benchmarks/results/debtags.json and benchmarks/results/debtags.md; with --update_readme it also replaces
-the table between the markers (README.md or docs/) ``<!-- bench:debtags -->`` markers.
+Writes benchmarks/results/debtags.json (``--out``) and the table beside it (benchmarks/results/debtags.md); with
+--update_docs it also replaces the table between the ``<!-- bench:debtags -->`` lines of docs/benchmarks.md.
+``--table_only`` re-renders the table of ``--out``.
 """
 
-import argparse
 import os
 import platform
 import sys
@@ -19,25 +19,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-import torch  # noqa: E402
-
-from benchmarks.peers import markdown_table, run_peers  # noqa: E402
-from benchmarks.sweep_defaults import update_readme_block  # noqa: E402
-from hf_xmc import quickstart  # noqa: E402
-from hf_xmc.data import load_debtags  # noqa: E402
-from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
-
-RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
-MARKER = "<!-- bench:debtags -->"
+from benchmarks.harness import bench_parser, publish, read_json, result_path, write_json, write_text  # noqa: E402
+from benchmarks.peers import peers_table, run_peers  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num_train_epochs", type=float, default=None, help="default: the quickstart's")
-    ap.add_argument("--output_dir", default=os.path.join(REPO, "outputs", "bench-debtags-dexml"))
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--update_readme", action="store_true")
-    args = ap.parse_args()
+def measure(args) -> dict:
+    """The quickstart (trained and zero-shot DEXML) and the peers on Debtags."""
+    import torch
+
+    from hf_xmc import quickstart
+    from hf_xmc.data import load_debtags
 
     qs_argv = ["--output_dir", args.output_dir, "--num_examples", "0"]
     if args.num_train_epochs is not None:
@@ -61,8 +52,7 @@ def main() -> None:
         ours("hf_xmc zero-shot all-MiniLM-L6-v2 (untrained)", qs["zero_shot"], 0.0),
     ]
     rows += run_peers(load_debtags(), k=100, threads=args.threads, seed=0, only=("omikuji", "napkinxc", "zeroshot"))
-    table = markdown_table(rows)
-    result = {
+    return {
         "dataset": f"Debtags (bundled): {n_test} test points",
         "quickstart_args": qs["args"],
         "quickstart_wall_seconds": job_seconds,
@@ -70,17 +60,32 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
                     "torch": torch.__version__},
     }
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    write_json_atomic(os.path.join(RESULTS_DIR, "debtags.json"), result)
-    note = (f"\nQuickstart wall time {job_seconds:.0f} s on {os.cpu_count()} CPU cores "
-            f"({qs['args']['num_train_epochs']} epoch(s), batch {qs['args']['per_device_train_batch_size']}, "
-            f"lr {qs['args']['learning_rate']}). Train s / predict q/s of the peers include TF-IDF featurisation; "
+
+
+def debtags_table(result: dict) -> str:
+    """The peers table of ``result``'s rows and a note on the quickstart's budget and what the timings include."""
+    qs_args = result["quickstart_args"]
+    note = (f"\nQuickstart wall time {result['quickstart_wall_seconds']:.0f} s on {result['machine']['cpus']} CPU cores "
+            f"({qs_args['num_train_epochs']} epoch(s), batch {qs_args['per_device_train_batch_size']}, "
+            f"lr {qs_args['learning_rate']}). Train s / predict q/s of the peers include TF-IDF featurisation; "
             "ours include tokenisation, encoding and index search.\n")
-    with open(os.path.join(RESULTS_DIR, "debtags.md"), "w") as f:
-        f.write(table + note)
-    print("\n" + table + note)
-    if args.update_readme:
-        update_readme_block(MARKER, table + note)
+    return peers_table(result["rows"]) + note
+
+
+def main() -> None:
+    ap = bench_parser(__doc__, result_path("debtags.json"), docs_block="debtags", table_only=True)
+    ap.add_argument("--num_train_epochs", type=float, default=None, help="default: the quickstart's")
+    ap.add_argument("--output_dir", default=os.path.join(REPO, "outputs", "bench-debtags-dexml"))
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    if args.table_only:
+        publish(debtags_table(read_json(args.out)), "debtags", args.update_docs)
+        return
+    result = measure(args)
+    write_json(args.out, result)
+    table = debtags_table(result)
+    write_text(os.path.splitext(args.out)[0] + ".md", table)
+    publish(table, "debtags", args.update_docs)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,12 @@
 """DEXML training modes on the bundled Debtags data, each run through ``training_scripts/train_dexml.py``:
 in-batch negatives only vs NGAME cluster batching + mined hard negatives (same encoder, epochs, batch size, lr).
 
-    python benchmarks/bench_dexml_modes.py [--epochs 2] [--modes in_batch engine] [--update_readme]
+    python benchmarks/bench_dexml_modes.py [--epochs 2] [--modes in_batch engine] [--update_docs]
 
-Writes benchmarks/results/dexml_modes.json and, with --update_readme, the table between the markers (README.md or docs/)
-``<!-- bench:dexml-modes -->`` markers.
+Writes benchmarks/results/dexml_modes.json (``--out``) and, with --update_docs, the table between the
+``<!-- bench:dexml-modes -->`` lines of docs/benchmarks.md; ``--table_only`` re-renders the table of ``--out``.
 """
 
-import argparse
 import os
 import sys
 import tempfile
@@ -16,12 +15,9 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.sweep_defaults import run_training_script, update_readme_block  # noqa: E402
-from hf_xmc.data import DEBTAGS_DIR  # noqa: E402
-from hf_xmc.quickstart import minilm_path  # noqa: E402
-from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
+from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.sweep_defaults import minilm, run_training_script  # noqa: E402
 
-MARKER = "<!-- bench:dexml-modes -->"
 SHOWN = ["test_P@1", "test_P@3", "test_P@5", "test_nDCG@5", "test_PSP@1", "test_PSP@3", "test_PSP@5", "test_R@10"]
 MODES = {
     "in_batch": ("in-batch negatives (uniform positives, random batches)", []),
@@ -34,28 +30,34 @@ MODES = {
 }
 
 
+def dexml_modes_table(result: dict) -> str:
+    """One row per mode: the SHOWN metrics and wall seconds."""
+    header = [f"DEXML on Debtags, {result['epochs']} epochs", *(k[5:] for k in SHOWN), "wall s"]
+    rows = [[r["description"], *(f"{r[k]:.2f}" for k in SHOWN), f"{r['wall_seconds']:.0f}"] for r in result["rows"]]
+    return markdown_table(header, rows, "l" + "r" * (len(SHOWN) + 1)) + "\n"
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, result_path("dexml_modes.json"), docs_block="dexml-modes", table_only=True)
     ap.add_argument("--epochs", default="2")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--update_readme", action="store_true")
     args = ap.parse_args()
+    if args.table_only:
+        publish(dexml_modes_table(read_json(args.out)), "dexml-modes", args.update_docs)
+        return
+    from hf_xmc.data import DEBTAGS_DIR
+
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for mode in args.modes:
             desc, extra = MODES[mode]
             common = ["--num_train_epochs", args.epochs, "--per_device_train_batch_size", "64", "--max_seq_length", "32", "--seed", "42"]
-            results, seconds = run_training_script("dexml", str(DEBTAGS_DIR), minilm_path(), os.path.join(work, mode), common + extra)
+            results, seconds = run_training_script("dexml", str(DEBTAGS_DIR), minilm(), os.path.join(work, mode), common + extra)
             rows.append({"mode": mode, "description": desc, "args": extra, "wall_seconds": seconds, **results})
             print(f"{mode}: " + " ".join(f"{k[5:]}={results[k]:.2f}" for k in SHOWN), flush=True)
-    table = f"| DEXML on Debtags, {args.epochs} epochs | " + " | ".join(k[5:] for k in SHOWN) + " | wall s |\n"
-    table += "|---|" + "---:|" * (len(SHOWN) + 1) + "\n"
-    for r in rows:
-        table += f"| {r['description']} | " + " | ".join(f"{r[k]:.2f}" for k in SHOWN) + f" | {r['wall_seconds']:.0f} |\n"
-    print("\n" + table)
-    write_json_atomic(os.path.join(REPO, "benchmarks", "results", "dexml_modes.json"), {"epochs": args.epochs, "rows": rows})
-    if args.update_readme:
-        update_readme_block(MARKER, table)
+    result = {"epochs": args.epochs, "rows": rows}
+    write_json(args.out, result)
+    publish(dexml_modes_table(result), "dexml-modes", args.update_docs)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Every configuration runs in a fresh subprocess so that its memory is its own. On
 held before the first full step (weights, inputs, gradients allocated by one tiny warm-up step). Throughput is
 B / (fastest step), the steady figure on a CPU shared with other jobs; the mean is in the JSON.
 
-Writes benchmarks/results/gradcache.json (``--output``) and prints markdown tables; the CUDA figures of an H100 run
+Writes benchmarks/results/gradcache.json (``--out``) and prints markdown tables; the CUDA figures of an H100 run
 are in benchmarks/results/gradcache_cuda.json.
 """
 
@@ -33,7 +33,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-RESULTS = os.path.join(REPO, "benchmarks", "results", "gradcache.json")
+from benchmarks.harness import bench_parser, markdown_table, result_path, write_json  # noqa: E402
+
 SEQ_LEN, TAU = 32, 0.05
 
 
@@ -159,21 +160,18 @@ def run_config(batch: int, cached: bool, args: argparse.Namespace, steps: int, w
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, result_path("gradcache.json"))
     ap.add_argument("--chunk_size", type=int, default=64)
     ap.add_argument("--memory_batches", type=int, nargs="+", default=[64, 1024])
     ap.add_argument("--speed_batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--steps", type=int, default=3, help="timed steps per throughput configuration")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run (1: steadier on a shared CPU)")
     ap.add_argument("--skip_uncached_memory", action="store_true", help="skip the uncached run at the largest batch")
-    ap.add_argument("--output", default=RESULTS, help="JSON file to write (default benchmarks/results/gradcache.json)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(**json.loads(args.worker))))
         return
-
-    from hf_xmc.training.script_utils import write_json_atomic
 
     t0 = time.time()
     print("throughput (cached vs uncached):", flush=True)
@@ -205,21 +203,20 @@ def main() -> None:
         "memory_ratio_total": ratio_total, "memory_ratio_delta": ratio_delta,
         "memory_ratio_batches": [small, large], "wall_seconds": time.time() - t0,
     }
-    write_json_atomic(args.output, report)
+    write_json(args.out, report)
 
     print()
     print(f"Peak memory, chunk size {args.chunk_size} ({memory[0]['memory_metric']}, device {memory[0]['device']}):\n")
-    print("| batch | mode | peak MiB | peak over set-up MiB |")
-    print("|---:|---|---:|---:|")
-    for r in memory:
-        print(f"| {r['batch']} | {'cached' if r['cached'] else 'uncached'} | {r['peak_mib']:.0f} | {r['peak_delta_mib']:.0f} |")
+    print(markdown_table(["batch", "mode", "peak MiB", "peak over set-up MiB"],
+                         [[r["batch"], "cached" if r["cached"] else "uncached", f"{r['peak_mib']:.0f}", f"{r['peak_delta_mib']:.0f}"] for r in memory],
+                         "rlrr"))
     print(f"\nratio B={large} / B={small} (cached): {ratio_total:.2f}x total, {ratio_delta:.2f}x over set-up\n")
-    print("| batch | cached q/s | uncached q/s | cached / uncached |")
-    print("|---:|---:|---:|---:|")
+    speed_rows = []
     for b in args.speed_batches:
         c, u = by[(b, True)], by[(b, False)]
-        print(f"| {b} | {c['queries_per_s']:.1f} | {u['queries_per_s']:.1f} | {c['queries_per_s'] / u['queries_per_s']:.2f} |")
-    print(f"\nwrote {os.path.relpath(args.output, REPO)} ({time.time() - t0:.0f} s)")
+        speed_rows.append([b, f"{c['queries_per_s']:.1f}", f"{u['queries_per_s']:.1f}", f"{c['queries_per_s'] / u['queries_per_s']:.2f}"])
+    print(markdown_table(["batch", "cached q/s", "uncached q/s", "cached / uncached"], speed_rows, "rrrr"))
+    print(f"\nwrote {os.path.relpath(args.out, REPO)} ({time.time() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

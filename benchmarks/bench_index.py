@@ -26,10 +26,10 @@ tens of minutes on 2 cores, and a random encoder's geometry is no more realistic
 
 HNSW build time grows fast with L and d (beam search per insert); above ``--hnsw_max_labels`` labels HNSW runs on the
 first ``hnsw_max_labels`` labels, against exact search over the same labels, and the table says so. Writes
-benchmarks/results/index_scale.json (``--out``) and prints a markdown table.
+benchmarks/results/index_scale.json (``--out``) and prints a markdown table; ``--update_docs`` writes it between the
+``<!-- bench:index_scale -->`` lines of docs/label_index.md, ``--table_only`` re-renders the table of ``--out``.
 """
 
-import argparse
 import json
 import os
 import re
@@ -43,6 +43,8 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
 
 NUM_QUERIES = 2000
 K = 100
@@ -104,7 +106,7 @@ def _fetcher(store_dir: str):
 def worker_build(cfg: dict) -> dict:
     """Build the index over the memory-mapped store and save it into ``cfg['index_dir']``."""
     from hf_xmc.models.label_index import INDEX_FILE, INDEX_META_FILE, LabelIndex
-    from hf_xmc.models.modeling_xmc import load_label_store
+    from hf_xmc.models.label_store import load_label_store
 
     base = rss_mb()
     blocks = load_label_store(_fetcher(cfg["store_dir"]))
@@ -128,7 +130,7 @@ def worker_search(cfg: dict) -> dict:
     import torch
 
     from hf_xmc.models.label_index import INDEX_FILE, INDEX_META_FILE, LabelIndex
-    from hf_xmc.models.modeling_xmc import load_label_store
+    from hf_xmc.models.label_store import load_label_store
 
     queries = np.load(cfg["queries"])
     base = rss_mb()
@@ -178,23 +180,25 @@ def recall_at_k(ids: np.ndarray, truth: np.ndarray) -> float:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, result_path("index_scale.json"), docs_block="index_scale", table_only=True)
     parser.add_argument("--num_labels", type=int, default=1_300_000)
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--hnsw_max_labels", type=int, default=300_000, help="HNSW runs on at most this many labels")
     parser.add_argument("--label_shard_size", default="1GB")
     parser.add_argument("--only", nargs="*", help="names of the configurations to run, e.g. 'ivf fp16' (default: all)")
     parser.add_argument("--work_dir", default=None, help="where stores and indexes go (default: a temp dir, removed)")
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "index_scale.json"))
     parser.add_argument("--in_process", action="store_true",
                         help="run the build and search phases in this process (no per-phase peak memory: for smoke tests)")
     args = parser.parse_args(argv)
+    if args.table_only:
+        report = read_json(args.out)
+        publish(index_table(report["results"]), "index_scale", args.update_docs)
+        return report
     run_phase = run_worker if not args.in_process else (lambda phase, cfg: (worker_build if phase == "build" else worker_search)(json.loads(json.dumps(cfg))))
 
     import torch
 
-    from hf_xmc.models.modeling_xmc import save_label_store
-    from hf_xmc.training.script_utils import write_json_atomic
+    from hf_xmc.models.label_store import save_label_store
 
     work = args.work_dir or tempfile.mkdtemp(prefix="bench_index_")
     os.makedirs(work, exist_ok=True)
@@ -253,25 +257,19 @@ def main(argv=None) -> dict:
         "num_labels": args.num_labels, "dim": args.dim, "num_queries": NUM_QUERIES, "k": K, "hnsw_labels": hnsw_labels,
         "cpu_count": os.cpu_count(), "load_average_at_end": os.getloadavg()[0], "results": results,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    write_json_atomic(args.out, report)
-    print(markdown_table(results))
+    write_json(args.out, report)
+    publish(index_table(results), "index_scale", args.update_docs)
     return report
 
 
-def markdown_table(results: list[dict]) -> str:
-    """The README table: one row per configuration and search setting."""
-    lines = [
-        "| index | labels | store (files) | store on disk | index on disk | build s | load s | batch 1 ms | batch 256 ms | recall@100 | peak RSS / vectors |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r['name']} | {r['num_labels']:,} | {r['dtype'].replace('float', 'fp')} x{r['store_shards']} | {r['store_bytes'] / 1e9:.2f} GB | "
-            f"{r['index_bytes'] / 1e9:.2f} GB | {r['build_s']:.0f} | {r['load_s']:.1f} | {r['batch1_ms']:.1f} | {r['batch256_ms']:.0f} | "
-            f"{r['recall@100']:.3f} | {r['peak_over_vectors']:.2f}x |"
-        )
-    return "\n".join(lines)
+def index_table(results: list[dict]) -> str:
+    """The table of docs/label_index.md: one row per configuration and search setting."""
+    header = ["index", "labels", "store (files)", "store on disk", "index on disk", "build s", "load s", "batch 1 ms", "batch 256 ms",
+              "recall@100", "peak RSS / vectors"]
+    rows = [[r["name"], f"{r['num_labels']:,}", f"{r['dtype'].replace('float', 'fp')} x{r['store_shards']}", f"{r['store_bytes'] / 1e9:.2f} GB",
+             f"{r['index_bytes'] / 1e9:.2f} GB", f"{r['build_s']:.0f}", f"{r['load_s']:.1f}", f"{r['batch1_ms']:.1f}", f"{r['batch256_ms']:.0f}",
+             f"{r['recall@100']:.3f}", f"{r['peak_over_vectors']:.2f}x"] for r in results]
+    return markdown_table(header, rows, "lrlrrrrrrrr")
 
 
 if __name__ == "__main__":

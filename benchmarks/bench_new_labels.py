@@ -2,7 +2,7 @@
 """New labels without retraining: hold out 20% of the labels from training, add them afterwards with
 ``model.add_labels`` (scored zero-shot), and compare with a model retrained with all labels.
 
-    python benchmarks/bench_new_labels.py [--datasets debtags reuters] [--methods dexml unidec] [--held_out 0.2] [--update_readme]
+    python benchmarks/bench_new_labels.py [--datasets debtags reuters] [--methods dexml unidec] [--held_out 0.2] [--update_docs]
 
 Per dataset and method: the labels are split at random (seed 0) into 80% kept and 20% held out. Run A trains through
 the method's training script on the training points restricted to the kept labels (points left without a label are
@@ -11,11 +11,11 @@ trains on all labels with the same budget and seed. Both are scored on the full 
 (ids matched by uid), on two subsets: ``new`` = the test points with at least one held-out label (P@1, P@5, PSP@5 over
 all their labels, and R@10 of the held-out labels alone), and ``all`` = every test point. Propensities come from the
 full training targets. Debtags is the bundled dataset, Reuters-21578 (``benchmarks/make_reuters.py``) the check on
-data the defaults were not tuned on. Writes benchmarks/results/new_labels.json and, with --update_readme, the table
-between the README's ``<!-- bench:new-labels -->`` markers.
+data the defaults were not tuned on. Writes benchmarks/results/new_labels.json (``--out``) and, with --update_docs, the
+table between the ``<!-- bench:new-labels -->`` lines of docs/new_labels.md; ``--table_only`` re-renders the table of
+``--out``.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -28,8 +28,8 @@ import scipy.sparse as sp
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.sweep_defaults import prepare, run_training_script, update_readme_block  # noqa: E402
-from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
+from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.sweep_defaults import prepare, run_training_script  # noqa: E402
 
 METHOD_ARGS = {"dexml": [], "unidec": [], "prime": []}
 
@@ -73,15 +73,27 @@ def score(model, data, held: np.ndarray, inv_p: np.ndarray) -> dict:
     return out
 
 
+def new_labels_table(rows: list[dict]) -> str:
+    """Per (dataset, method): the added zero-shot model against the retrained one on the new-label points and on all."""
+    header = ["dataset", "method", "model", "new-label points", "P@1", "P@5", "PSP@5", "R@10 of new labels", "all points P@1", "PSP@5"]
+    cells = []
+    for r in rows:
+        n, a = r["new"], r["all"]
+        cells.append([f"{r['dataset']} ({r['held_out_labels']} of {r['labels']} labels held out)", r["method"], r["model"], n["points"],
+                      f"{n['P@1']:.2f}", f"{n['P@5']:.2f}", f"{n['PSP@5']:.2f}", f"{n['R@10 of new labels']:.2f}", f"{a['P@1']:.2f}", f"{a['PSP@5']:.2f}"])
+    return markdown_table(header, cells, "lll" + "r" * 7) + "\n"
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, result_path("new_labels.json"), docs_block="new-labels", table_only=True)
     ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters", "tiny"])
     ap.add_argument("--methods", nargs="+", default=["dexml", "unidec"], choices=sorted(METHOD_ARGS))
     ap.add_argument("--held_out", type=float, default=0.2)
     ap.add_argument("--extra", default="", help="extra training-script flags for every run (e.g. '--bf16 true')")
-    ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", "new_labels.json"))
-    ap.add_argument("--update_readme", action="store_true")
     args = ap.parse_args()
+    if args.table_only:
+        publish(new_labels_table(read_json(args.out)["rows"]), "new-labels", args.update_docs)
+        return
 
     from transformers import AutoModel
 
@@ -114,17 +126,9 @@ def main() -> None:
                                  "labels": data.num_labels, "train_seconds": round(seconds, 1), **result})
                 rows[-2]["add_labels_seconds"] = round(add_seconds, 2)
                 print(json.dumps(rows[-2]), json.dumps(rows[-1]), flush=True)
-                write_json_atomic(args.results, {"held_out": args.held_out, "extra": args.extra, "rows": rows})  # partial results survive
-    table = ("| dataset | method | model | new-label points | P@1 | P@5 | PSP@5 | R@10 of new labels | all points P@1 | PSP@5 |\n"
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
-    for r in rows:
-        n, a = r["new"], r["all"]
-        table += (f"| {r['dataset']} ({r['held_out_labels']} of {r['labels']} labels held out) | {r['method']} | {r['model']} | {n['points']} | "
-                  f"{n['P@1']:.2f} | {n['P@5']:.2f} | {n['PSP@5']:.2f} | {n['R@10 of new labels']:.2f} | {a['P@1']:.2f} | {a['PSP@5']:.2f} |\n")
-    print("\n" + table)
-    write_json_atomic(args.results, {"held_out": args.held_out, "extra": args.extra, "rows": rows})
-    if args.update_readme:
-        update_readme_block("<!-- bench:new-labels -->", table)
+                write_json(args.out, {"held_out": args.held_out, "extra": args.extra, "rows": rows})  # partial results survive
+    write_json(args.out, {"held_out": args.held_out, "extra": args.extra, "rows": rows})
+    publish(new_labels_table(rows), "new-labels", args.update_docs)
 
 
 if __name__ == "__main__":

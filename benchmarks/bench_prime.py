@@ -2,11 +2,12 @@
 """PRIME against DEXML (in-batch negatives) at the same budget: same encoder (all-MiniLM-L6-v2), epochs, batch size,
 learning rate and seed, every run through its ``training_scripts/train_<method>.py`` contract.
 
-    python benchmarks/bench_prime.py [--datasets debtags reuters] [--epochs 1] [--modes ...] [--update_readme]
+    python benchmarks/bench_prime.py [--datasets debtags reuters] [--epochs 1] [--modes ...] [--update_docs]
 
 Debtags is the bundled dataset (PRIME's defaults were chosen on it); Reuters-21578 (``benchmarks/make_reuters.py``)
-is the check on data the defaults were not tuned on. Writes benchmarks/results/prime.json and, with
---update_readme, the table between the markers (README.md or docs/) ``<!-- bench:prime -->`` markers (``--marker`` picks another pair).
+is the check on data the defaults were not tuned on. Writes benchmarks/results/prime.json (``--out``) and, with
+--update_docs, the table between the ``<!-- bench:prime -->`` lines of docs/benchmarks.md (``--marker`` picks another
+block); ``--table_only`` re-renders the table of ``--out``.
 """
 
 import os

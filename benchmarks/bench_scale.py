@@ -33,7 +33,9 @@ Per stage it records seconds and peak RSS (``VmHWM`` of /proc/self/status, reset
 Module II over 2.2M points with the bag-of-embeddings encoder: ~3 h) can be stopped and continued with ``--resume``:
 its training process snapshots its stage figures every 30 s, the recipe keeps Module I's weights and Module II's
 store on disk, and the row adds up the processes it ran in (``parts``). Writes a JSON list, one row per method
-variant (``completed: false`` with the error's last lines when a run fails), after every run, and prints a table.
+variant (``completed: false`` with the error's last lines when a run fails), after every run, and prints a table;
+``--update_docs`` writes it between the ``<!-- bench:scale -->`` lines of docs/scale.md (``--marker scale-gpu``: the GPU
+table's block), ``--table_only`` re-renders the table of ``--out``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from benchmarks.harness import RESULTS_DIR, bench_parser, markdown_table, publish, read_json, write_json  # noqa: E402
 
 # rows longer than a session: checkpoints on (weights only, at each training's end: no step reaches --save_steps), so
 # SiameseXML's Module I weights and Module II store (OUT/module2) stay on disk and --resume goes on from them
@@ -166,9 +170,7 @@ class StageRecorder:
         return stages
 
     def write_snapshot(self, path: str) -> None:
-        from hf_xmc.training.script_utils import write_json_atomic  # the worker imports hf_xmc anyway
-
-        write_json_atomic(path, self.snapshot())
+        write_json(path, self.snapshot())
 
     @contextlib.contextmanager
     def stage(self, name: str):
@@ -532,8 +534,8 @@ def _hours(seconds: float | None) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table: per variant the seconds (peak GiB) of each stage, size on disk, quality and latency."""
-    head = "| method | labels | train q | steps x batch | index | data | label state | clustering | mining | steps | eval | save | reload | predict k=100 | peak RSS GiB | saved GB | P@1 | R@100 | ms/query b=1 | ms/batch b=256 | s/step | 1 epoch of 2.2M |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    header = ["method", "labels", "train q", "steps x batch", "index", "data", "label state", "clustering", "mining", "steps", "eval", "save",
+              "reload", "predict k=100", "peak RSS GiB", "saved GB", "P@1", "R@100", "ms/query b=1", "ms/batch b=256", "s/step", "1 epoch of 2.2M"]
 
     def cell(row, key):
         # SiameseXML's label state and mining run between its two trainings, not inside one: "train:<stage>"
@@ -543,6 +545,7 @@ def format_table(rows: list[dict]) -> str:
         peak = f" ({st['peak_rss_gib']:.1f})" if st.get("peak_rss_gib") is not None else ""
         return f"{st['seconds']:.0f}s{peak}"
 
+    cells = []
     for r in rows:
         rate = step_rate(r)
         cluster = "-"
@@ -558,25 +561,19 @@ def format_table(rows: list[dict]) -> str:
             name += f" `{r['train_args']}`"
         kind = r.get("index_kind", "exact")  # rows from before --index_kind searched exactly
         index = f"{kind} nprobe={r['ivf_nprobe']}" if kind == "ivf" and r.get("ivf_nprobe") else kind
-        lines.append(
-            f"| {name} | {r['num_labels']:,} | {r['num_train']:,} | {r['steps']} x {r['batch_size']} | {index} | {cell(r, 'train:data_load')} | "
-            f"{cell(r, 'train:train.label_state')} | {cluster} | {cell(r, 'train:train.hard_negative_mining')} | {cell(r, 'train:train.steps')} | "
-            f"{cell(r, 'train:evaluate')} | {cell(r, 'train:save')} | {cell(r, 'reload:reload')} | {cell(r, 'reload:predict')} | "
-            f"{r['peak_rss_gib'] if r['peak_rss_gib'] is not None else '-'} | {(r['saved_bytes'] or 0) / 1e9:.2f} | "
-            f"{r['P@1'] if r['P@1'] is None else round(r['P@1'], 2)} | {r['R@100'] if r['R@100'] is None else round(r['R@100'], 2)} | "
-            f"{lat.get('batch_1_ms', '-')} | {lat.get('batch_256_ms', '-')} | {rate.get('seconds_per_step', '-')} | {_hours(rate.get('epoch_seconds_real'))} |"
-        )
-    return "\n".join(lines)
-
-
-def write_readme_table(rows: list[dict], marker: str) -> None:
-    from benchmarks.sweep_defaults import update_readme_block
-
-    update_readme_block(marker, format_table(rows) + "\n")
+        cells.append([
+            name, f"{r['num_labels']:,}", f"{r['num_train']:,}", f"{r['steps']} x {r['batch_size']}", index, cell(r, "train:data_load"),
+            cell(r, "train:train.label_state"), cluster, cell(r, "train:train.hard_negative_mining"), cell(r, "train:train.steps"),
+            cell(r, "train:evaluate"), cell(r, "train:save"), cell(r, "reload:reload"), cell(r, "reload:predict"),
+            r["peak_rss_gib"] if r["peak_rss_gib"] is not None else "-", f"{(r['saved_bytes'] or 0) / 1e9:.2f}",
+            "None" if r["P@1"] is None else round(r["P@1"], 2), "None" if r["R@100"] is None else round(r["R@100"], 2),
+            lat.get("batch_1_ms", "-"), lat.get("batch_256_ms", "-"), rate.get("seconds_per_step", "-"), _hours(rate.get("epoch_seconds_real")),
+        ])
+    return markdown_table(header, cells)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, os.path.join(RESULTS_DIR, "scale.json"), docs_block="scale", marker=True, table_only=True)
     parser.add_argument("--methods", default="dexml,dexml:hard_neg,dexml:all_label,prime,unidec")
     parser.add_argument("--num_labels", type=int, default=1_300_000)
     parser.add_argument("--num_train", type=int, default=2_200_000)
@@ -610,11 +607,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "are read back; rows with nothing stopped start fresh); the row's stages add up every process's figures, its "
         "'parts' says how many processes it took.",
     )
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "scale.json"))
     parser.add_argument("--merge", action="store_true", help="Keep rows of --out for variants not run now (replace the others).")
-    parser.add_argument("--update_readme", action="store_true", help="Write the table between the markers (README.md or docs/) --readme_marker markers.")
-    parser.add_argument("--readme_marker", default="<!-- bench:scale -->", help="README block (marker pair) the table goes to.")
-    parser.add_argument("--table_only", action="store_true", help="Print (and with --update_readme write) the table of --out; run nothing.")
     parser.add_argument("--worker", choices=("train", "reload"), help=argparse.SUPPRESS)
     parser.add_argument("--worker_config", help=argparse.SUPPRESS)
     parser.add_argument("--worker_result", help=argparse.SUPPRESS)
@@ -632,11 +625,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
 
     if args.table_only:
-        with open(args.out) as f:
-            rows = json.load(f)
-        print(format_table(rows))
-        if args.update_readme:
-            write_readme_table(rows, args.readme_marker)
+        rows = read_json(args.out)
+        publish(format_table(rows) + "\n", args.marker, args.update_docs)
         return rows
 
     variants = parse_methods(args.methods)
@@ -653,24 +643,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         encoder = make_encoder(os.path.join(args.data_dir, f"encoder-{args.encoder_layers}l"), task["word_letters"], args.encoder_layers)
 
-    from hf_xmc.training.script_utils import write_json_atomic  # make_task imported hf_xmc already
-
     rows: list[dict] = []
     if args.merge and os.path.exists(args.out):
-        with open(args.out) as f:
-            rows = [r for r in json.load(f) if (r["method"], r["variant"]) not in variants]
+        rows = [r for r in read_json(args.out) if (r["method"], r["variant"]) not in variants]
     for method, variant in variants:
         print(f"--- {method}:{variant}", flush=True)
         row = run_variant(method, variant, args, task, encoder)
         row["task"] = task
         rows = [r for r in rows if (r["method"], r["variant"]) != (method, variant)] + [row]
-        write_json_atomic(args.out, rows, sort_keys=False)  # after every row: a run stopped later keeps what it measured
+        write_json(args.out, rows, sort_keys=False)  # after every row: a run stopped later keeps what it measured
         print(format_table([row]), flush=True)
         if not row["completed"]:
             print(row.get("error", ""), flush=True)
-    print(format_table(rows))
-    if args.update_readme:
-        write_readme_table(rows, args.readme_marker)
+    publish(format_table(rows) + "\n", args.marker, args.update_docs)
     return rows
 
 

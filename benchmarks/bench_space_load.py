@@ -2,20 +2,19 @@
 """The Spaces demo under load: rounds of concurrent requests through ``gradio_client``, errors, latency and the
 server's memory after each round.
 
-    python benchmarks/bench_space_load.py [--model DIR] [--concurrent 50] [--rounds 3] [--update_readme]
+    python benchmarks/bench_space_load.py [--model DIR] [--concurrent 50] [--rounds 3] [--update_docs]
 
 ``spaces/app.py`` runs as on a Space (``python app.py`` in a process where hf_xmc cannot be imported: the model
 directory brings its own code), on ``--model`` or, by default, a tiny random DEXML model over a planted 40-label task
 (``tests/tiny.py``): what is measured is the app and Gradio's queue, not a model. Each round submits
 ``--concurrent`` requests at once (different texts, k = 5) and waits for all; the server's resident memory
 (``VmRSS``) is read after the warm-up and after every round: flat memory is the same figure round after round.
-Writes benchmarks/results/space_load.json and, with --update_readme, the table between the
-``<!-- bench:space-load -->`` markers.
+Writes benchmarks/results/space_load.json (``--out``) and, with --update_docs, the table between the
+``<!-- bench:space-load -->`` lines of docs/reliability.md; ``--table_only`` re-renders the table of ``--out``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -29,6 +28,8 @@ from concurrent.futures import wait
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
 
 APP_FILE = os.path.join(REPO, "spaces", "app.py")
 SERVE = textwrap.dedent(
@@ -127,16 +128,29 @@ def tiny_model(directory: str) -> str:
     return out
 
 
-def main() -> None:
-    from gradio_client import Client
+def space_load_table(result: dict) -> str:
+    """One row per round (the warm-up first): requests, errors, timings and the server's memory after it."""
+    header = ["round", "requests at once", "errors", "wall (s)", "requests/s", "median answer (s)", "slowest (s)", "server RSS after (MiB)"]
+    cells = []
+    for row in result["rounds"]:
+        if row["round"] == 0:
+            cells.append(["warm-up", row["requests"], 0, None, None, None, None, row["rss_mib"]])
+        else:
+            cells.append([row["round"], row["requests"], row["errors"], row["wall_s"], row["requests_per_s"], str(row["p50_s"]), str(row["max_s"]), row["rss_mib"]])
+    return markdown_table(header, cells)
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+def main() -> None:
+    parser = bench_parser(__doc__, result_path("space_load.json"), docs_block="space-load", table_only=True)
     parser.add_argument("--model", default=None, help="Model directory to serve (default: a tiny random DEXML model).")
     parser.add_argument("--concurrent", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "space_load.json"))
-    parser.add_argument("--update_readme", action="store_true")
     args = parser.parse_args()
+    if args.table_only:
+        publish(space_load_table(read_json(args.out)), "space-load", args.update_docs)
+        return
+
+    from gradio_client import Client
 
     work = tempfile.mkdtemp(prefix="space-load-")
     model_dir = args.model or tiny_model(work)
@@ -162,18 +176,8 @@ def main() -> None:
         proc.wait(timeout=30)
     result = {"model": "tiny random DEXML (40 labels)" if args.model is None else args.model, "concurrent": args.concurrent,
               "cpu_count": os.cpu_count(), "rounds": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    table = ["| round | requests at once | errors | wall (s) | requests/s | median answer (s) | slowest (s) | server RSS after (MiB) |", "|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        if row["round"] == 0:
-            table.append(f"| warm-up | {row['requests']} | 0 | | | | | {row['rss_mib']} |")
-        else:
-            table.append(f"| {row['round']} | {row['requests']} | {row['errors']} | {row['wall_s']} | {row['requests_per_s']} | {row['p50_s']} | {row['max_s']} | {row['rss_mib']} |")
-    from benchmarks.sweep_defaults import publish_table
-
-    publish_table("\n".join(table), "<!-- bench:space-load -->", args.update_readme)
+    write_json(args.out, result, sort_keys=False)
+    publish(space_load_table(result), "space-load", args.update_docs)
 
 
 if __name__ == "__main__":

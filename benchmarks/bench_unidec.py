@@ -2,7 +2,7 @@
 """UniDEC against its own DE-only ablation (DePSL) and DEXML at the same budget: same encoder (all-MiniLM-L6-v2),
 epochs, batch size, learning rate and seed, every run through its ``training_scripts/train_<method>.py`` contract.
 
-    python benchmarks/bench_unidec.py [--datasets debtags reuters] [--epochs 1] [--modes ...] [--update_readme]
+    python benchmarks/bench_unidec.py [--datasets debtags reuters] [--epochs 1] [--modes ...] [--update_docs]
 
 ``unidec_*`` modes are train_unidec.py (search over [DE ; classifier]) with the classifier's initialisation and loss
 named explicitly (the rows stay valid whatever the defaults); ``depsl`` is the same recipe with
@@ -10,8 +10,8 @@ named explicitly (the rows stay valid whatever the defaults); ``depsl`` is the s
 UniDEC and search one head only (the paper's UniDEC-de / UniDEC-clf rows); ``batches_*`` compare the two cluster
 batchings (``--epochs 3``: clustering starts at the second epoch). Debtags is the bundled dataset (defaults
 chosen on it); Reuters-21578 (``benchmarks/make_reuters.py``) is the check on data they were not tuned on. Writes
-benchmarks/results/unidec.json and, with --update_readme, the table between the markers (README.md or docs/) ``<!-- bench:unidec -->``
-markers (``--marker`` picks another pair).
+benchmarks/results/unidec.json (``--out``) and, with --update_docs, the table between the ``<!-- bench:unidec -->`` lines
+of docs/benchmarks.md (``--marker`` picks another block); ``--table_only`` re-renders the table of ``--out``.
 """
 
 import os

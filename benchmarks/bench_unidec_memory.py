@@ -2,13 +2,14 @@
 """Peak memory of a UniDEC model per label: build, index + predict, and one training step (SparseAdamW, what
 XMCTrainer uses), at growing label spaces, each size in a fresh process (peak RSS from getrusage).
 
-    python benchmarks/bench_unidec_memory.py [--labels 10000 100000 1000000] [--dim 384] [--update_readme]
+    python benchmarks/bench_unidec_memory.py [--labels 10000 100000 1000000] [--dim 384] [--update_docs]
 
 The encoder is a small random BERT (hidden 32, MiniLM's tokenizer) so the label-space-dependent parts dominate: the
 classifier ``Psi`` (L x d), the saved search vectors ``[DE ; classifier]`` (L x 2d) and the faiss index over them,
 and in training Psi's AdamW moments (its gradient is sparse: the pool's rows only). Bytes per label are the slope between the two largest sizes (the
-encoder and Python are constant). Writes benchmarks/results/unidec_memory.json and, with --update_readme, the
-table between the README's ``<!-- bench:unidec_memory -->`` markers.
+encoder and Python are constant). Writes benchmarks/results/unidec_memory.json (``--out``) and, with --update_docs,
+the table between the ``<!-- bench:unidec_memory -->`` lines of docs/models.md; ``--table_only`` re-renders the table
+of ``--out``.
 """
 
 import argparse
@@ -23,8 +24,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.sweep_defaults import minilm, update_readme_block  # noqa: E402
-from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
+from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.sweep_defaults import minilm  # noqa: E402
 
 
 def peak_mb() -> float:
@@ -72,14 +73,29 @@ def measure(encoder: str, num_labels: int, dim: int, phase: str) -> dict:
     return {"labels": num_labels, "dim": dim, "phase": phase, "peak_mb": peak_mb(), "after_build_mb": after_build, "seconds": time.perf_counter() - start}
 
 
+def unidec_memory_table(result: dict) -> str:
+    """Peak RSS per label-space size and phase, then the bytes per label between the two largest sizes."""
+    dim, by = result["dim"], {(r["labels"], r["phase"]): r for r in result["rows"]}
+    sizes = list(dict.fromkeys(r["labels"] for r in result["rows"]))  # in the order they ran (--labels)
+    cells = [[f"{n:,}", dim, f"{by[n, 'predict']['peak_mb']:.0f}", f"{by[n, 'train']['peak_mb']:.0f}"] for n in sizes]
+    per_label = result["bytes_per_label"]
+    if per_label:
+        big, small = max(sizes), sorted(sizes)[-2]
+        cells.append([f"bytes per label (slope {small:,} -> {big:,})", None, f"{per_label['predict']:.0f} ({per_label['predict'] / dim:.1f} x d)",
+                      f"{per_label['train']:.0f} ({per_label['train'] / dim:.1f} x d)"])
+    header = ["labels L", "d", "peak RSS build + index + predict (MB)", "peak RSS one training step (MB)"]
+    return markdown_table(header, cells, "rrrr") + "\n"
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, result_path("unidec_memory.json"), docs_block="unidec_memory", table_only=True)
     ap.add_argument("--labels", nargs="+", type=int, default=[10_000, 100_000, 1_000_000])
     ap.add_argument("--dim", type=int, default=384)
-    ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", "unidec_memory.json"))
-    ap.add_argument("--update_readme", action="store_true")
     ap.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.table_only:
+        publish(unidec_memory_table(read_json(args.out)), "unidec_memory", args.update_docs)
+        return
     if args._child:
         encoder, num_labels, phase = args._child
         print("RESULT " + json.dumps(measure(encoder, int(num_labels), args.dim, phase)))
@@ -97,20 +113,14 @@ def main() -> None:
                 rows.append(row)
                 print(f"L={num_labels:>9,} {phase:8s} peak {row['peak_mb']:9.0f} MB ({row['seconds']:.0f} s)", flush=True)
     big, small = max(args.labels), sorted(args.labels)[-2] if len(args.labels) > 1 else None
-    table = "| labels L | d | peak RSS build + index + predict (MB) | peak RSS one training step (MB) |\n|---:|---:|---:|---:|\n"
     by = {(r["labels"], r["phase"]): r for r in rows}
-    for num_labels in args.labels:
-        table += f"| {num_labels:,} | {args.dim} | {by[num_labels, 'predict']['peak_mb']:.0f} | {by[num_labels, 'train']['peak_mb']:.0f} |\n"
     per_label = {}
     if small is not None:
         for phase in ("predict", "train"):
             per_label[phase] = (by[big, phase]["peak_mb"] - by[small, phase]["peak_mb"]) * 2**20 / (big - small)
-        table += (f"| bytes per label (slope {small:,} -> {big:,}) | | {per_label['predict']:.0f} ({per_label['predict'] / args.dim:.1f} x d) "
-                  f"| {per_label['train']:.0f} ({per_label['train'] / args.dim:.1f} x d) |\n")
-    print("\n" + table)
-    write_json_atomic(args.results, {"dim": args.dim, "rows": rows, "bytes_per_label": per_label})
-    if args.update_readme:
-        update_readme_block("<!-- bench:unidec_memory -->", table)
+    result = {"dim": args.dim, "rows": rows, "bytes_per_label": per_label}
+    write_json(args.out, result)
+    publish(unidec_memory_table(result), "unidec_memory", args.update_docs)
 
 
 if __name__ == "__main__":

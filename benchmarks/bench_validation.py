@@ -30,7 +30,6 @@ the machine it ran on; each row records the 1-minute load average when it ended.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -43,8 +42,8 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.sweep_defaults import minilm, prepare, publish_table, training_command  # noqa: E402
-from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
+from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.sweep_defaults import minilm, prepare, training_command  # noqa: E402
 
 SHOWN = ("P@1", "P@5", "PSP@1", "PSP@5", "R@100")
 METHODS = ("zeroshot", "dexml", "prime", "unidec", "siamesexml")
@@ -208,8 +207,9 @@ def invariant(row: dict, zeroshot: dict | None) -> str:
 
 
 def tables(rows: list[dict]) -> str:
-    cols = " | ".join(SHOWN)
-    out = [f"| dataset | model | ranking | {cols} | weights (ranker, text) | wall min |", "|---|---|---|" + "---:|" * len(SHOWN) + "---|---:|"]
+    """The rankings of every row (with the invariant's verdict), then the calibration's test ECE per row."""
+    header = ["dataset", "model", "ranking", *SHOWN, "weights (ranker, text)", "wall min"]
+    cells = []
     for r in rows:
         zs = next((z for z in rows if z["dataset"] == r["dataset"] and z["method"] == "zeroshot"), None)
         wall = f"{r['wall_seconds'] / 60:.1f}"
@@ -221,17 +221,15 @@ def tables(rows: list[dict]) -> str:
         if r["method"] == "zeroshot":
             lines = [lines[0], lines[3], *lines[4:]]
         for name, metrics, weights in lines:
-            cells = " | ".join(f"{metrics[m]:.2f}" for m in SHOWN)
-            out.append(f"| {r['dataset']} | {DESCRIPTIONS[r['method']]} | {name} | {cells} | {weights} | {wall} |")
+            cells.append([r["dataset"], DESCRIPTIONS[r["method"]], name, *(f"{metrics[m]:.2f}" for m in SHOWN), weights, wall])
         if r["method"] != "zeroshot":
-            held = invariant(r, zs)
-            out.append(f"| {r['dataset']} | {DESCRIPTIONS[r['method']]} | fused now >= max(dense, untrained + channel) - 0.3 on P@1 and PSP@5? | {held} |" + " |" * (len(SHOWN) + 1))
-    out.append("")
-    out.append("| dataset | model | test ECE, isotonic (the default) | test ECE, Platt |")
-    out.append("|---|---|---:|---:|")
-    for r in rows:
-        out.append(f"| {r['dataset']} | {DESCRIPTIONS[r['method']]} | {r['ece'].get('isotonic', float('nan')):.2f} | {r['ece'].get('platt', float('nan')):.2f} |")
-    return "\n".join(out) + "\n"
+            question = "fused now >= max(dense, untrained + channel) - 0.3 on P@1 and PSP@5?"
+            cells.append([r["dataset"], DESCRIPTIONS[r["method"]], question, invariant(r, zs), *[None] * (len(SHOWN) + 1)])
+    fusion = markdown_table(header, cells, "lll" + "r" * len(SHOWN) + "lr")
+    ece = markdown_table(["dataset", "model", "test ECE, isotonic (the default)", "test ECE, Platt"],
+                         [[r["dataset"], DESCRIPTIONS[r["method"]], f"{r['ece'].get('isotonic', float('nan')):.2f}", f"{r['ece'].get('platt', float('nan')):.2f}"]
+                          for r in rows], "llrr")
+    return fusion + "\n\n" + ece + "\n"
 
 
 def reliability(rows: list[dict]) -> str:
@@ -241,23 +239,20 @@ def reliability(rows: list[dict]) -> str:
     for r in rows:
         if r["method"] != "dexml" or not r.get("reliability"):
             continue
-        out.append(f"| {r['dataset']}, DEXML + channel: probability bin | pairs | mean probability | fraction relevant |")
-        out.append("|---|---:|---:|---:|")
-        out.extend(f"| {b['bin']} | {b['pairs']:,} | {b['mean_probability']:.3f} | {b['fraction_relevant']:.3f} |" for b in r["reliability"])
+        out.append(markdown_table([f"{r['dataset']}, DEXML + channel: probability bin", "pairs", "mean probability", "fraction relevant"],
+                                  [[b["bin"], f"{b['pairs']:,}", f"{b['mean_probability']:.3f}", f"{b['fraction_relevant']:.3f}"] for b in r["reliability"]],
+                                  "lrrr"))
         out.append("")
     return "\n".join(out)
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, result_path("validation_fusion.json"), docs_block="validation_fusion", table_only=True)
     ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters", "wordnet"])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "validation_fusion.json"))
     ap.add_argument("--rerun", action="store_true", help="run rows already in --out again")
-    ap.add_argument("--table_only", action="store_true")
-    ap.add_argument("--update_docs", action="store_true", help="write the tables into docs/validation.md")
     args = ap.parse_args(argv)
-    rows = json.load(open(args.out)) if os.path.exists(args.out) else []
+    rows = read_json(args.out) if os.path.exists(args.out) else []
     order = {(d, m): i for i, (d, m) in enumerate((d, m) for d in ("debtags", "reuters", "wordnet") for m in METHODS)}
     if not args.table_only:
         with tempfile.TemporaryDirectory(prefix="validation_") as work:
@@ -268,10 +263,10 @@ def main(argv=None) -> list[dict]:
                         continue
                     row = run_row(dataset, method, work)
                     rows = sorted([r for r in rows if r["row"] != name] + [row], key=lambda r: order[(r["dataset"], r["method"])])
-                    write_json_atomic(args.out, rows, sort_keys=False)
+                    write_json(args.out, rows, sort_keys=False)
                     print(f"{name}: now {row['fused_now']} before {row['fused_before']} dense {row['dense']} ({row['wall_seconds'] / 60:.1f} min)", flush=True)
-    publish_table(tables(rows), "<!-- bench:validation_fusion -->", args.update_docs)
-    publish_table(reliability(rows), "<!-- bench:validation_reliability -->", args.update_docs)
+    publish(tables(rows), "validation_fusion", args.update_docs)
+    publish(reliability(rows), "validation_reliability", args.update_docs)
     return rows
 
 

@@ -16,7 +16,6 @@ between rows run on an equally loaded machine: each row records the 1-minute loa
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -26,8 +25,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.sweep_defaults import minilm, publish_table, training_command  # noqa: E402
-from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
+from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.sweep_defaults import minilm, training_command  # noqa: E402
 
 DATA = os.path.join(REPO, "outputs", "wordnet-xmc")
 SHOWN = ("P@1", "P@5", "PSP@1", "PSP@5", "R@100")
@@ -112,8 +111,8 @@ def zero_shot(work: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = "| model (all-MiniLM-L6-v2) | ranking | " + " | ".join(SHOWN) + " | wall min |\n|---|---|" + "---:|" * (len(SHOWN) + 1) + "\n"
-    lines = []
+    """Per row its dense ranking and its fused one (the channel's weights named), WordNet figures above a target bold."""
+    cells = []
     for r in rows:
         lexical = f"+ lexical (ranker {r.get('lexical_ranker_weight', 0):g}, text {r.get('lexical_text_weight', 0):g})"
         if "lexical_ranker_weight" not in r:  # a run without the channel: its test_* are the dense ranking
@@ -122,22 +121,19 @@ def table(rows: list[dict]) -> str:
             if f"{prefix}P@1" not in r:
                 continue
             wordnet = r.get("dataset", "wordnet") == "wordnet"  # the targets are WordNet-XMC's peers
-            cells = [f"**{r[prefix + m]:.2f}**" if wordnet and m in TARGETS and r[prefix + m] > TARGETS[m] else f"{r[prefix + m]:.2f}" for m in SHOWN]
-            lines.append(f"| {r['description']} | {label} | " + " | ".join(cells) + f" | {r['wall_seconds'] / 60:.1f} |")
-    return head + "\n".join(lines) + "\n"
+            metrics = [f"**{r[prefix + m]:.2f}**" if wordnet and m in TARGETS and r[prefix + m] > TARGETS[m] else f"{r[prefix + m]:.2f}" for m in SHOWN]
+            cells.append([r["description"], label, *metrics, f"{r['wall_seconds'] / 60:.1f}"])
+    return markdown_table(["model (all-MiniLM-L6-v2)", "ranking", *SHOWN, "wall min"], cells, "ll" + "r" * (len(SHOWN) + 1)) + "\n"
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, result_path("wordnet_quality.json"), docs_block="wordnet_quality", table_only=True)
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "wordnet_quality.json"))
     ap.add_argument("--rerun", action="store_true", help="run rows already in --out again")
-    ap.add_argument("--table_only", action="store_true")
-    ap.add_argument("--update_docs", action="store_true", help="write the table into docs/wordnet.md (<!-- bench:wordnet_quality -->)")
     args = ap.parse_args(argv)
     if not os.path.exists(os.path.join(DATA, "lbl.json.gz")) and not args.table_only:
         raise SystemExit(f"{DATA}: build WordNet-XMC first (python benchmarks/make_wordnet.py)")
-    rows = json.load(open(args.out)) if os.path.exists(args.out) else []
+    rows = read_json(args.out) if os.path.exists(args.out) else []
     if not args.table_only:
         with tempfile.TemporaryDirectory(prefix="wordnet_") as work:
             for name in args.rows:
@@ -146,9 +142,9 @@ def main(argv=None) -> list[dict]:
                 row = run_row(name, work)
                 rows = [r for r in rows if r["row"] != name] + [row]
                 rows.sort(key=lambda r: list(ROWS).index(r["row"]) if r["row"] in ROWS else len(ROWS))
-                write_json_atomic(args.out, rows)
+                write_json(args.out, rows)
                 print(f"{name}: " + " ".join(f"{m}={row['test_' + m]:.2f}" for m in SHOWN), flush=True)
-    publish_table(table(rows), "<!-- bench:wordnet_quality -->", args.update_docs)
+    publish(table(rows), "wordnet_quality", args.update_docs)
     return rows
 
 

@@ -15,10 +15,9 @@
 4. label index: exact faiss (CPU build, or the GPU copy when a faiss GPU build sees a GPU), torch search on the
    device and torch search on the CPU return the same top-k over 100k random label vectors.
 
-Prints a table and writes benchmarks/results/gpu_smoke.json. Exit status 1 when a check fails.
+Prints a table and writes benchmarks/results/gpu_smoke.json (``--out``). Exit status 1 when a check fails.
 """
 
-import argparse
 import contextlib
 import json
 import os
@@ -35,7 +34,8 @@ if REPO not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-RESULTS = os.path.join(REPO, "benchmarks", "results", "gpu_smoke.json")
+from benchmarks.harness import bench_parser, markdown_table, result_path, write_json  # noqa: E402
+
 CHECKS: list[dict] = []
 
 REMOTE_PREDICT = """
@@ -337,11 +337,10 @@ def check_index(device: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, result_path("gpu_smoke.json"))
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--steps", type=int, default=60, help="training steps per run (15 steps = one epoch of the tiny task)")
     ap.add_argument("--only", nargs="+", default=["train", "encode", "gradcache", "index"])
-    ap.add_argument("--output", default=RESULTS)
     args = ap.parse_args()
 
     import torch
@@ -380,16 +379,11 @@ def main() -> None:
         "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__, "faiss": faiss_version,
         "steps": args.steps, "wall_seconds": time.time() - t0, "checks": CHECKS,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2, default=str)
+    write_json(args.out, report, sort_keys=False, default=str)
     print(f"\nGPU smoke on {report['device']} (torch {report['torch']}, CUDA {report['cuda']}, transformers "
           f"{report['transformers']}, faiss {faiss_version}):\n")
-    print("| check | result |")
-    print("|---|---|")
-    for c in CHECKS:
-        print(f"| {c['check']} | {'pass' if c['passed'] else 'FAIL'} |")
-    print(f"\nwrote {args.output} ({report['wall_seconds']:.0f} s)")
+    print(markdown_table(["check", "result"], [[c["check"], "pass" if c["passed"] else "FAIL"] for c in CHECKS]))
+    print(f"\nwrote {args.out} ({report['wall_seconds']:.0f} s)")
     sys.exit(0 if all(c["passed"] for c in CHECKS) else 1)
 
 

@@ -59,6 +59,7 @@ import scipy.sparse as sp
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.harness import markdown_table, write_text  # noqa: E402
 from hf_xmc.data import XMCDataset, write_xc_labels, write_xc_raw  # noqa: E402
 from hf_xmc.metrics import xmc_metrics  # noqa: E402
 
@@ -199,7 +200,7 @@ class EmojiRenderer:
 
 def save_png(image, path: str) -> None:
     """Write a PNG atomically (temp file beside it, then rename): no half-written image survives a crash."""
-    from hf_xmc.models.label_index import atomic_write
+    from hf_xmc.models.io_utils import atomic_write
 
     atomic_write(path, lambda tmp: image.save(tmp, format="PNG", optimize=True))
 
@@ -381,8 +382,6 @@ def run_baselines(train: XMCDataset, test: XMCDataset, labels: list[str], c: flo
 
 def write_readme(path: str, args: argparse.Namespace, stats: dict, baselines: dict | None, info: dict) -> None:
     """Write the dataset card (provenance, licences, statistics, baselines) atomically."""
-    from hf_xmc.models.label_index import atomic_write
-
     tr, te = stats["train"], stats["test"]
     lines = [
         "# Emoji-XMC: rendered emoji + partial names -> CLDR keywords",
@@ -405,10 +404,9 @@ def write_readme(path: str, args: argparse.Namespace, stats: dict, baselines: di
         "",
         "## Statistics",
         "",
-        "| split | points | avg labels/point | images per item (count: points) | avg words/text | empty texts |",
-        "|---|---|---|---|---|---|",
-        *(f"| {name} | {d['points']} | {d['avg_labels_per_point']} | {d['images_per_item']} | "
-          f"{d['avg_words_per_text']} | {d['empty_texts']} |" for name, d in (("train", tr), ("test", te))),
+        markdown_table(["split", "points", "avg labels/point", "images per item (count: points)", "avg words/text", "empty texts"],
+                       [[name, d["points"], d["avg_labels_per_point"], d["images_per_item"], d["avg_words_per_text"], d["empty_texts"]]
+                        for name, d in (("train", tr), ("test", te))]),
         "",
         f"{stats['labels']} labels; training points per label: min {stats['label_freq_train']['min']}, median "
         f"{stats['label_freq_train']['median']}, max {stats['label_freq_train']['max']}. "
@@ -416,9 +414,9 @@ def write_readme(path: str, args: argparse.Namespace, stats: dict, baselines: di
         "",
     ]
     if baselines:
-        lines += ["## Baselines (test split)", "", "| model | P@1 | P@3 | P@5 |", "|---|---|---|---|"]
-        lines += [f"| {name} | {r['P@1']:.2f} | {r['P@3']:.2f} | {r['P@5']:.2f} |" for name, r in baselines.items()]
-        lines.append("")
+        lines += ["## Baselines (test split)", "",
+                  markdown_table(["model", "P@1", "P@3", "P@5"], [[name, f"{r['P@1']:.2f}", f"{r['P@3']:.2f}", f"{r['P@5']:.2f}"] for name, r in baselines.items()]),
+                  ""]
     lines += [
         "## Provenance and licences",
         "",
@@ -430,13 +428,7 @@ def write_readme(path: str, args: argparse.Namespace, stats: dict, baselines: di
         "Unicode licence (SPDX Unicode-DFS-2016), https://www.unicode.org/copyright.html",
         "",
     ]
-    text = "\n".join(lines)
-
-    def _write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    atomic_write(path, _write)
+    write_text(path, "\n".join(lines))
 
 
 def package_version(package: str) -> str:
@@ -499,7 +491,7 @@ def main(argv: Sequence[str] | None = None, log: Callable[[str], None] = print) 
         for name, r in baselines.items():
             log(f"{name:56s} {r['P@1']:6.2f} {r['P@3']:6.2f} {r['P@5']:6.2f}")
     stats["args"] = {k: v for k, v in vars(args).items() if k != "output_dir"}
-    from hf_xmc.models.label_index import atomic_write
+    from hf_xmc.models.io_utils import atomic_write
 
     def _write_stats(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:

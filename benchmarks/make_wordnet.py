@@ -49,8 +49,8 @@ import scipy.sparse as sp
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.harness import write_text  # noqa: E402
 from hf_xmc.data import XMCDataset, write_xc_labels, write_xc_raw  # noqa: E402
-from hf_xmc.models.label_index import atomic_write  # noqa: E402
 
 #: WordNet's part-of-speech letters -> the data file that holds the synset (satellite adjectives live in data.adj).
 POS_FILES = {"n": "noun", "v": "verb", "a": "adj", "s": "adj", "r": "adv"}
@@ -202,16 +202,6 @@ Most frequent labels: {top}.
 Files: `trn.json.gz`, `tst.json.gz` (`uid` = `pos:offset` of WordNet's data files, `title`, `target_ind`),
 `lbl.json.gz` (labels sorted by uid), `filter_labels_train.txt`, `filter_labels_test.txt`, `stats.json`.
 """
-
-
-def write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temp file beside it, then rename)."""
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    atomic_write(path, write)
 
 
 def installed_version() -> str:

@@ -29,7 +29,7 @@ Every baseline takes raw texts (via TF-IDF features) and returns ranked top-k la
 ``python benchmarks/peers.py`` runs the peers on the bundled Debtags split and prints a markdown table;
 ``python benchmarks/peers.py --dataset wordnet --out benchmarks/results/peers_wordnet.json --update_docs`` runs them
 on WordNet-XMC (``benchmarks/make_wordnet.py``, built when missing), with its filter file, and writes the table of
-docs/wordnet.md. Needs scikit-learn, omikuji and napkinxc (``pip install hf_xmc[benchmarks]``), sentence-transformers
+docs/wordnet.md (``--table_only``: the table of ``--out``, nothing run). Needs scikit-learn, omikuji and napkinxc (``pip install hf_xmc[benchmarks]``), sentence-transformers
 for the MiniLM peer, and the libpecos interpreter above for XR-Linear; each is imported lazily.
 """
 
@@ -378,14 +378,16 @@ def run_peers(data, k: int = 100, threads: int = 2, seed: int = 0, only: Sequenc
     return rows
 
 
-def markdown_table(rows: Sequence[dict]) -> str:
+def peers_table(rows: Sequence[dict]) -> str:
     """Markdown table of rows as returned by :func:`run_peers` (method, metrics, train s, predict q/s)."""
-    lines = ["| method | " + " | ".join(TABLE_COLUMNS) + " | train s | predict q/s |",
-             "|---|" + "---:|" * (len(TABLE_COLUMNS) + 2)]
-    for r in rows:
-        lines.append(f"| {r['method']} | " + " | ".join(f"{r['metrics'][c]:.2f}" for c in TABLE_COLUMNS)
-                     + f" | {r['train_seconds']:.1f} | {r['predict_queries_per_second']:,.0f} |")
-    return "\n".join(lines) + "\n"
+    from benchmarks.harness import markdown_table
+
+    return markdown_table(
+        ["method", *TABLE_COLUMNS, "train s", "predict q/s"],
+        [[r["method"], *(f"{r['metrics'][c]:.2f}" for c in TABLE_COLUMNS), f"{r['train_seconds']:.1f}", f"{r['predict_queries_per_second']:,.0f}"]
+         for r in rows],
+        "l" + "r" * (len(TABLE_COLUMNS) + 2),
+    ) + "\n"
 
 
 def load_dataset(name: str):
@@ -414,35 +416,38 @@ def _main() -> None:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if repo not in sys.path:
         sys.path.insert(0, repo)
+    from benchmarks.harness import bench_parser, publish, read_json, write_json
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, None, docs_block="peers_<dataset>", table_only=True)
     ap.add_argument("--dataset", default="debtags", help="debtags, wordnet or an XC raw directory")
     ap.add_argument("--k", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", nargs="*", choices=list(PEER_NAMES), default=None,
                     help="peers to run (default: all on wordnet / a directory; Omikuji, napkinXC and TF-IDF zero-shot on debtags)")
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    ap.add_argument("--update_docs", action="store_true", help="write the table between the <!-- bench:peers_<dataset> --> markers")
     ap.add_argument("--xr_linear_worker", help=argparse.SUPPRESS)
     ap.add_argument("--beam_size", type=int, default=10, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.xr_linear_worker:  # inside the libpecos interpreter: no hf_xmc import
         _xr_linear_worker(args.xr_linear_worker, args.k, args.threads, args.beam_size)
         return
+    def block(dataset: str) -> str:  # the docs block of a dataset's table: peers_wordnet
+        return f"peers_{os.path.basename(dataset.rstrip('/'))}"
+
+    if args.table_only:
+        if not args.out:
+            raise SystemExit("--table_only renders the results of --out: name the file")
+        result = read_json(args.out)
+        publish(peers_table(result["rows"]), block(result["dataset"]), args.update_docs)
+        return
     np.random.seed(args.seed)
     data, filt = load_dataset(args.dataset)
     only = args.only or (("omikuji", "napkinxc", "zeroshot") if args.dataset == "debtags" else None)
     rows = run_peers(data, k=args.k, threads=args.threads, seed=args.seed, only=only, filter_matrix=filt)
-    table = markdown_table(rows)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"dataset": args.dataset, "threads": args.threads, "cpu_count": os.cpu_count(),
-                       "filtered": filt is not None, "rows": rows}, f, indent=2)
-    from benchmarks.sweep_defaults import publish_table
-
-    publish_table(table, f"<!-- bench:peers_{os.path.basename(args.dataset.rstrip('/'))} -->", args.update_docs)
+        write_json(args.out, {"dataset": args.dataset, "threads": args.threads, "cpu_count": os.cpu_count(),
+                              "filtered": filt is not None, "rows": rows}, sort_keys=False)
+    publish(peers_table(rows), block(args.dataset), args.update_docs)
     print("train s / predict q/s are end to end from raw text (TF-IDF featurization included, "
           f"{args.threads} threads); model-only: "
           + "; ".join(f"{r['key']} train {r['model_train_seconds']:.2f} s, {r['model_predict_queries_per_second']:,.0f} q/s"

@@ -6,7 +6,7 @@ dataset and checked on others. Each run is ``python training_scripts/train_<meth
 <value> [extra args]``; the script's ``eval_results.json`` is collected into a table and JSON.
 
     python benchmarks/sweep_defaults.py --method dexml --param learning_rate --values 1e-4 3e-4 1e-3 \
-        --datasets tiny debtags reuters --results benchmarks/results/sweep_dexml_lr.json
+        --datasets tiny debtags reuters --out benchmarks/results/sweep_dexml_lr.json
 
 Datasets: ``tiny`` (the contract checker's planted task and tiny random BERT, 3 epochs, batch 32, length 16),
 ``debtags`` (bundled; MiniLM, half an epoch, batch 64) and ``reuters`` (``benchmarks/make_reuters.py``; MiniLM,
@@ -16,7 +16,6 @@ Datasets: ``tiny`` (the contract checker's planted task and tiny random BERT, 3 
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -25,36 +24,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from hf_xmc.training.script_utils import write_json_atomic  # noqa: E402
+from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
 
 SHOWN = ["test_P@1", "test_P@5", "test_nDCG@5", "test_PSP@1", "test_PSP@5", "test_R@10"]
 BENCH_SHOWN = ["test_P@1", "test_P@3", "test_P@5", "test_nDCG@5", "test_PSP@1", "test_PSP@3", "test_PSP@5", "test_R@10"]
-
-
-def update_readme_block(marker: str, body: str) -> None:
-    """Replace the text between the one pair of ``marker`` lines by ``body``: in ``README.md`` or the ``docs/`` page
-    that holds it (the benchmark tables live in docs/benchmarks.md and docs/scale.md)."""
-    import glob
-
-    pattern = re.escape(marker) + ".*?" + re.escape(marker)
-    candidates = [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
-    holders = [path for path in candidates if len(re.findall(pattern, open(path, encoding="utf-8").read(), flags=re.S)) == 1]
-    if len(holders) != 1:
-        raise SystemExit(f"exactly one of README.md and docs/*.md must contain one pair of {marker} markers (found {len(holders)})")
-    path = holders[0]
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    new = re.sub(pattern, lambda _: f"{marker}\n{body}{marker}", text, flags=re.S)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(new)
-    print(f"{os.path.relpath(path, REPO)} updated")
-
-
-def publish_table(text: str, marker: str, update_readme: bool) -> None:
-    """Print a benchmark's markdown table and, with ``update_readme``, write it between its ``marker`` lines."""
-    print(text)
-    if update_readme:
-        update_readme_block(marker, text.rstrip("\n") + "\n")
 
 
 def training_command(method: str, data_dir: str, encoder: str, output_dir: str, extra: list[str]) -> tuple[list[str], dict]:
@@ -82,18 +55,35 @@ def run_training_script(method: str, data_dir: str, encoder: str, output_dir: st
 def run_modes(modes: dict, args, title: str) -> list[dict]:
     """Run every ``(description, method, extra args)`` of ``modes`` named in ``args.modes`` on every dataset of
     ``args.datasets`` for ``args.epochs`` epochs (batch size of the dataset, max length 32, seed 42), through the training
-    scripts; print a markdown table, write ``args.results`` and, with ``args.update_readme``, the README block
-    ``<!-- bench:args.marker -->``. Returns the result rows."""
+    scripts (or merge the rows of ``args.from_results``, or with ``args.table_only`` read ``args.out``); write
+    ``args.out``, print the markdown table and, with ``args.update_docs``, write it into docs block ``args.marker``.
+    Returns the result rows."""
+    if args.table_only:
+        result = read_json(args.out)
+    else:
+        rows = merged_rows(args.from_results, args.epochs) if args.from_results else []
+        result = {"epochs": args.epochs, "rows": rows or run_mode_rows(modes, args)}
+        write_json(args.out, result)
+    publish(modes_table(result, title), args.marker, args.update_docs)
+    return result["rows"]
+
+
+def merged_rows(paths: list[str], epochs: str) -> list[dict]:
+    """The rows of results files of runs made apart (e.g. side by side), which must hold ``epochs`` epochs."""
     rows = []
-    if getattr(args, "from_results", None):  # runs made apart (e.g. side by side): merge their rows, run nothing
-        for path in args.from_results:
-            with open(path) as f:
-                part = json.load(f)
-            if str(part["epochs"]) != str(args.epochs):
-                raise SystemExit(f"{path} holds {part['epochs']} epoch(s), not {args.epochs}")
-            rows += part["rows"]
+    for path in paths:
+        part = read_json(path)
+        if str(part["epochs"]) != str(epochs):
+            raise SystemExit(f"{path} holds {part['epochs']} epoch(s), not {epochs}")
+        rows += part["rows"]
+    return rows
+
+
+def run_mode_rows(modes: dict, args) -> list[dict]:
+    """One training run per (dataset, mode) of ``args``: the script's test metrics, batch size and wall seconds."""
+    rows = []
     with tempfile.TemporaryDirectory() as work:
-        for dataset in args.datasets if not rows else ():
+        for dataset in args.datasets:
             data_dir, encoder, extra_data = prepare(dataset, work)
             batch = extra_data[extra_data.index("--per_device_train_batch_size") + 1]
             common = ["--num_train_epochs", args.epochs, "--per_device_train_batch_size", batch, "--max_seq_length", "32", "--seed", "42"]
@@ -102,27 +92,24 @@ def run_modes(modes: dict, args, title: str) -> list[dict]:
                 results, seconds = run_training_script(method, data_dir, encoder, os.path.join(work, f"{dataset}-{mode}"), common + extra)
                 rows.append({"dataset": dataset, "mode": mode, "description": desc, "args": extra, "batch_size": batch, "wall_seconds": seconds, **results})
                 print(f"{dataset} {mode}: " + " ".join(f"{k[5:]}={results[k]:.2f}" for k in BENCH_SHOWN), flush=True)
-    table = f"| {args.epochs} epoch(s), {title} | dataset | " + " | ".join(k[5:] for k in BENCH_SHOWN) + " | wall s |\n"
-    table += "|---|---|" + "---:|" * (len(BENCH_SHOWN) + 1) + "\n"
-    for r in rows:
-        table += f"| {r['description']} | {r['dataset']} (batch {r['batch_size']}) | " + " | ".join(f"{r[k]:.2f}" for k in BENCH_SHOWN) + f" | {r['wall_seconds']:.0f} |\n"
-    print("\n" + table)
-    write_json_atomic(args.results, {"epochs": args.epochs, "rows": rows})
-    if args.update_readme:
-        update_readme_block(f"<!-- bench:{args.marker} -->", table)
     return rows
 
 
+def modes_table(result: dict, title: str) -> str:
+    """The table of a modes benchmark: one row per (mode, dataset), the BENCH_SHOWN metrics and wall seconds."""
+    header = [f"{result['epochs']} epoch(s), {title}", "dataset", *(k[5:] for k in BENCH_SHOWN), "wall s"]
+    rows = [[r["description"], f"{r['dataset']} (batch {r['batch_size']})", *(f"{r[k]:.2f}" for k in BENCH_SHOWN), f"{r['wall_seconds']:.0f}"]
+            for r in result["rows"]]
+    return markdown_table(header, rows, "ll" + "r" * (len(BENCH_SHOWN) + 1)) + "\n"
+
+
 def modes_main(doc: str, modes: dict, default_modes: list[str], results_name: str, marker: str, title: str = "MiniLM-L6, lr 3e-4") -> None:
-    """Command line of a modes benchmark (bench_prime, bench_unidec): ``--datasets --epochs --modes --results
-    --update_readme --marker [--from_results A.json B.json]``, then :func:`run_modes`."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Command line of a modes benchmark (bench_prime, bench_unidec): ``--datasets --epochs --modes --out
+    --update_docs --marker --table_only [--from_results A.json B.json]``, then :func:`run_modes`."""
+    ap = bench_parser(doc, result_path(results_name), docs_block=marker, marker=True, table_only=True)
     ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters"])
     ap.add_argument("--epochs", default="1")
     ap.add_argument("--modes", nargs="+", default=default_modes, choices=list(modes))
-    ap.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results", results_name))
-    ap.add_argument("--update_readme", action="store_true")
-    ap.add_argument("--marker", default=marker, help="README marker to fill: <!-- bench:MARKER -->")
     ap.add_argument("--from_results", nargs="+", help="results files of earlier runs (same epochs): merge their rows, run nothing")
     run_modes(modes, ap.parse_args(), title)
 
@@ -152,13 +139,12 @@ def prepare(name: str, work: str) -> tuple[str, str, list[str]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, None)
     ap.add_argument("--method", default="dexml")
     ap.add_argument("--param", default="learning_rate")
     ap.add_argument("--values", nargs="+", required=True)
     ap.add_argument("--datasets", nargs="+", default=["tiny", "debtags", "reuters"])
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more script arguments for every run")
-    ap.add_argument("--results", default=None)
     args = ap.parse_args()
     runs = []
     with tempfile.TemporaryDirectory() as work:
@@ -169,12 +155,12 @@ def main() -> None:
                 results, seconds = run_training_script(args.method, data, encoder, out, [f"--{args.param}", value] + extra + args.extra)
                 runs.append({"dataset": name, args.param: value, "wall_seconds": seconds, **results})
                 print(f"{name:8s} {args.param}={value:8s} " + " ".join(f"{k[5:]}={results[k]:.2f}" for k in SHOWN), flush=True)
-    print(f"\n| dataset | {args.param} | " + " | ".join(k[5:] for k in SHOWN) + " | wall s |")
-    print("|---|---|" + "---:|" * (len(SHOWN) + 1))
-    for r in runs:
-        print(f"| {r['dataset']} | {r[args.param]} | " + " | ".join(f"{r[k]:.2f}" for k in SHOWN) + f" | {r['wall_seconds']:.0f} |")
-    if args.results:
-        write_json_atomic(args.results, {"method": args.method, "param": args.param, "extra": args.extra, "runs": runs})
+    table = markdown_table(["dataset", args.param, *(k[5:] for k in SHOWN), "wall s"],
+                           [[r["dataset"], r[args.param], *(f"{r[k]:.2f}" for k in SHOWN), f"{r['wall_seconds']:.0f}"] for r in runs],
+                           "ll" + "r" * (len(SHOWN) + 1))
+    print("\n" + table)
+    if args.out:
+        write_json(args.out, {"method": args.method, "param": args.param, "extra": args.extra, "runs": runs})
 
 
 if __name__ == "__main__":

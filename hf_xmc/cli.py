@@ -165,7 +165,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     """Score a saved model on a test file with the training scripts' evaluator; print (and write) the metrics."""
     from .data import XCData
     from .data.data_files import read_points_file
-    from .training.script_utils import XMCDataArguments, build_evaluator, dataset_name_from_path, write_json_atomic
+    from .models.io_utils import write_json_atomic
+    from .training.script_utils import XMCDataArguments, build_evaluator, dataset_name_from_path
 
     _require_file(args.test_file, "--test_file")
     _require_file(args.train_file, "--train_file")
@@ -288,7 +289,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if args.output_file is None:
         _write_json_lines(sys.stdout, records)
     else:
-        from .models.label_index import atomic_write
+        from .models.io_utils import atomic_write
 
         os.makedirs(os.path.dirname(os.path.abspath(args.output_file)), exist_ok=True)
         atomic_write(args.output_file, lambda tmp: _write_json_lines(tmp, records))  # no half-written file on failure
@@ -365,7 +366,7 @@ def cmd_add_labels(args: argparse.Namespace) -> int:
         new_ids = model.add_labels(list(texts), uids=list(uids), batch_size=args.batch_size) if texts else []
     except ValueError as err:  # a uid taken
         raise UserError(f"{args.label_file}: {_first_line(err)}") from None
-    importlib.import_module("hf_xmc.cards").refresh_card(model)  # the card's label count and config table follow the labels
+    importlib.import_module("hf_xmc.training.cards").refresh_card(model)  # the card's label count and config table follow the labels
     with disk_full_named(out, model):
         model.save_pretrained(out)  # a complete directory or none: staged beside the target, then moved into place
     print(json.dumps({"model": out, "labels": len(model.label_texts), "added": len(new_ids),
@@ -385,7 +386,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.model_dir):
         raise UserError(f"{args.model_dir}: no such model directory")
     hub = importlib.import_module("hf_xmc.hub")  # imported here: the upload machinery is for push only
-    local_base = importlib.import_module("hf_xmc.cards").adapter_base_warning(args.model_dir)
+    local_base = importlib.import_module("hf_xmc.training.cards").adapter_base_warning(args.model_dir)
     if local_base:  # an adapter-only model that loads nowhere else: said before the push (and its dry run)
         print(f"{PROG} push: warning: {local_base}", file=sys.stderr)
     if args.dry_run:  # the files the push would upload, one per line; nothing is written or uploaded

@@ -23,14 +23,8 @@ from typing import Optional
 from huggingface_hub import HfApi
 from huggingface_hub.utils import validate_repo_id
 
-from .models.modeling_xmc import (
-    CONFIG_FILE,
-    EVAL_RESULTS_FILE,
-    MODEL_CARD_ASSETS,
-    MODEL_CARD_FILE,
-    model_directory_files,
-    upload_model_folder,
-)
+from .models.hub_files import model_directory_files, upload_model_folder
+from .models.model_files import CONFIG_FILE, EVAL_RESULTS_FILE, MODEL_CARD_ASSETS, MODEL_CARD_FILE
 
 __all__ = ["check_model_directory", "model_class_of_directory", "push_to_hub", "upload_file_list"]
 
@@ -78,7 +72,7 @@ def _card_from_eval_results(directory: str, repo_id: str, into: str) -> None:
     config and ``eval_results.json``."""
     from transformers import AutoModel
 
-    from .cards import generate_model_card, summary_from_metrics
+    from .training.cards import generate_model_card, summary_from_metrics
 
     model = AutoModel.from_pretrained(directory, trust_remote_code=True)
     results_path = os.path.join(directory, "eval_results.json")
@@ -121,7 +115,7 @@ def push_to_hub(
     """
     api = api if api is not None else HfApi(library_name="hf_xmc")
     if not isinstance(model_or_directory, (str, os.PathLike)):
-        from .cards import refresh_card
+        from .training.cards import refresh_card
 
         refresh_card(model_or_directory, repo_id=repo_id)  # the card's loading example names the repo it goes to
         return model_or_directory.push_to_hub(
@@ -138,7 +132,7 @@ def push_to_hub(
     card_path = os.path.join(directory, MODEL_CARD_FILE)
     card_text = None
     if os.path.isfile(card_path):
-        from .cards import refresh_card_text
+        from .training.cards import refresh_card_text
 
         with open(card_path, encoding="utf-8") as f:
             saved = f.read()

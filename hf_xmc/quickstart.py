@@ -28,8 +28,9 @@ from transformers import AutoModel, set_seed  # noqa: E402
 
 from .data import XCData, load_debtags  # noqa: E402
 from .models import DEXMLModel, PRIMEModel, UniDECModel  # noqa: E402
+from .models.io_utils import write_json_atomic  # noqa: E402
 from .training import XMCEvaluator, XMCTrainingArguments  # noqa: E402
-from .training.script_utils import train_and_evaluate, write_json_atomic  # noqa: E402
+from .training.script_utils import train_and_evaluate  # noqa: E402
 
 SHOWN_METRICS = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@3", "PSP@5", "R@10", "R@100")
 

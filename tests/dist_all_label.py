@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_xmc.data import XMCDataset  # noqa: E402
-from hf_xmc.models.modeling_xmc import all_gather_rows  # noqa: E402
+from hf_xmc.models.encoder_utils import all_gather_rows  # noqa: E402
 from hf_xmc.training import XMCTrainer  # noqa: E402
 from hf_xmc.training.collator import label_shard_bounds  # noqa: E402
 from tests.test_all_label_loss import NUM_LABELS, POSITIVE_IDS, all_label_args, tiny_model  # noqa: E402

@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_xmc.data import XMCDataset
 from hf_xmc.models import DEXMLModel
-from hf_xmc.models.xmc_losses import all_label_softmax_loss, decoupled_softmax_loss, softmax_loss, unique_positive_ids
+from hf_xmc.models.all_label_loss import all_label_softmax_loss, unique_positive_ids
+from hf_xmc.models.xmc_losses import decoupled_softmax_loss, softmax_loss
 from hf_xmc.training import LabelTokens, XMCTrainer, XMCTrainingArguments, tokenize_labels
 
 # positives: duplicated ids (row 0, row 4), a query without positive (row 2), labels at both ends of the label space

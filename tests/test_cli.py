@@ -315,7 +315,7 @@ def test_push_hands_the_arguments_to_hub_push_to_hub(trained, capsys, monkeypatc
 
 def test_push_warns_of_an_adapter_only_model_with_a_local_base(trained, capsys, tmp_path):
     """The dry run (and the push) says, before anything goes up, that an adapter-only model whose base encoder is a
-    local directory loads nowhere else (``hf_xmc.cards.adapter_base_warning`` on the saved config)."""
+    local directory loads nowhere else (``hf_xmc.training.cards.adapter_base_warning`` on the saved config)."""
     import shutil
 
     out = tmp_path / "adapter"

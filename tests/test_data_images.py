@@ -273,6 +273,20 @@ def test_load_images_paths_and_pil(tmp_path):
     assert load_images([]) == []
 
 
+
+def test_load_images_converts_as_the_model_does():
+    """hf_xmc.data keeps a twin of MUFIN's RGB conversion (the data layer may not import the models): the two give the
+    same pixels for every mode with or without transparency, semi-transparent pixels included."""
+    from hf_xmc.models.processing_mufin import to_rgb
+
+    rgba = Image.fromarray(np.random.default_rng(0).integers(0, 256, (5, 6, 4), dtype=np.uint8))
+    palette = rgba.convert("RGB").quantize(8)
+    palette.info["transparency"] = 0
+    for image in (rgba, rgba.convert("LA"), palette, rgba.convert("RGB").quantize(8), rgba.convert("L"), rgba.convert("CMYK")):
+        expected = to_rgb(image)
+        assert np.array_equal(np.asarray(load_images([image])[0]), np.asarray(expected)), image.mode
+        assert expected.mode == "RGB"
+
 def test_load_images_errors_name_the_path(tmp_path):
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not a png at all")

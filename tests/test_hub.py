@@ -16,16 +16,18 @@ import torch
 from huggingface_hub import ModelCard
 from huggingface_hub.utils import filter_repo_objects
 
-from hf_xmc.cards import evaluation_summary, generate_model_card
 from hf_xmc.hub import check_model_directory, push_to_hub
 from hf_xmc.models import DEXMLModel
 from hf_xmc.training import XMCEvaluator, XMCTrainer, XMCTrainingArguments
+from hf_xmc.training.cards import evaluation_summary, generate_model_card
 
 # Everything a pushed DEXML model consists of: weights, config, remote code, tokenizer, label store, index, card (the
 # exact index searches the label vectors themselves: no faiss file).
 DEXML_REPO_FILES = {
     "config.json", "model.safetensors",
     "configuration_dexml.py", "configuration_xmc.py", "modeling_dexml.py", "modeling_xmc.py", "label_index.py", "xmc_losses.py", "pipeline_xmc.py", "lexical_channel.py", "calibration.py", "model_files.py",
+    "io_utils.py", "label_store.py", "hub_files.py", "encoder_utils.py", "encoder_adapter.py", "all_label_loss.py", "training_hooks.py",
+    "label_space.py",
     "tokenizer.json", "tokenizer_config.json",
     "labels.jsonl", "label_embeddings.safetensors", "label_index.json",
     "README.md", "xmc_metrics.png",

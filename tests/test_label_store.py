@@ -10,10 +10,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModel
 
+import hf_xmc.models.label_store as label_store
 import hf_xmc.models.modeling_xmc as modeling_xmc
 from hf_xmc.hub import push_to_hub
 from hf_xmc.models import DEXMLModel
-from hf_xmc.models.modeling_xmc import LABEL_EMBEDDINGS_FILE, LABEL_EMBEDDINGS_INDEX_FILE, model_directory_files
+from hf_xmc.models.hub_files import model_directory_files
+from hf_xmc.models.label_store import LABEL_EMBEDDINGS_FILE, LABEL_EMBEDDINGS_INDEX_FILE
 from tests.models.test_modeling_common import predict_through_remote_code
 from tests.test_hub import FakeHubApi
 
@@ -114,8 +116,8 @@ def test_a_failed_save_leaves_the_old_store_whole(model, tiny_task, tmp_path, mo
             raise OSError("disk full")
         return real_save_file(tensors, path, metadata=metadata)
 
-    real_save_file = modeling_xmc.save_file
-    monkeypatch.setattr(modeling_xmc, "save_file", failing_save_file)
+    real_save_file = label_store.save_file
+    monkeypatch.setattr(label_store, "save_file", failing_save_file)
     original = model.label_embeddings
     model.label_embeddings = original + 1.0  # other vectors, so a half-written store would show
     for shard_size in (SHARD_BYTES, 700):  # the same shard names, and other ones (7 shards)

@@ -112,14 +112,14 @@ def test_adapter_trains_only_itself_in_the_encoder_and_saves_both_ways(method, t
 
 def test_adapter_needs_peft_and_a_transformer_encoder(tiny_encoder_dir, tiny_task, tmp_path, monkeypatch):
     """Without peft an adapter (or an adapter-only model) is refused by name; a bag-of-embeddings encoder takes none."""
-    from hf_xmc.models import modeling_xmc
+    from hf_xmc.models import encoder_utils
 
     data = tiny_task[0]
     model = build("dexml", tiny_encoder_dir, data)
     model.add_encoder_adapter(LoraConfig(r=2, target_modules=["query"]))
     model.save_adapter_only = True
     model.save_pretrained(tmp_path / "adapter")
-    monkeypatch.setattr(modeling_xmc, "is_peft_available", lambda: False)
+    monkeypatch.setattr(encoder_utils, "is_peft_available", lambda: False)
     with pytest.raises(ImportError, match="pip install peft"):
         build("dexml", tiny_encoder_dir, data).add_encoder_adapter(LoraConfig(r=2))
     with pytest.raises(ImportError, match="pip install peft"):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_xmc.models import DEXMLModel
-from hf_xmc.models.modeling_xmc import STAGING_PREFIX
+from hf_xmc.models.io_utils import STAGING_PREFIX
 from hf_xmc.training.trainer import checkpoint_is_complete
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

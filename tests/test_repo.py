@@ -118,3 +118,28 @@ def test_readme_and_reliability_docs_quote_the_bad_input_corpus_size():
     assert f"**{total} kinds**" in reliability
     table = re.findall(r"^\| [^|]+ \| (\d+) \|", reliability.split("## Nothing unsafe")[0], flags=re.M)
     assert sum(map(int, table)) == total, table
+
+
+def docs_pages() -> list[str]:
+    """Every page of docs/ (``docs/*.md``), sorted."""
+    import glob
+
+    return sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+
+
+def test_every_docs_page_has_sections():
+    """Every docs page is cut into ``## `` sections (a reader finds a topic in the outline, and links reach it)."""
+    pages = docs_pages()
+    assert len(pages) > 1 and any(p.endswith("architecture.md") for p in pages), pages
+    flat = [os.path.relpath(p, ROOT) for p in pages if not re.search(r"^## \S", open(p, encoding="utf-8").read(), flags=re.M)]
+    assert not flat, f"docs pages without a '## ' heading: {flat}"
+
+
+def test_architecture_page_names_every_model_module():
+    """docs/architecture.md names every file of hf_xmc/models (as `file.py`), so a module added or renamed there
+    cannot leave the page silently stale."""
+    text = open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8").read()
+    modules = sorted(f for f in os.listdir(os.path.join(ROOT, "hf_xmc", "models")) if f.endswith(".py"))
+    assert "modeling_xmc.py" in modules and len(modules) > 10, modules
+    missing = [f for f in modules if f"`{f}`" not in text]
+    assert not missing, f"docs/architecture.md does not name {missing}"

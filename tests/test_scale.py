@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from hf_xmc.data import filter_predictions
 from hf_xmc.models import DEXMLModel, PRIMEModel
-from hf_xmc.models.modeling_xmc import targets_from_positive_ids
+from hf_xmc.models.encoder_utils import targets_from_positive_ids
 from hf_xmc.training import (
     XMCEvaluator,
     XMCTrainer,

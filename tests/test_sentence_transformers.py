@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_xmc.models import DEXMLModel, MUFINModel, PRIMEModel, SiameseXMLModel, UniDECModel
-from hf_xmc.models.modeling_xmc import read_sentence_transformers_layout
+from hf_xmc.models.encoder_utils import read_sentence_transformers_layout
 
 sentence_transformers = pytest.importorskip("sentence_transformers")  # in the dev extra: CI has it
 
@@ -52,7 +52,7 @@ def test_layout_reader(tiny_encoder_dir, tmp_path):
 def test_checkpoint_pooling_and_normalisation_are_used(tiny_encoder_dir, tiny_task, tmp_path, caplog):
     texts = tiny_task[0].test.texts[:6]
     st_dir = make_st_checkpoint(tiny_encoder_dir, tmp_path / "st", pooling="cls", normalize=True)
-    with caplog.at_level(logging.INFO, logger="hf_xmc.models.modeling_xmc"):
+    with caplog.at_level(logging.INFO, logger="hf_xmc.models.encoder_utils"):
         model = DEXMLModel.from_encoder_pretrained(str(st_dir), max_seq_length=16, pooling=None)
     assert (model.config.pooling, model.config.normalize) == ("cls", True)
     assert "pooling='cls' from the checkpoint" in caplog.text and "sentence-transformers checkpoint" in caplog.text
@@ -62,13 +62,13 @@ def test_checkpoint_pooling_and_normalisation_are_used(tiny_encoder_dir, tiny_ta
     # no Normalize module: the method keeps its cosine scoring (PRIME requires it), and the log says so
     plain = make_st_checkpoint(tiny_encoder_dir, tmp_path / "plain", pooling="mean", normalize=False, legacy=False)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="hf_xmc.models.modeling_xmc"):
+    with caplog.at_level(logging.INFO, logger="hf_xmc.models.encoder_utils"):
         assert DEXMLModel.from_encoder_pretrained(str(plain)).config.normalize
         assert PRIMEModel.from_encoder_pretrained(str(plain), label_space_size=40).config.pooling == "mean"
     assert "normalize kept at the method's (cosine scores; the checkpoint has no Normalize module)" in caplog.text
     assert not DEXMLModel.from_encoder_pretrained(str(plain), normalize=False).config.normalize  # unless asked
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="hf_xmc.models.modeling_xmc"):
+    with caplog.at_level(logging.INFO, logger="hf_xmc.models.encoder_utils"):
         asked = UniDECModel.from_encoder_pretrained(str(st_dir), label_space_size=40, pooling="mean", normalize=False)
     assert (asked.config.pooling, asked.config.normalize) == ("mean", False)
     assert "pooling='mean' as asked (the checkpoint's: 'cls')" in caplog.text

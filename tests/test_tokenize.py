@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import BertTokenizer, PreTrainedTokenizerFast
 
-from hf_xmc.models.modeling_xmc import cut_after_words, tokenize_texts, word_prefix_is_exact
+from hf_xmc.models.encoder_utils import cut_after_words, tokenize_texts, word_prefix_is_exact
 
 WORDS = ["alpha", "beta", "gamma", "delta", "épsilon", "zeta", "x-ray", "3.14", "naïve", "日本語", "don't", "QUICK", "a"]
 SEPARATORS = [" ", "  ", "\t", "\n", " \t "]

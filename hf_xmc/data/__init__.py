@@ -15,10 +15,10 @@ Modules:
 """
 
 from .bow import read_bow, read_sparse_matrix, write_bow, write_sparse_matrix
-from .data_files import load_data_files
+from .data_files import load_data_files, load_hf_xc_data
 from .debtags import DEBTAGS_DIR, load_debtags
 from .filters import filter_predictions, read_filter_file
-from .hf_bridge import from_hf_dataset, labels_to_hf_dataset, load_hf_xc_data, to_hf_dataset, xc_data_to_hf_dataset_dict
+from .hf_bridge import from_hf_dataset, labels_to_hf_dataset, to_hf_dataset, xc_data_to_hf_dataset_dict
 from .images import image_cache_directory, load_image, load_images
 from .splits import carve_validation, default_validation_size, split_validation
 from .synthetic import SyntheticLabelTexts, make_synthetic_xmc

@@ -20,9 +20,8 @@ from .xc_raw import XMCDataset
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
 
-    from .xc_raw import XCData
 
-__all__ = ["to_hf_dataset", "from_hf_dataset", "labels_to_hf_dataset", "load_hf_xc_data", "xc_data_to_hf_dataset_dict"]
+__all__ = ["to_hf_dataset", "from_hf_dataset", "labels_to_hf_dataset", "xc_data_to_hf_dataset_dict"]
 
 
 def _in_memory_dataset(table: Any) -> datasets.Dataset:
@@ -238,7 +237,7 @@ def labels_to_hf_dataset(uids: Sequence[str], texts: Sequence[str],
 
 def xc_data_to_hf_dataset_dict(data) -> datasets.DatasetDict:
     """An :class:`~hf_xmc.data.xc_raw.XCData` as one ``DatasetDict`` with splits ``train``, ``test`` and ``labels``
-    (the layout :func:`load_hf_xc_data` reads by default): ``save_to_disk`` it, or ``push_to_hub`` it."""
+    (the layout :func:`~hf_xmc.data.data_files.load_hf_xc_data` reads by default): ``save_to_disk`` it, or ``push_to_hub`` it."""
     import datasets
 
     return datasets.DatasetDict({
@@ -246,93 +245,3 @@ def xc_data_to_hf_dataset_dict(data) -> datasets.DatasetDict:
         "test": to_hf_dataset(data.test),
         "labels": labels_to_hf_dataset(data.label_uids, data.label_texts, data.label_images),
     })
-
-
-def _load_split(name: str, config: str | None, split: str, others: Sequence[str] = (), whole: bool = False, **kwargs) -> datasets.Dataset:
-    """One split of a Hub dataset, a ``save_to_disk`` directory, or local data files (``.parquet`` / ``.json[l]`` /
-    ``.csv`` / ``.arrow``: a comma-separated list or a folder of them). Local files go to the split their names say
-    (:func:`~hf_xmc.data.data_files.files_for_split`; ``others``: the other splits read from ``name``), or all to
-    ``split`` when ``whole``; one file is never read as two splits."""
-    import os
-
-    import datasets
-
-    from .data_files import load_local_split, local_data_files
-
-    if os.path.isdir(name) and (os.path.exists(os.path.join(name, "dataset_dict.json")) or os.path.exists(os.path.join(name, "state.json"))):
-        loaded = datasets.load_from_disk(name)  # a save_to_disk directory: load_dataset does not read those
-        if isinstance(loaded, datasets.DatasetDict):
-            if split not in loaded:
-                raise ValueError(f"{name}: no split {split!r} (splits: {', '.join(loaded)})")
-            return loaded[split]
-        return loaded
-    files = local_data_files(name)
-    if files is not None:
-        sole = not [other for other in others if other != split]  # one file that only this split reads is all of it
-        return load_local_split(name, files, split, others, whole=whole or (len(files) == 1 and sole), **kwargs)
-    try:
-        return datasets.load_dataset(name, config, split=split, **kwargs)
-    except ValueError as err:  # an unknown split: name the ones there are
-        raise ValueError(f"{name}{f' ({config})' if config else ''}: {err}") from err
-
-
-def load_hf_xc_data(
-    dataset_name: str,
-    dataset_config_name: str | None = None,
-    train_split: str | None = "train",
-    test_split: str = "test",
-    label_dataset_name: str | None = None,
-    label_dataset_config_name: str | None = None,
-    label_split: str = "labels",
-    text_column: str = "text",
-    label_column: str = "labels",
-    image_column: str = "images",
-    label_text_column: str = "text",
-    label_image_column: str = "images",
-    train_files: str | None = None,
-    test_files: str | None = None,
-    image_cache_dir: str | None = None,
-    validation_split: str | None = None,
-) -> XCData:
-    """An XMC task read with ``datasets``, as transformers' example scripts read theirs.
-
-    Points come from ``dataset_name`` (a Hub id, a ``save_to_disk`` directory, or data files), splits
-    ``train_split`` / ``test_split``, columns ``text_column`` and ``label_column`` (lists of label ids) and, when
-    present, ``image_column`` (paths, or ``datasets.Image()`` cells) and ``uid``. ``train_files`` / ``test_files``
-    name data files per split instead. Labels come from ``label_dataset_name`` (default ``dataset_name``) with
-    ``label_dataset_config_name`` (default ``dataset_config_name`` when the labels live in the same dataset), split
-    ``label_split``: row i = label id i, ``label_text_column`` (+ ``uid``, ``label_image_column``). Points without a
-    label are skipped as the XC readers skip them (``source_rows`` keeps the rows a filter file refers to).
-    ``train_split=None`` reads no training split (evaluation only); ``validation_split`` names a split of validation
-    points (``XCData.validation``). Memory: the Arrow tables are memory-mapped; the
-    texts and the CSR targets are built once (``8 x`` labels-per-point bytes per point).
-    """
-    from .data_files import labels_from_dataset, points_from_dataset
-    from .xc_raw import XCData
-
-    # the splits read from dataset_name's own files: no file of them may be read as two (train = test leaks the test set)
-    point_splits = [s for s, files in ((train_split, train_files), (test_split, test_files), (validation_split, None)) if s and not files]
-    same = label_dataset_name is None or label_dataset_name == dataset_name
-    label_source = label_dataset_name or dataset_name
-    label_ds = _load_split(label_source, label_dataset_config_name or (dataset_config_name if same else None), label_split,
-                           others=point_splits if same else ())
-    label_uids, label_texts, label_images = labels_from_dataset(label_ds, f"labels ({label_source}, split {label_split!r})", label_text_column,
-                                                                label_image_column, image_cache_dir)
-    others = point_splits + ([label_split] if same else [])
-
-    def points(split: str, files: str | None):
-        if files:  # named for this split: every file is its
-            ds = _load_split(files, None, split, whole=True)
-        else:
-            ds = _load_split(dataset_name, dataset_config_name, split, others=others)
-        return points_from_dataset(ds, len(label_texts), f"{files or dataset_name}, split {split!r}", text_column, label_column, image_column,
-                                   image_cache_dir)
-
-    train = points(train_split, train_files) if train_split else None
-    test = points(test_split, test_files)
-    if train is not None and len(train) == 0:
-        raise ValueError(f"{train_files or dataset_name}, split {train_split!r}: no training point has a label")
-    validation = points(validation_split, None) if validation_split else None
-    if validation is not None and len(validation) == 0:
-        raise ValueError(f"{dataset_name}, split {validation_split!r}: no validation point has a label")
-    return XCData(train=train, test=test, label_texts=label_texts, label_uids=label_uids, label_images=label_images, validation=validation)

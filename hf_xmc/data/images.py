@@ -62,11 +62,17 @@ def load_image(image: ImageInput) -> Image.Image:
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
-    """Convert to RGB; transparent pixels become white (emoji, logos), not the black that convert() gives. The one
-    copy lives with the model (remote code cannot import hf_xmc.data): ``modeling_mufin.to_rgb``."""
-    from ..models.modeling_mufin import to_rgb
+    """Convert to RGB; transparent pixels become white (emoji, logos), not the black that convert() gives.
 
-    return to_rgb(im)
+    A twin of the conversion in ``hf_xmc.models.processing_mufin.to_rgb``, kept on purpose: this layer may not import
+    the models, and that remote-code file may not import hf_xmc. ``tests/test_data_images.py`` checks that the two
+    give the same pixels."""
+    if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
+        rgba = im.convert("RGBA")
+        background = _pil().new("RGB", rgba.size, (255, 255, 255))
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background
+    return im if im.mode == "RGB" else im.convert("RGB")
 
 
 def load_images(images: Iterable[ImageInput]) -> list[Image.Image]:

@@ -89,13 +89,20 @@ def _open_text(path: PathLike) -> IO[str]:
     return open(path, encoding="utf-8", newline="")
 
 
+def progress_bar_disabled() -> bool:
+    """The data layer's reading of the switch every progress bar asks (``TQDM_DISABLE``, or transformers'
+    ``disable_progress_bar()`` / ``HF_HUB_DISABLE_PROGRESS_BARS``): the same rule as the models'
+    ``io_utils.progress_bar_disabled``, which the data layer may not import (models sit above it)."""
+    from transformers.utils import logging as hf_logging
+
+    return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off") or not hf_logging.is_progress_bar_enabled()
+
+
 def _iter_lines(f: IO[str], path: PathLike, desc: str = "reading") -> Iterator[tuple[int, str]]:
     """Yield ``(1-based line number, line without the line terminator)``, with a tqdm bar on a tty.
 
     Decoding errors (bad gzip stream, invalid UTF-8) are re-raised as :class:`XMCDataError`.
     """
-    from ..models.label_index import progress_bar_disabled  # the one switch every bar asks
-
     it: Any = f
     bar = None
     if _tqdm is not None:

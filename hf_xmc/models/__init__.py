@@ -17,18 +17,13 @@ from .configuration_unidec import UniDECConfig
 from .configuration_xmc import XMCConfig
 from .label_index import LabelIndex, faiss_available, faiss_gpu_available
 from .modeling_dexml import DEXMLModel, DEXMLPreTrainedModel
-from .modeling_mufin import (
-    MUFINAttention,
-    MUFINClassifier,
-    MUFINModel,
-    MUFINModelOutput,
-    MUFINPreTrainedModel,
-    label_centroids_from_embeddings,
-)
+from .modeling_mufin import MUFINModel, MUFINModelOutput, MUFINPreTrainedModel
 from .modeling_prime import LabelPrototypeNetwork, PRIMEModel, PRIMEPreTrainedModel
 from .modeling_siamesexml import BagOfEmbeddingsEncoder, ResidualBlock, SiameseXMLModel, SiameseXMLPreTrainedModel
 from .modeling_unidec import UniDECModel, UniDECPreTrainedModel
 from .modeling_xmc import XMCModelOutput, XMCPrediction, XMCPreTrainedModel
+from .mufin_blocks import MUFINAttention, MUFINClassifier
+from .mufin_label_store import label_centroids_from_embeddings
 from .pipeline_xmc import XMC_PIPELINE_TASK, XMCPipeline
 from .xmc_losses import (
     BCELoss,

@@ -41,12 +41,13 @@ import json
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Optional, Union
 
 import numpy as np
 import torch
+
+from .io_utils import atomic_write, file_sha256, write_json
 
 try:  # faiss is optional: the torch backend covers exact search without it
     import faiss
@@ -500,51 +501,3 @@ def _read_index_meta(meta_path: Optional[str]) -> dict:
         logger.warning("%s is not a JSON object; the label index is built from the label vectors", meta_path)
         return {}
     return meta
-
-
-def file_sha256(path: str, chunk_bytes: int = 1 << 22) -> str:
-    """Hex sha256 of a file, read 4 MB at a time (a 2 GB IVF file at 1.3M labels: a few seconds)."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk_bytes), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_json(path: str, obj) -> None:
-    """Write ``obj`` as indented JSON (UTF-8)."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-
-
-def atomic_write(path: str, write_fn) -> None:
-    """Write through ``write_fn(tmp_path)`` into a temp file beside ``path`` and rename it into place."""
-    tmp = temp_path_for(path)
-    try:
-        write_fn(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def temp_path_for(path: str) -> str:
-    """A fresh ``.tmp-*`` file beside ``path`` (same filesystem, so ``os.replace`` moves it into place atomically)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
-    os.close(fd)
-    return tmp
-
-
-def progress_bar_disabled() -> bool:
-    """True when the user turned progress bars off: ``TQDM_DISABLE`` set (tqdm's own switch, which a bar given an
-    explicit ``disable=`` would ignore) or transformers' ``disable_progress_bar()`` / ``HF_HUB_DISABLE_PROGRESS_BARS``.
-    Every bar of the models and the training code asks it."""
-    if os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off"):
-        return True
-    from transformers.utils import logging as hf_logging  # lazily: the index itself needs no transformers
-
-    return not hf_logging.is_progress_bar_enabled()

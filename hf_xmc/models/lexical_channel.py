@@ -55,7 +55,7 @@ from typing import Optional
 
 import numpy as np
 
-from .label_index import atomic_write
+from .io_utils import atomic_write
 from .model_files import ModelFileError, check_csr, check_listed_name, read_safetensors_with_metadata
 
 try:  # the ranker's library: optional at load time (the channel then fuses dense + text scores only)

@@ -1,4 +1,4 @@
-"""What a model directory is checked for when it loads.
+"""The files of a model directory (their names) and what the directory is checked for when it loads.
 
 A model loads whole and right, or not at all: every fault below is found by ``from_pretrained``, not by the first
 ``predict``, and is refused with a :class:`ModelFileError`, one line that starts with the file's path (a Hub repo's
@@ -19,6 +19,27 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 import numpy as np
+
+# the files of a saved model directory besides the label store (label_store.py), the index (label_index.py) and the
+# lexical channel (lexical_channel.py)
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+WEIGHT_SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# an adapter-only save: the encoder's peft adapter, in peft's own layout (PeftModel.from_pretrained(base, repo,
+# subfolder="encoder_adapter") reads it), in a subfolder: transformers takes a top-level adapter_config.json for an
+# adapter of the whole model and would load it as one
+ADAPTER_DIR = "encoder_adapter"
+ADAPTER_CONFIG_FILE = f"{ADAPTER_DIR}/adapter_config.json"
+ADAPTER_WEIGHTS_FILE = f"{ADAPTER_DIR}/adapter_model.safetensors"
+# what tokenizer classes write with save_pretrained (a tokenizer writes some of these)
+TOKENIZER_FILES = (
+    "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json", "vocab.txt", "vocab.json",
+    "merges.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)
+MODEL_CARD_FILE = "README.md"
+MODEL_CARD_ASSETS = ("xmc_metrics.png",)  # files the card shows; they travel with it
+EVAL_RESULTS_FILE = "eval_results.json"  # a training run's metrics (the training script contract); pushed with the card
 
 # label texts a tokenizer is tried on at load: enough to tell a vocabulary from a handful of special tokens, cheap at
 # any label count

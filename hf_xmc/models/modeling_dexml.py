@@ -14,16 +14,11 @@ from typing import Optional
 
 import torch
 
+from .all_label_loss import all_label_softmax_loss
 from .configuration_dexml import DEXMLConfig
-from .modeling_xmc import (
-    XMCModelOutput,
-    XMCPreTrainedModel,
-    all_gather_id_lists,
-    all_gather_rows,
-    distributed_world_size,
-    gather_label_pool,
-)
-from .xmc_losses import all_label_softmax_loss, get_loss
+from .encoder_utils import all_gather_id_lists, all_gather_rows, distributed_world_size, gather_label_pool
+from .modeling_xmc import XMCPreTrainedModel
+from .xmc_losses import get_loss
 
 # losses that the all-label mode (``label_pool="all"``) computes chunk by chunk: name -> ``decoupled`` flag
 ALL_LABEL_LOSSES = {"decoupled_softmax": True, "softmax": False}
@@ -55,58 +50,18 @@ class DEXMLModel(DEXMLPreTrainedModel):
         self.loss_fn = get_loss(config.loss, **loss_kwargs)
         self.post_init()
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        label_input_ids: Optional[torch.Tensor] = None,
-        label_attention_mask: Optional[torch.Tensor] = None,
-        targets: Optional[torch.Tensor] = None,
-        positive_index: Optional[torch.Tensor] = None,
-        label_ids: Optional[torch.Tensor] = None,
-        query_positive_ids: Optional[torch.Tensor] = None,
-        **kwargs,
-    ) -> XMCModelOutput:
-        r"""
-        Args:
-            input_ids / attention_mask: tokenised queries, ``(batch, seq)``.
-            label_input_ids / label_attention_mask: tokenised label pool, ``(pool, seq)``.
-            targets: boolean ``(batch, pool)``; True where a pool label is a positive of the query (all of
-                them, not just the sampled one, so that false negatives are masked).
-            positive_index: ``(batch,)`` pool position of each query's sampled positive (InfoNCE only).
-            label_ids / query_positive_ids: pool label ids and each query's positives (``-1``-padded). When several
-                processes train together, the pools of all processes are gathered (with gradients) and the targets
-                rebuilt from these, so every query sees every process's labels as negatives.
-
-        Returns:
-            [`XMCModelOutput`] with ``loss`` (when ``targets`` is given), ``logits`` (batch x pool, divided by
-            the temperature), ``query_embeds`` and ``label_embeds``.
-        """
-        query_embeds = self.embed(input_ids, attention_mask)
-        if label_input_ids is None:
-            return XMCModelOutput(query_embeds=query_embeds)
-        label_embeds = self.embed(label_input_ids, label_attention_mask)
-        loss, logits = self.pool_loss(query_embeds, label_embeds, targets, positive_index, label_ids, query_positive_ids)
-        return XMCModelOutput(loss=loss, logits=logits, query_embeds=query_embeds, label_embeds=label_embeds)
-
-    def pool_loss(
-        self,
-        query_embeds: torch.Tensor,
-        label_embeds: torch.Tensor,
-        targets: Optional[torch.Tensor] = None,
-        positive_index: Optional[torch.Tensor] = None,
-        label_ids: Optional[torch.Tensor] = None,
-        query_positive_ids: Optional[torch.Tensor] = None,
-    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-        """Loss and logits of query embeddings against a label pool (the part of ``forward`` after the encoder).
-
-        Kept separate so that a gradient cache can embed in chunks and call it once on the whole batch.
+    def pool_loss(self, query_embeds: torch.Tensor, label_embeds: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                  positive_index: Optional[torch.Tensor] = None, label_ids: Optional[torch.Tensor] = None,
+                  query_positive_ids: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss, logits and (no) loss terms of query embeddings against a label pool (the part of ``forward`` after the
+        encoder: ``XMCTrainingHooks.pool_loss``). Kept separate so that a gradient cache can embed in chunks and call
+        it once on the whole batch.
         """
         if self.training and label_ids is not None and query_positive_ids is not None and distributed_world_size() > 1:
             label_embeds, targets, positive_index, _ = gather_label_pool(label_embeds, label_ids, query_positive_ids, positive_index)
         logits = query_embeds @ label_embeds.T / self.config.temperature
         loss = self.loss_fn(logits, targets.bool(), positive_index) if targets is not None else None
-        return loss, logits
+        return loss, logits, {}
 
     def check_all_label_loss(self) -> None:
         """Raise unless ``config.loss`` has an all-label implementation (DecoupledSoftmax or SoftmaxCE)."""

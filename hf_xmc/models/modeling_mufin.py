@@ -19,312 +19,53 @@ Training (spec Sec. 4) has two stages, chosen by ``forward(stage=...)``: ``"siam
 ``<z_l^1, x_i^1>``, label-anchored triplet loss with hard positives and in-batch hard negatives; no ``A_C``, no
 free vectors) and ``"ranker"`` (Module IV: ``c_il`` for each query's pool labels, cosine-embedding loss).
 
-Label store (artifacts beside ``model.safetensors``, read back through ``cached_file``):
-
-* ``mufin_label_bags.safetensors``: the cached label bags ``Z^1`` (ragged: all rows + per-label offsets) and the
-  label vectors ``z^1``;
-* ``mufin_label_centroids.safetensors``: ``mu_l`` and the number of training positives behind each;
-* ``mufin_label_images.safetensors``: the label images as their file bytes (``config.save_label_images``), so a
-  reloaded model can re-encode its labels from texts and images;
-* ``label_index.json`` (+ ``label_index.faiss`` for HNSW / IVF): the shortlist index, a cache rebuilt from the bags
-  and centroids;
-* ``preprocessor_config.json`` (the image processor), the tokenizer files and ``labels.jsonl`` (label texts).
+Around the model, in sibling modules: the blocks ``A_S`` / ``A_C``, the classifiers and the bag helpers
+(``mufin_blocks.py``), the label store (``mufin_label_store.py``: label bags ``Z^1``, vectors ``z^1``, centroids
+``mu_l``, label images and the shortlist index, saved beside ``model.safetensors``), the vision tower
+(``mufin_vision.py``: HF or open_clip, built, loaded and frozen) and the inputs (``processing_mufin.py``: image
+decoding and packing, the ``AutoProcessor``). A saved model also holds ``preprocessor_config.json`` (the image
+processor), the tokenizer files and ``labels.jsonl`` (label texts).
 
 Implementation spec: ``shared/specs/mufin.md``. Where the paper and the official code differ the paper is the
 default and the code's choice a config flag (see [`MUFINConfig`]).
 
-This file is part of the remote-code bundle: it imports only torch, transformers, numpy, safetensors, PIL
-(optional), open_clip (optional: only models with an open_clip image tower need it) and its siblings.
+This file is part of the remote-code bundle: it imports only torch, transformers, numpy and its siblings (which add
+safetensors, PIL (optional) and open_clip (optional: only models with an open_clip image tower need it)).
 """
 
-import io
-import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoTokenizer
+from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 from transformers import initialization as init
-from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.utils import ModelOutput, logging
 
 from .classifier_head import ExtremeClassifier
-from .configuration_mufin import MUFIN_SEARCH_MODES, OPEN_CLIP_PREFIX, MUFINConfig
-from .label_index import INDEX_META_FILE, LabelIndex, atomic_write, progress_bar_disabled
-from .model_files import ModelFileError, check_offsets, read_safetensors
-from .modeling_xmc import (
-    LABEL_EMBEDDINGS_FILE,
-    LABEL_EMBEDDINGS_INDEX_FILE,
-    XMCPrediction,
-    XMCPreTrainedModel,
-    _repair_tokenizer,
-)
+from .configuration_mufin import MUFIN_SEARCH_MODES, MUFINConfig
+from .encoder_utils import repair_tokenizer
+from .io_utils import progress_bar_disabled
+from .label_store import LABEL_EMBEDDINGS_FILE, LABEL_EMBEDDINGS_INDEX_FILE
+from .modeling_xmc import XMCPrediction, XMCPreTrainedModel
+from .mufin_blocks import MUFINAttention, MUFINClassifier, masked_sum_normalize, pad_bags
+from .mufin_label_store import LABEL_BAGS_FILE, LABEL_CENTROIDS_FILE, LABEL_IMAGES_FILE, MUFINLabelStoreMixin
+from .mufin_vision import build_vision_tower, freeze_vision_tower, pretrained_vision_tower
+from .processing_mufin import MUFINProcessor, is_single_image, to_rgb
 from .xmc_losses import mufin_ranker_loss, mufin_triplet_loss
-
-try:  # Pillow is only needed to read image paths; PIL images passed in work as they are
-    from PIL import Image
-except ImportError:  # pragma: no cover - Pillow ships with transformers' vision extras
-    Image = None
-
-try:  # only for open_clip vision towers (the ``vision`` extra)
-    import open_clip
-    from open_clip.model import _build_vision_tower
-except ImportError:
-    open_clip = None
 
 logger = logging.get_logger(__name__)
 
-LABEL_BAGS_FILE = "mufin_label_bags.safetensors"
-LABEL_CENTROIDS_FILE = "mufin_label_centroids.safetensors"
-LABEL_IMAGES_FILE = "mufin_label_images.safetensors"
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
 PROCESSOR_FILE = "processor_config.json"  # MUFINProcessor (tokenizer + image processor) for AutoProcessor, with its auto_map
 MUFIN_STAGES = ("siamese", "ranker")
 
 
-# ---------------------------------------------------------------------------------------------------- blocks
-# The vision tower built when no pretrained one is given (text-only data, or images learnt from scratch): a small ResNet
-# for 64 x 64 images (4 stages of one basic block, 32..192 channels, about 0.9M parameters). A convolutional tower, not
-# the paper's ViT: trained from scratch on Emoji-XMC (about 1k images) a ViT of the same size learnt almost nothing
-# (image-only P@1 7.5 vs 32.6, multimodal 44.3 vs 48.6; README, benchmarks/bench_mufin.py). The paper's ViT is what
-# a pretrained checkpoint gives (``vision_name_or_path``).
-SMALL_VISION_CONFIG = dict(
-    model_type="resnet", num_channels=3, embedding_size=32, hidden_sizes=[32, 64, 128, 192], depths=[1, 1, 1, 1], layer_type="basic",
-)
-SMALL_VISION_IMAGE_SIZE = 64
-
-
-def _require_open_clip() -> None:
-    if open_clip is None:
-        raise ImportError("this MUFIN model has an open_clip vision tower: pip install 'hf_xmc[vision]' (open_clip_torch)")
-
-
-class OpenCLIPVisionTower(nn.Module):
-    """An open_clip image tower behind the interface MUFIN asks of a vision encoder: ``forward(pixel_values=...)``
-    returns an output whose ``pooler_output`` is the tower's projected image embedding (``model_cfg["embed_dim"]``).
-    Only the image tower of the CLIP ``model_cfg`` is built (its text tower is never needed)."""
-
-    def __init__(self, model_cfg: dict):
-        super().__init__()
-        _require_open_clip()
-        self.visual = _build_vision_tower(model_cfg["embed_dim"], model_cfg["vision_cfg"], quick_gelu=model_cfg.get("quick_gelu", False))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
-
-    def forward(self, pixel_values: torch.Tensor, **kwargs) -> BaseModelOutputWithPooling:
-        return BaseModelOutputWithPooling(pooler_output=self.visual(pixel_values))
-
-
-def open_clip_model_config(name: str) -> dict:
-    """open_clip's ``model_cfg`` (``embed_dim``, ``vision_cfg``, ``text_cfg``) of a model name (see
-    :func:`load_open_clip_tower`), read without building the model."""
-    _require_open_clip()
-    architecture = name.partition("@")[0]
-    if architecture.startswith(("local-dir:", "hf-hub:")):
-        schema, _, where = architecture.partition(":")
-        if schema == "local-dir":
-            path = os.path.join(where, "open_clip_config.json")
-        else:
-            from huggingface_hub import hf_hub_download
-
-            path = hf_hub_download(where, "open_clip_config.json")
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)["model_cfg"]
-    model_cfg = open_clip.get_model_config(architecture)
-    if model_cfg is None:
-        raise ValueError(f"open_clip knows no model {architecture!r} (open_clip.list_models() names them)")
-    return model_cfg
-
-
-def load_open_clip_tower(name: str) -> tuple[OpenCLIPVisionTower, dict, Any]:
-    """A pretrained open_clip image tower by open_clip model name: ``local-dir:/path`` (a folder with
-    ``open_clip_config.json`` and weights), ``hf-hub:org/repo``, or an architecture name with an optional pretrained tag
-    (``ViT-B-32@laion2b_s34b_b79k``). Returns the tower, the ``open_clip_config`` to store in :class:`MUFINConfig` and
-    the matching image processor (resize shortest side, centre crop, the model's mean / std)."""
-    architecture, _, tag = name.partition("@")
-    model_cfg = open_clip_model_config(name)
-    clip = open_clip.create_model(architecture, pretrained=tag or None)
-    preprocess = {k: (list(v) if isinstance(v, tuple) else v) for k, v in open_clip.get_model_preprocess_cfg(clip).items()}
-    tower = OpenCLIPVisionTower(model_cfg)
-    tower.visual.load_state_dict(clip.visual.state_dict())
-    size = preprocess.get("size", model_cfg["vision_cfg"].get("image_size", 224))
-    height, width = (size, size) if isinstance(size, int) else size
-    # imported where a processor is built: importing the image processor classes with the package would warn on
-    # every `import hf_xmc` of an install without torchvision
-    from transformers import CLIPImageProcessor
-
-    processor = CLIPImageProcessor(
-        size={"shortest_edge": min(height, width)}, crop_size={"height": height, "width": width},
-        image_mean=list(preprocess.get("mean", OPENAI_CLIP_MEAN)), image_std=list(preprocess.get("std", OPENAI_CLIP_STD)),
-    )
-    return tower, {"name": name, "model_cfg": model_cfg, "preprocess_cfg": preprocess}, processor
-
-
-# names of the vision parameters before the layer stack (patch / class / position embeddings, open_clip's conv1 and
-# ln_pre): frozen with the early layers
-PRE_STACK_MARKERS = ("embed", "conv1", "ln_pre")
-
-
-class MUFINAttention(nn.Module):
-    """The attention block ``A(X, Z)`` of MUFIN (paper Fig. 2(d); structure from the official code, spec Sec. 3.3).
-
-    Queries come from ``X``, keys and values from ``Z``; padded keys are masked out. Q, K, V and O are ``D x D``
-    linear layers initialised to the identity with zero bias (optionally spectral-normalised, as the code), split into
-    heads; attention dropout on the probabilities; the output is ``LayerNorm(O(MHA(X, Z)) + X)``: a post-LN residual
-    on the *query* side, one layer, no feed-forward sub-layer and no positional encoding (so a bag is a set).
-    ``A_S(X) = A(X, X)`` and ``A_C(X, Z) = A(X, Z)`` are two instances with their own parameters.
-
-    Even at the identity init this is not the identity map: it computes ``LN(X + softmax(X Z^T / sqrt(d_h)) Z)``.
-    """
-
-    def __init__(self, dim: int, num_heads: int, dropout: float = 0.0, spectral_norm: bool = False):
-        super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"the attention width {dim} must be a multiple of the number of heads {num_heads}")
-        self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim)
-        self.v_proj = nn.Linear(dim, dim)
-        self.o_proj = nn.Linear(dim, dim)
-        for proj in self.projections():
-            proj._mufin_identity_init = True  # read by MUFINPreTrainedModel._init_weights
-        if spectral_norm:
-            for proj in self.projections():
-                torch.nn.utils.parametrizations.spectral_norm(proj)
-        self.dropout = nn.Dropout(dropout)
-        self.layer_norm = nn.LayerNorm(dim)
-
-    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
-        """Q, K, V and O."""
-        return self.q_proj, self.k_proj, self.v_proj, self.o_proj
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        key_value_states: torch.Tensor,
-        key_mask: Optional[torch.Tensor] = None,
-        output_attentions: bool = False,
-    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """``hidden_states`` ``(B, m_x, D)`` (queries), ``key_value_states`` ``(B, m_z, D)``, ``key_mask`` ``(B, m_z)``
-        (True = real key). Returns ``(B, m_x, D)`` (and the ``(B, heads, m_x, m_z)`` attention probabilities)."""
-        batch, m_x, dim = hidden_states.shape
-        m_z = key_value_states.shape[1]
-
-        def heads(x: torch.Tensor, m: int) -> torch.Tensor:
-            return x.view(batch, m, self.num_heads, self.head_dim).transpose(1, 2)
-
-        query = heads(self.q_proj(hidden_states), m_x)
-        key = heads(self.k_proj(key_value_states), m_z)
-        value = heads(self.v_proj(key_value_states), m_z)
-        scores = (query / self.head_dim**0.5) @ key.transpose(-1, -2)
-        if key_mask is not None:
-            scores = scores.masked_fill(~key_mask.bool()[:, None, None, :], float("-inf"))
-        probs = self.dropout(scores.softmax(dim=-1))
-        context = (probs @ value).transpose(1, 2).reshape(batch, m_x, dim)
-        out = self.layer_norm(self.o_proj(context) + hidden_states)
-        return (out, probs) if output_attentions else out
-
-
-class MUFINClassifier(nn.Module):
-    """Per-label one-vs-all classifiers ``w_l = alpha_l z_l^1 + (1 - alpha_l) N(eta_l)`` (paper Sec. 3, Fig. 2(b)).
-
-    ``eta`` is an [`ExtremeClassifier`] table (xavier-initialised, as the paper's Module III); ``alpha_l in [0, 1]``
-    is a 2-way softmax over two logits per label (``alpha_param="softmax2"``, the code: ``(1 - alpha, alpha)``) or a
-    sigmoid of one logit, initialised so that ``alpha_l = alpha_init``. The paper's convention is used: ``alpha``
-    weighs the label vector, so ``alpha = 1`` is MUFIN(alpha=1) with ``w_l = z_l^1`` (spec Sec. 12.1). With
-    ``renormalize`` the result is re-normalised (the code's ``N(.)`` around the mix).
-    """
-
-    def __init__(self, num_labels: int, dim: int, alpha_param: str = "softmax2", alpha_init: float = 0.5, renormalize: bool = True):
-        super().__init__()
-        self.free_vectors = ExtremeClassifier(num_labels, dim)
-        self.alpha_param, self.alpha_init, self.renormalize = alpha_param, alpha_init, renormalize
-        self.alpha_logits = nn.Parameter(torch.empty(num_labels, 2 if alpha_param == "softmax2" else 1))
-
-    @property
-    def num_labels(self) -> int:
-        return self.free_vectors.num_labels
-
-    def initial_alpha_logits(self) -> torch.Tensor:
-        """Logits that give ``alpha = alpha_init`` (for 0.5 and softmax2: (0, 0), the code's init)."""
-        logit = float(np.log(self.alpha_init / (1.0 - self.alpha_init)))
-        row = [0.0, logit] if self.alpha_param == "softmax2" else [logit]
-        return torch.tensor(row).expand_as(self.alpha_logits)
-
-    def alpha(self, label_ids: torch.Tensor) -> torch.Tensor:
-        """``alpha_l`` of ``label_ids`` (any shape), in [0, 1]."""
-        logits = self.alpha_logits[label_ids.to(self.alpha_logits.device)]
-        return logits.softmax(dim=-1)[..., 1] if self.alpha_param == "softmax2" else torch.sigmoid(logits[..., 0])
-
-    def forward(self, label_ids: torch.Tensor, label_vectors: torch.Tensor) -> torch.Tensor:
-        """``w`` of ``label_ids`` ``(n,)`` given their label vectors ``z^1`` ``(n, D)``; returns ``(n, D)``."""
-        eta = F.normalize(self.free_vectors.pool_weights(label_ids).to(label_vectors.dtype), dim=-1)
-        alpha = self.alpha(label_ids).to(label_vectors.dtype).unsqueeze(-1)
-        weights = alpha * label_vectors + (1.0 - alpha) * eta
-        return F.normalize(weights, dim=-1) if self.renormalize else weights
-
-
-def masked_sum_normalize(bags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``N(1^T X)`` over the real rows of each bag: ``(B, m, D)``, ``(B, m)`` -> ``(B, D)`` unit vectors."""
-    return F.normalize((bags * mask.unsqueeze(-1).to(bags.dtype)).sum(dim=1), dim=-1)
-
-
-def pad_bags(rows: torch.Tensor, owners: torch.Tensor, num_items: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack descriptor ``rows`` ``(n, D)`` of items ``owners`` ``(n,)`` into padded bags ``(B, m_max, D)`` + mask.
-
-    Rows keep their order within an item (MUFIN puts images first, then the text). Every item ``0..B-1`` must own at
-    least one row: an item with neither text nor image is refused.
-    """
-    owners = owners.to(rows.device).long()
-    num_items = int(owners.max()) + 1 if num_items is None else num_items
-    counts = torch.bincount(owners, minlength=num_items)
-    if counts.numel() > num_items:
-        raise ValueError(f"descriptor rows name item {counts.numel() - 1} but the batch has {num_items} items")
-    if bool((counts == 0).any()):
-        empty = int((counts == 0).nonzero()[0])
-        raise ValueError(f"item {empty} has neither text nor image: every item needs at least one descriptor")
-    order = torch.argsort(owners, stable=True)
-    sorted_owners = owners[order]
-    starts = torch.cumsum(counts, 0) - counts
-    position = torch.arange(owners.numel(), device=rows.device) - starts[sorted_owners]
-    bags = rows.new_zeros(num_items, int(counts.max()), rows.shape[-1])
-    bags[sorted_owners, position] = rows[order]
-    mask = torch.zeros(num_items, bags.shape[1], dtype=torch.bool, device=rows.device)
-    mask[sorted_owners, position] = True
-    return bags, mask
-
-
-def label_centroids_from_embeddings(embeddings: Union[torch.Tensor, np.ndarray], targets: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Label centroids ``mu_l = mean{x_i^1 : y_il = 1}`` as ``Y^T X / counts`` (spec Sec. 4, Module II).
-
-    ``embeddings``: ``(N, D)`` datapoint vectors ``x^1``; ``targets``: ``(N, L)`` scipy sparse matrix (CSR), numpy array
-    or torch tensor (non-zero = positive). Returns ``(centroids (L, D) float32, counts (L,) int64)``; a label without
-    positives gets a zero row and count 0 (it contributes only its bag rows to the index).
-    """
-    x = embeddings.detach().float().cpu().numpy() if isinstance(embeddings, torch.Tensor) else np.asarray(embeddings, dtype=np.float32)
-    if hasattr(targets, "tocsr"):  # scipy sparse, without importing scipy here
-        y = (targets.tocsr() != 0).astype(np.float32)
-        sums = np.asarray(y.T @ x, dtype=np.float32)
-        counts = np.asarray(y.sum(axis=0)).ravel()
-    else:
-        y = (targets.detach().cpu().numpy() if isinstance(targets, torch.Tensor) else np.asarray(targets)) != 0
-        y = y.astype(np.float32)
-        sums, counts = y.T @ x, y.sum(axis=0)
-    if y.shape[0] != x.shape[0]:
-        raise ValueError(f"targets have {y.shape[0]} rows but there are {x.shape[0]} embeddings")
-    centroids = sums / np.maximum(counts, 1.0)[:, None]
-    return torch.from_numpy(np.ascontiguousarray(centroids, dtype=np.float32)), torch.from_numpy(counts.astype(np.int64))
-
-
+# ---------------------------------------------------------------------------------------------------- training pairs
+# Here, not in hf_xmc/training: forward computes the Module I loss from these pairs, and forward must run where
+# hf_xmc is not installed (remote code).
 def select_siamese_pairs(
     sims: torch.Tensor,
     positives: torch.Tensor,
@@ -359,78 +100,6 @@ def select_siamese_pairs(
     return sims.gather(1, pos_idx), pos_mask, sims.gather(1, neg_idx), neg_mask
 
 
-def to_rgb(image: Any) -> Any:
-    """An image path, a local ``file://`` URL, encoded image bytes (PNG, JPEG, ...) or PIL image as an RGB PIL image;
-    transparent pixels become white (``hf_xmc.data.load_image`` uses this too). Images are never fetched from the
-    network."""
-    if isinstance(image, str) and image.startswith("file://"):
-        from urllib.parse import unquote, urlparse
-
-        image = unquote(urlparse(image).path)
-    if isinstance(image, (str, os.PathLike, bytes, bytearray, memoryview)):
-        encoded = not isinstance(image, (str, os.PathLike))
-        if Image is None:
-            raise ImportError(f"{'decoding image bytes' if encoded else 'reading image paths'} needs Pillow: pip install pillow")
-        if not encoded and not os.path.exists(os.fspath(image)):
-            raise FileNotFoundError(f"image file not found: {os.fspath(image)}")
-        with Image.open(io.BytesIO(bytes(image)) if encoded else os.fspath(image)) as im:
-            im.load()
-            image = im.copy()
-    if Image is None or not isinstance(image, Image.Image):
-        raise TypeError(f"an image must be a path, image bytes or a PIL image, got {type(image).__name__}")
-    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGB", rgba.size, (255, 255, 255))
-        background.paste(rgba, mask=rgba.getchannel("A"))
-        return background
-    return image if image.mode == "RGB" else image.convert("RGB")
-
-
-def _is_single_image(value: Any) -> bool:
-    return isinstance(value, (str, os.PathLike, bytes, bytearray, memoryview)) or (Image is not None and isinstance(value, Image.Image))
-
-
-def image_file_bytes(image: Any) -> bytes:
-    """An image as encoded bytes for storage: a file's own bytes (no re-encoding), bytes as they are, a PIL image as
-    PNG."""
-    if isinstance(image, (bytes, bytearray, memoryview)):
-        return bytes(image)
-    if isinstance(image, (str, os.PathLike)):
-        with open(image, "rb") as f:
-            return f.read()
-    if Image is not None and isinstance(image, Image.Image):
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        return buffer.getvalue()
-    raise TypeError(f"an image must be a path, image bytes or a PIL image, got {type(image).__name__}")
-
-
-def pack_label_images(label_images: Sequence[Sequence[Any]]) -> dict[str, torch.Tensor]:
-    """Label image bags as three tensors for one safetensors file: ``image_bytes`` (uint8, every image's encoded bytes
-    back to back), ``image_offsets`` (int64, images + 1) and ``label_image_offsets`` (int64, labels + 1: label ``l``
-    owns images ``label_image_offsets[l]:label_image_offsets[l + 1]``).
-
-    Memory: the images' encoded sizes + 8 bytes per image and per label (a few KB per label for small PNGs)."""
-    blobs = [image_file_bytes(image) for bag in label_images for image in bag]
-    sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
-    counts = torch.tensor([len(bag) for bag in label_images], dtype=torch.int64)
-    data = np.frombuffer(b"".join(blobs), dtype=np.uint8) if blobs else np.zeros(0, dtype=np.uint8)
-    return {
-        "image_bytes": torch.from_numpy(data.copy()),
-        "image_offsets": torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)]),
-        "label_image_offsets": torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)]),
-    }
-
-
-def unpack_label_images(tensors: dict[str, torch.Tensor]) -> list[list[bytes]]:
-    """The inverse of :func:`pack_label_images`: per label a list of encoded images (``bytes``, decoded on use)."""
-    data = tensors["image_bytes"].numpy().tobytes()
-    image_offsets = tensors["image_offsets"].tolist()
-    label_offsets = tensors["label_image_offsets"].tolist()
-    images = [data[image_offsets[i] : image_offsets[i + 1]] for i in range(len(image_offsets) - 1)]
-    return [images[label_offsets[label] : label_offsets[label + 1]] for label in range(len(label_offsets) - 1)]
-
-
 @dataclass
 class MUFINModelOutput(ModelOutput):
     """Output of a MUFIN forward pass.
@@ -442,6 +111,7 @@ class MUFINModelOutput(ModelOutput):
         query_embeds: ``(batch, D)`` datapoint vectors ``x^1``.
         label_embeds: ``(pool, D)`` label vectors ``z^1``.
         pair_mask: ``(batch, pool)`` pairs scored in the ranker stage.
+        loss_terms: always None: each stage's loss is one term (the field the trainer reads of every model's output).
     """
 
     loss: Optional[torch.FloatTensor] = None
@@ -449,6 +119,7 @@ class MUFINModelOutput(ModelOutput):
     query_embeds: Optional[torch.FloatTensor] = None
     label_embeds: Optional[torch.FloatTensor] = None
     pair_mask: Optional[torch.BoolTensor] = None
+    loss_terms: Optional[dict[str, torch.Tensor]] = None
 
 
 # ---------------------------------------------------------------------------------------------------- model
@@ -458,6 +129,8 @@ class MUFINPreTrainedModel(XMCPreTrainedModel):
     config: MUFINConfig
     base_model_prefix = "mufin"
     input_modalities = ("text", "image")
+    # predict ranks the shortlist by "fusion" (beta c + (1 - beta) a), "retrieval" (a) or "classifier" (c): no re-indexing
+    search_modes = MUFIN_SEARCH_MODES
     _no_split_modules = ["MUFINAttention"]
 
     @torch.no_grad()
@@ -482,7 +155,7 @@ class MUFINPreTrainedModel(XMCPreTrainedModel):
             init.copy_(module.alpha_logits, module.initial_alpha_logits())
 
 
-class MUFINModel(MUFINPreTrainedModel):
+class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
     """The MUFIN model: text and vision encoders, ``A_S``, ``A_C``, per-label classifiers and the label store.
 
     Inputs are items given as texts and/or images (a bag per item): see :meth:`prepare_bags`. ``predict`` ranks the
@@ -498,9 +171,7 @@ class MUFINModel(MUFINPreTrainedModel):
 
     def __init__(self, config: MUFINConfig):
         super().__init__(config)  # the text encoder E_T, tokenizer slot, label texts
-        self.vision_encoder = (
-            OpenCLIPVisionTower(config.open_clip_config["model_cfg"]) if config.open_clip_config else AutoModel.from_config(config.vision_config)
-        )
+        self.vision_encoder = build_vision_tower(config)
         self.descriptor_pool = nn.AdaptiveMaxPool1d(config.embed_dim)  # parameter-free 768 -> 192 (window 4)
         attention = dict(dim=config.embed_dim, num_heads=config.attention_heads, dropout=config.attention_dropout, spectral_norm=config.spectral_norm)
         self.self_attention = MUFINAttention(**attention)  # A_S, shared by datapoints and labels
@@ -531,27 +202,15 @@ class MUFINModel(MUFINPreTrainedModel):
         :meth:`freeze_vision_layers` to apply ``vision_trainable_layers`` before training.
 
         ``vision_name_or_path`` is an HF vision checkpoint (ViT, ResNet, ...) or ``"open_clip:<name>"``, an open_clip
-        image tower (the ``vision`` extra; see :func:`load_open_clip_tower` for the names). Without it the vision tower
+        image tower (the ``vision`` extra; see :func:`~.mufin_vision.load_open_clip_tower` for the names). Without it the vision tower
         is built at random from ``vision_config`` (default: a small ResNet for 64 x 64 images,
-        :data:`SMALL_VISION_CONFIG`) with a resize-and-normalise ``ViTImageProcessor`` (``image_size`` of the config,
+        :data:`~.mufin_vision.SMALL_VISION_CONFIG`) with a resize-and-normalise ``ViTImageProcessor`` (``image_size`` of the config,
         else 64): for text-only data, or images to learn from scratch."""
         text = AutoModel.from_pretrained(text_name_or_path)
-        tokenizer = _repair_tokenizer(AutoTokenizer.from_pretrained(text_name_or_path), text.config, text_name_or_path)
-        vision_kwargs = {}
-        if vision_name_or_path is None:
-            vision_config = AutoConfig.for_model(**dict(config_kwargs.pop("vision_config", None) or SMALL_VISION_CONFIG))
-            vision = AutoModel.from_config(vision_config)
-            size = getattr(vision_config, "image_size", SMALL_VISION_IMAGE_SIZE)
-            from transformers import ViTImageProcessor  # here, not at import time (see load_open_clip_tower)
-
-            image_processor = ViTImageProcessor(size={"height": size, "width": size})
-            vision_kwargs["vision_config"] = vision.config.to_dict()
-        elif str(vision_name_or_path).startswith(OPEN_CLIP_PREFIX):
-            vision, vision_kwargs["open_clip_config"], image_processor = load_open_clip_tower(str(vision_name_or_path)[len(OPEN_CLIP_PREFIX) :])
-        else:
-            vision = AutoModel.from_pretrained(vision_name_or_path)
-            image_processor = AutoImageProcessor.from_pretrained(vision_name_or_path)
-            vision_kwargs["vision_config"] = vision.config.to_dict()
+        tokenizer = repair_tokenizer(AutoTokenizer.from_pretrained(text_name_or_path), text.config, text_name_or_path)
+        # vision_config sets up a random tower; beside a named tower it stays in config_kwargs (and clashes with its own)
+        vision_config = config_kwargs.pop("vision_config", None) if vision_name_or_path is None else None
+        vision, vision_kwargs, image_processor = pretrained_vision_tower(vision_name_or_path, vision_config)
         config = cls.config_class(encoder_config=text.config.to_dict(), **vision_kwargs, **config_kwargs)
         model = cls(config)
         for name, target, source in (("text", model.encoder, text), ("vision", model.vision_encoder, vision)):
@@ -568,38 +227,13 @@ class MUFINModel(MUFINPreTrainedModel):
     def from_encoder_pretrained(cls, encoder_name_or_path: str, **config_kwargs) -> "MUFINModel":
         raise ValueError("MUFIN has a text and a vision encoder: use MUFINModel.from_encoders_pretrained(text_name_or_path, vision_name_or_path)")
 
-    def _vision_layer_stack(self) -> nn.ModuleList:
-        """The vision encoder's list of layers: transformer layers (ViT: ``encoder.layer``) or the stages of a
-        convolutional backbone (ResNet, ConvNeXt: ``encoder.stages``)."""
-        if self.config.open_clip_config:  # open_clip: transformer.resblocks
-            depth = self.config.open_clip_config["model_cfg"]["vision_cfg"].get("layers")
-        else:
-            vision_config = self.config.vision_config
-            depth = getattr(vision_config, "num_hidden_layers", None) or len(getattr(vision_config, "depths", None) or ())
-        for _, module in self.vision_encoder.named_modules():
-            if isinstance(module, nn.ModuleList) and len(module) == depth:
-                return module
-        raise ValueError(f"cannot find the {depth} layers of the vision encoder {type(self.vision_encoder).__name__}")
-
     def freeze_vision_layers(self, num_trainable_layers: Optional[int] = None) -> list[str]:
         """Freeze the vision encoder except its last ``num_trainable_layers`` layers or stages (default
         ``config.vision_trainable_layers``: paper 1, code 4) and the modules after them (final norm, pooler);
         embeddings and earlier layers get no gradient. 0 freezes it all, -1 unfreezes it all. The text encoder is
         left as it is (trained end to end). Returns the names of the vision parameters left trainable."""
         n = self.config.vision_trainable_layers if num_trainable_layers is None else num_trainable_layers
-        if n == -1:
-            self.vision_encoder.requires_grad_(True)
-        else:
-            layers = self._vision_layer_stack()
-            self.vision_encoder.requires_grad_(False)
-            if n > 0:
-                for layer in list(layers)[-n:]:
-                    layer.requires_grad_(True)
-                in_stack = {id(p) for p in layers.parameters()}
-                for name, param in self.vision_encoder.named_parameters():
-                    if id(param) not in in_stack and not any(marker in name for marker in PRE_STACK_MARKERS):  # post-stack: final norm, pooler
-                        param.requires_grad_(True)
-        return [name for name, p in self.vision_encoder.named_parameters() if p.requires_grad]
+        return freeze_vision_tower(self.vision_encoder, self.config, n)
 
     # ------------------------------------------------------------------ inputs
     def _require_image_processor(self):
@@ -616,7 +250,7 @@ class MUFINModel(MUFINPreTrainedModel):
         """Items as (text or None, list of images) pairs; a blank text counts as missing."""
         if isinstance(texts, str):
             texts = [texts]
-        if _is_single_image(images):
+        if is_single_image(images):
             images = [images]
         if texts is None and images is None:
             raise ValueError("give texts and/or images")
@@ -630,7 +264,7 @@ class MUFINModel(MUFINPreTrainedModel):
                     raise TypeError(f"item {i}: a text must be a str or None, got {type(t).__name__}")
         bags = []
         for i, value in enumerate(images if images is not None else [None] * n):
-            bag = [] if value is None else [value] if _is_single_image(value) else list(value)
+            bag = [] if value is None else [value] if is_single_image(value) else list(value)
             if self.config.max_images >= 0:
                 bag = bag[: self.config.max_images]
             bags.append(bag)
@@ -817,242 +451,7 @@ class MUFINModel(MUFINPreTrainedModel):
         """``x^1`` of text-only queries: what :meth:`search` shortlists with."""
         return self.encode_queries(texts, batch_size, show_progress_bar)
 
-    # ------------------------------------------------------------------ label store
-    def set_labels(self, texts: Optional[Sequence[Optional[str]]], uids: Optional[Sequence[str]] = None, images: Optional[Sequence[Any]] = None) -> None:
-        """Attach the label space: a text (``None`` or blank = none) and/or a bag of images per label, in label-id
-        order. Drops the cached bags and index.
-
-        A model with classifiers for ``label_space_size`` labels takes those labels first, in their training order;
-        labels after them (added without retraining) are scored zero-shot (``w_l = z_l^1``) in the same index.
-        Centroids are kept when the label count is unchanged, extended with empty rows (count 0) for appended labels,
-        and dropped otherwise."""
-        if texts is None and images is None:
-            raise ValueError("labels need texts and/or images")
-        n = len(texts) if texts is not None else len(images)
-        known = self.config.label_space_size
-        if not self.config.zero_shot and n < known:
-            raise ValueError(
-                f"this MUFIN model has classifiers for {known} labels (label_space_size) but got {n} labels: give its "
-                f"{known} labels in training order, then any new ones (scored zero-shot), or use zero_shot=True"
-            )
-        if not self.config.zero_shot and n > known:
-            logger.info("%d labels after the %d with classifiers are scored zero-shot (w_l = z_l^1)", n - known, known)
-        norm_texts, bags = self._normalize_items(texts, images)  # validates: every label needs a descriptor
-        super().set_labels(["" if t is None else t for t in norm_texts], uids)
-        self.label_images = bags if any(bags) else None
-        self.label_images_missing = False
-        rows = self.label_centroids.shape[0] if self.label_centroids is not None else n
-        if rows < n:
-            self._extend_centroids(n - rows)
-        elif rows > n:
-            self.label_centroids = self.label_centroid_counts = None
-
-    def _extend_centroids(self, count: int) -> None:
-        """Zero centroids (count 0) for ``count`` appended labels: they have no training positives."""
-        self.label_centroids = torch.cat([self.label_centroids, self.label_centroids.new_zeros(count, self.label_centroids.shape[1])])
-        self.label_centroid_counts = torch.cat([self.label_centroid_counts, self.label_centroid_counts.new_zeros(count)])
-
-    @torch.no_grad()
-    def add_labels(
-        self,
-        texts: Optional[Sequence[Optional[str]]] = None,
-        uids: Optional[Sequence[str]] = None,
-        batch_size: int = 64,
-        show_progress_bar: Optional[bool] = None,
-        images: Optional[Sequence[Any]] = None,
-    ) -> np.ndarray:
-        """Append labels (texts and/or image bags), scored zero-shot (``w_l = z_l^1``, no centroid: the rule of labels
-        after ``label_space_size``) while trained labels keep their classifiers. Only the new bags are encoded and
-        appended to the cached label store; the shortlist index is rebuilt from the cache (no re-encoding). Returns
-        the new label ids. Memory: the new labels' bag rows and vectors."""
-        self._require_label_store()
-        norm_texts, bags = self._normalize_items(texts, images)
-        first = len(self.label_texts)
-        uids = self._new_label_uids(len(norm_texts), uids)
-        vectors, new_bags = self.encode_items(norm_texts, bags, batch_size, show_progress_bar, return_bags=True)
-        counts = torch.tensor([b.shape[0] for b in new_bags])
-        self.label_bag_rows = torch.cat([self.label_bag_rows, *new_bags]).contiguous()
-        self.label_bag_offsets = torch.cat([self.label_bag_offsets, self.label_bag_offsets[-1] + torch.cumsum(counts, 0)])
-        self.label_vectors = torch.cat([self.label_vectors, vectors.to(self.label_vectors)]).contiguous()
-        if any(bags) or self.label_images is not None:
-            self.label_images = (self.label_images or [[] for _ in range(first)]) + [list(b) for b in bags]
-        self.label_texts = list(self.label_texts) + ["" if t is None else t for t in norm_texts]
-        self.label_uids = list(self.label_uids) + uids
-        if self.label_centroids is not None:
-            self._extend_centroids(len(norm_texts))
-        self.build_shortlist_index()
-        return np.arange(first, len(self.label_texts), dtype=np.int64)
-
-    @torch.no_grad()
-    def remove_labels(self, uids: Sequence[str]) -> np.ndarray:
-        """Remove labels added after training (ids >= ``label_space_size``; MUFIN's classifiers are laid out by training
-        order, so trained labels stay). Returns the old ids of the kept labels."""
-        self._require_label_store()
-        keep = self._kept_label_ids(uids)
-        gone = np.setdiff1d(np.arange(len(self.label_uids)), keep)
-        if gone.size and gone[0] < self.config.label_space_size:
-            raise ValueError(f"label {self.label_uids[gone[0]]!r} has a trained classifier: MUFIN removes only labels added after training")
-        rows = torch.from_numpy(keep)
-        starts, ends = self.label_bag_offsets[rows], self.label_bag_offsets[rows + 1]
-        self.label_bag_rows = torch.cat([self.label_bag_rows[a:b] for a, b in zip(starts.tolist(), ends.tolist())]).contiguous()
-        self.label_bag_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(ends - starts, 0)])
-        self.label_vectors = self.label_vectors[rows].contiguous()
-        if self.label_images is not None:
-            self.label_images = [self.label_images[i] for i in keep]
-        self.label_texts = [self.label_texts[i] for i in keep]
-        self.label_uids = [self.label_uids[i] for i in keep]
-        if self.label_centroids is not None:
-            self.label_centroids, self.label_centroid_counts = self.label_centroids[rows], self.label_centroid_counts[rows]
-        self.build_shortlist_index()
-        return keep
-
-    def invalidate_label_index(self) -> None:
-        """Forget the label bags, vectors and index (they no longer match the weights). Centroids are kept: they come
-        from training points and are refreshed with :meth:`compute_label_centroids`."""
-        super().invalidate_label_index()
-        self.label_bag_rows = self.label_bag_offsets = self.label_vectors = None
-
-    @torch.no_grad()
-    def build_label_index(
-        self,
-        label_texts: Optional[Sequence[Optional[str]]] = None,
-        label_uids: Optional[Sequence[str]] = None,
-        kind: Optional[str] = None,
-        batch_size: int = 64,
-        show_progress_bar: Optional[bool] = None,
-        label_images: Optional[Sequence[Any]] = None,
-    ) -> LabelIndex:
-        """Encode every label bag with the current weights (``Z_l^1`` and ``z_l^1``, cached) and build the shortlist
-        index over them and the centroids. Without arguments, re-encodes the labels already attached: their texts and
-        images (a loaded model has the images it was saved with, ``config.save_label_images``). Passing the attached
-        label texts again without ``label_images`` keeps the attached images (an evaluator that only knows the label
-        texts re-indexes the full multi-modal labels). A loaded model whose labels had images that were not saved
-        refuses to re-encode them as text only: give ``label_images`` again."""
-        same = (
-            label_texts is not None and label_images is None and self.label_texts is not None
-            and [t if isinstance(t, str) and t.strip() else "" for t in label_texts] == self.label_texts
-        )
-        if (same or (label_texts is None and label_images is None)) and self.label_images_missing:
-            raise ValueError(
-                "the labels of this model had images, which were not saved with it (save_label_images=False): re-encoding "
-                "them needs the images again, build_label_index(label_texts, label_images=[...]) (label_images=[[]] * n "
-                "re-encodes them as text only)"
-            )
-        if label_texts is not None or label_images is not None:
-            self.set_labels(label_texts, label_uids, self.label_images if same else label_images)
-        texts = self._require_labels()
-        vectors, bags = self.encode_items(texts, self.label_images, batch_size, show_progress_bar, return_bags=True)
-        counts = torch.tensor([b.shape[0] for b in bags])
-        self.label_bag_rows = torch.cat(bags).contiguous()
-        self.label_bag_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)])
-        self.label_vectors = vectors.contiguous()
-        self.label_index = None
-        return self.build_shortlist_index(kind)
-
-    def _require_label_store(self) -> None:
-        self._require_labels()
-        if self.label_vectors is None:
-            self.build_label_index()
-
-    def label_bags(self, label_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached ``Z^1`` of ``label_ids`` ``(n,)`` as padded bags ``(n, m, D)`` + mask (m = the longest of them)."""
-        label_ids = label_ids.cpu().long()
-        start = self.label_bag_offsets[label_ids]
-        count = self.label_bag_offsets[label_ids + 1] - start
-        width = int(count.max()) if label_ids.numel() else 1
-        slots = torch.arange(width)
-        mask = slots.unsqueeze(0) < count.unsqueeze(1)
-        rows = (start.unsqueeze(1) + slots.unsqueeze(0)).clamp(max=self.label_bag_rows.shape[0] - 1)
-        bags = self.label_bag_rows[rows] * mask.unsqueeze(-1)
-        return bags, mask
-
-    def shortlist_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The shortlist index rows (unit vectors) and the label id of each.
-
-        ``shortlist_index="bag"``: every row of every ``Z_l^1`` plus ``mu_l`` for labels with training positives, i.e.
-        ``sum_l (m_l + 1)`` rows (``m_l`` for labels without positives); ``"vector"``: one ``z_l^1`` per label.
-        """
-        num_labels = self.label_vectors.shape[0]
-        if self.config.shortlist_index == "vector":
-            return F.normalize(self.label_vectors, dim=-1), torch.arange(num_labels)
-        counts = self.label_bag_offsets[1:] - self.label_bag_offsets[:-1]
-        vectors = [self.label_bag_rows]
-        owners = [torch.repeat_interleave(torch.arange(num_labels), counts)]
-        if self.label_centroids is not None:
-            has = (self.label_centroid_counts > 0).nonzero().squeeze(1)
-            vectors.append(self.label_centroids[has])
-            owners.append(has)
-        return F.normalize(torch.cat(vectors).float(), dim=-1), torch.cat(owners)
-
-    def build_shortlist_index(self, kind: Optional[str] = None) -> LabelIndex:
-        """(Re)build the shortlist index from the cached label bags and centroids (no encoding)."""
-        if self.label_vectors is None:
-            raise ValueError("no label bags are cached: call build_label_index(label_texts, label_images=...) first")
-        vectors, self.shortlist_row_labels = self.shortlist_vectors()
-        self.label_index = LabelIndex(vectors, kind=kind or self.config.index_kind, ivf_nprobe=self.config.ivf_nprobe)
-        return self.label_index
-
-    def _require_shortlist_index(self) -> LabelIndex:
-        self._require_label_store()
-        if self.label_index is None:
-            self.build_shortlist_index()
-        return self.label_index
-
-    def set_label_centroids(self, centroids: torch.Tensor, counts: Optional[torch.Tensor] = None) -> None:
-        """Set ``mu_l`` (``(L, D)``) and the number of training positives behind each (``(L,)``; default: non-zero rows
-        count as 1). Labels with count 0 add no centroid to the index. The index is rebuilt on next use."""
-        centroids = torch.as_tensor(centroids).detach().float().cpu().contiguous()
-        num_labels = len(self.label_texts) if self.label_texts is not None else self.config.label_space_size
-        if centroids.ndim != 2 or centroids.shape[1] != self.config.embed_dim or (num_labels and centroids.shape[0] != num_labels):
-            raise ValueError(f"centroids must have shape ({num_labels}, {self.config.embed_dim}), got {tuple(centroids.shape)}")
-        counts = (centroids.abs().sum(dim=1) > 0).long() if counts is None else torch.as_tensor(counts).long().cpu()
-        if counts.shape != (centroids.shape[0],):
-            raise ValueError(f"counts must have shape ({centroids.shape[0]},), got {tuple(counts.shape)}")
-        self.label_centroids, self.label_centroid_counts = centroids, counts
-        self.label_index = None
-
-    def compute_label_centroids(self, texts=None, images=None, targets=None, batch_size: int = 64, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
-        """``mu_l = mean{x_i^1 : y_il = 1}`` over training items (texts and/or images, ``targets`` ``(N, L)`` sparse or
-        dense), encoded with the current weights; sets them (:meth:`set_label_centroids`) and returns them."""
-        if targets is None:
-            raise ValueError("compute_label_centroids needs the training targets (N x L)")
-        vectors = self.encode_items(texts, images, batch_size, show_progress_bar)
-        centroids, counts = label_centroids_from_embeddings(vectors, targets)
-        self.set_label_centroids(centroids, counts)
-        return centroids
-
     # ------------------------------------------------------------------ search and prediction
-    @property
-    def search_mode(self) -> str:
-        return self.config.search_mode
-
-    def set_search_mode(self, mode: str) -> None:
-        """``predict`` ranks the shortlist by ``"fusion"`` (``beta c + (1 - beta) a``), ``"retrieval"`` (``a``) or
-        ``"classifier"`` (``c``)."""
-        if mode not in MUFIN_SEARCH_MODES:
-            raise ValueError(f"search mode must be one of {MUFIN_SEARCH_MODES}, got {mode!r}")
-        self.config.search_mode = mode
-
-    @torch.no_grad()
-    def shortlist(self, query_vectors: Union[torch.Tensor, np.ndarray], size: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
-        """``R_t`` and ``a_tl`` for query vectors ``x^1``: one index query each, ``shortlist_fetch_factor * size`` raw
-        hits collapsed to at most ``size`` unique labels scored by their best row. Returns ``(label_ids, scores)``,
-        ``(n, size)`` int64 / float32, best first, ``-1`` / ``-inf`` padded."""
-        size = size or self.config.shortlist_size
-        index = self._require_shortlist_index()
-        queries = F.normalize(torch.as_tensor(query_vectors).float(), dim=-1)
-        raw_scores, raw_rows = index.search(queries, min(self.config.shortlist_fetch_factor * size, index.num_labels))
-        row_labels = self.shortlist_row_labels.numpy()
-        ids = np.full((queries.shape[0], size), -1, dtype=np.int64)
-        scores = np.full((queries.shape[0], size), -np.inf, dtype=np.float32)
-        for i in range(queries.shape[0]):
-            valid = raw_rows[i] >= 0
-            labels, row_scores = row_labels[raw_rows[i][valid]], raw_scores[i][valid]
-            _, first = np.unique(labels, return_index=True)  # hits are sorted: a label's first hit is its max
-            first = np.sort(first)[:size]
-            ids[i, : first.size], scores[i, : first.size] = labels[first], row_scores[first]
-        return ids, scores
-
     def search(self, query_vectors: Union[torch.Tensor, np.ndarray], k: int = 5) -> tuple[np.ndarray, np.ndarray]:
         """Retrieval-only top-k (the shortlist scores ``a``) for query vectors ``x^1``; returns ``(scores, ids)``."""
         ids, scores = self.shortlist(query_vectors, max(k, self.config.shortlist_size))
@@ -1273,22 +672,8 @@ class MUFINModel(MUFINPreTrainedModel):
         if self.image_processor is not None:
             self.image_processor.save_pretrained(save_directory)
             if self.tokenizer is not None:
-                # a relative import: processing_mufin.py travels with the remote code (AutoProcessor reads its auto_map)
-                from .processing_mufin import MUFINProcessor
-
                 MUFINProcessor(image_processor=self.image_processor, tokenizer=self.tokenizer).save_pretrained(save_directory)
-        if self.label_vectors is not None:
-            tensors = {"label_bag_rows": self.label_bag_rows, "label_bag_offsets": self.label_bag_offsets, "label_vectors": self.label_vectors}
-            tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-            atomic_write(os.path.join(save_directory, LABEL_BAGS_FILE), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-        if self.label_images is not None and self.config.save_label_images:
-            images = pack_label_images(self.label_images)
-            atomic_write(os.path.join(save_directory, LABEL_IMAGES_FILE), lambda p: save_file(images, p, metadata={"format": "pt"}))
-        if self.label_centroids is not None:
-            tensors = {"label_centroids": self.label_centroids.contiguous(), "label_centroid_counts": self.label_centroid_counts.contiguous()}
-            atomic_write(os.path.join(save_directory, LABEL_CENTROIDS_FILE), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-        if self.label_vectors is not None:
-            self._require_shortlist_index().save(save_directory)
+        self._save_label_store(save_directory)
 
     def _load_artifacts(self, path: str, hub: dict) -> None:
         super()._load_artifacts(path, hub)
@@ -1303,51 +688,7 @@ class MUFINModel(MUFINPreTrainedModel):
             except ImportError as err:  # image processors need Pillow: text-only use must still load and predict
                 self.image_processor_error = str(err).strip() or type(err).__name__
                 logger.warning("MUFIN loaded without its image processor (texts only): %s", self.image_processor_error)
-        centroids_path = fetch(LABEL_CENTROIDS_FILE)
-        if centroids_path is not None:
-            saved = read_safetensors(centroids_path, keys=("label_centroids", "label_centroid_counts"))
-            self.label_centroids, self.label_centroid_counts = saved["label_centroids"], saved["label_centroid_counts"]
-        bags_path = fetch(LABEL_BAGS_FILE)
-        if bags_path is not None:
-            saved = read_safetensors(bags_path, keys=("label_bag_rows", "label_bag_offsets", "label_vectors"))
-            num_labels = saved["label_vectors"].shape[0]
-            if self.label_texts is not None and num_labels != len(self.label_texts):
-                raise ModelFileError(f"{bags_path}: holds {num_labels} label bags but labels.jsonl lists {len(self.label_texts)} labels")
-            check_offsets(bags_path, saved["label_bag_offsets"].numpy(), num_labels, saved["label_bag_rows"].shape[0], "label_bag_offsets")
-            if saved["label_bag_rows"].ndim != 2 or saved["label_vectors"].ndim != 2 or saved["label_bag_rows"].shape[1] != saved["label_vectors"].shape[1]:
-                raise ModelFileError(
-                    f"{bags_path}: label_bag_rows {list(saved['label_bag_rows'].shape)} and label_vectors {list(saved['label_vectors'].shape)} "
-                    "are not (rows, dim) tensors of one width"
-                )
-            self.label_bag_rows, self.label_bag_offsets, self.label_vectors = saved["label_bag_rows"], saved["label_bag_offsets"], saved["label_vectors"]
-            self._label_store_path = bags_path
-        images_path = fetch(LABEL_IMAGES_FILE)
-        if images_path is not None:
-            packed = read_safetensors(images_path, keys=("image_bytes", "image_offsets", "label_image_offsets"))
-            check_offsets(images_path, packed["image_offsets"].numpy(), len(packed["image_offsets"]) - 1, packed["image_bytes"].numel(), "image_offsets")
-            check_offsets(images_path, packed["label_image_offsets"].numpy(), len(packed["label_image_offsets"]) - 1, len(packed["image_offsets"]) - 1, "label_image_offsets")
-            images = unpack_label_images(packed)
-            if self.label_texts is not None and len(images) != len(self.label_texts):
-                raise ModelFileError(f"{images_path}: holds images of {len(images)} labels but labels.jsonl lists {len(self.label_texts)} labels")
-            self.label_images = images if any(images) else None
-        elif self.label_bag_offsets is not None and self.label_texts is not None:
-            # rows of a label's bag beyond its text are images: had the labels any, re-encoding them needs them back
-            text_rows = torch.tensor([1 if t else 0 for t in self.label_texts])
-            self.label_images_missing = bool(((self.label_bag_offsets[1:] - self.label_bag_offsets[:-1]) > text_rows).any())
-        if bags_path is not None:
-            vectors, self.shortlist_row_labels = self.shortlist_vectors()
-            # the saved faiss file is reused when it matches these rows and the installed faiss, else rebuilt
-            self.label_index = LabelIndex.load(vectors, meta_path=fetch(INDEX_META_FILE), index_path=self._saved_index_path(fetch), kind=self.config.index_kind)
+        self._load_label_store(fetch)
 
 
-__all__ = [
-    "MUFINAttention",
-    "MUFINClassifier",
-    "MUFINModel",
-    "MUFINModelOutput",
-    "MUFINPreTrainedModel",
-    "label_centroids_from_embeddings",
-    "masked_sum_normalize",
-    "pad_bags",
-    "select_siamese_pairs",
-]
+__all__ = ["MUFINModel", "MUFINModelOutput", "MUFINPreTrainedModel", "select_siamese_pairs"]

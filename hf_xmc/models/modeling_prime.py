@@ -23,15 +23,14 @@ from transformers import initialization as init
 
 from .classifier_head import ExtremeClassifier
 from .configuration_prime import PRIME_SEARCH_MODES, PRIMEConfig, default_num_free_vectors
-from .modeling_xmc import (
-    XMCModelOutput,
-    XMCPreTrainedModel,
+from .encoder_utils import (
     all_gather_id_lists,
     all_gather_rows,
     distributed_world_size,
     gather_label_pool,
     targets_from_positive_ids,
 )
+from .modeling_xmc import XMCModelOutput, XMCPreTrainedModel
 from .xmc_losses import PRIMELoss, dynamic_margin_triplet_loss
 
 
@@ -98,6 +97,8 @@ class PRIMEModel(PRIMEPreTrainedModel):
     # every process applies the same centroid update (from the queries of all processes), so DDP need not broadcast
     # the centroid bank (4 d bytes per label) from rank 0 at every forward; XMCTrainer reads this
     ddp_broadcast_buffers = False
+    search_modes = PRIME_SEARCH_MODES  # the prototype index, or PRIME (W)'s classifier vectors
+    search_mode_changes_label_vectors = True
 
     def __init__(self, config: PRIMEConfig):
         if config.num_free_vectors is None:
@@ -128,7 +129,6 @@ class PRIMEModel(PRIMEPreTrainedModel):
             regularizer_weight=config.regularizer_weight,
             regularizer_margin=config.regularizer_margin,
         )
-        self.last_loss_terms: dict[str, torch.Tensor] = {}  # detached terms of the last loss, for logging
         self.post_init()
 
     # checkpoints written before the free-vector bank became an ExtremeClassifier hold it under ``free_vectors``
@@ -272,19 +272,10 @@ class PRIMEModel(PRIMEPreTrainedModel):
         return True
 
     # ------------------------------------------------------------------ PRIME (W)
-    @property
-    def search_mode(self) -> str:
-        return self.config.search_mode
-
-    def set_search_mode(self, mode: str) -> None:
-        """Search the ``"prototype"`` index (PRIME) or the ``"classifier"`` vectors (PRIME (W)); the index is rebuilt."""
-        if mode not in PRIME_SEARCH_MODES:
-            raise ValueError(f"search mode must be one of {PRIME_SEARCH_MODES}, got {mode!r}")
+    def _check_search_mode(self, mode: str) -> None:
+        """``"classifier"`` (PRIME (W)) needs the classifier stage; ``"prototype"`` searches the prototype index."""
         if mode == "classifier" and self.classifier is None:
             raise ValueError("this PRIME model has no classifier stage: call add_classifier() (or train with --classifier_stage)")
-        if mode != self.config.search_mode:
-            self.config.search_mode = mode
-            self.invalidate_label_index()
 
     @torch.no_grad()
     def add_classifier(self, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> None:
@@ -308,18 +299,14 @@ class PRIMEModel(PRIMEPreTrainedModel):
         self,
         input_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
-        label_input_ids: Optional[torch.Tensor] = None,
-        label_attention_mask: Optional[torch.Tensor] = None,
-        targets: Optional[torch.Tensor] = None,
-        positive_index: Optional[torch.Tensor] = None,
-        label_ids: Optional[torch.Tensor] = None,
-        query_positive_ids: Optional[torch.Tensor] = None,
         query_vectors: Optional[torch.Tensor] = None,
         candidate_ids: Optional[torch.Tensor] = None,
         candidate_targets: Optional[torch.Tensor] = None,
-        **kwargs,
+        **pool,
     ) -> XMCModelOutput:
-        r"""
+        r"""The shared dual-encoder forward (``XMCPreTrainedModel.forward``, whose arguments ``pool`` passes on) around
+        PRIME's ``pool_loss``, or PRIME (W)'s classifier stage.
+
         Args:
             input_ids / attention_mask: tokenised queries, ``(batch, seq)``.
             label_input_ids / label_attention_mask: tokenised label pool, ``(pool, seq)``.
@@ -342,24 +329,17 @@ class PRIMEModel(PRIMEPreTrainedModel):
         """
         if candidate_ids is not None:
             return self._classifier_forward(input_ids, attention_mask, query_vectors, candidate_ids, candidate_targets)
-        query_embeds = self.embed(input_ids, attention_mask, normalize=False)
-        if label_input_ids is None:
-            return XMCModelOutput(query_embeds=query_embeds)
-        label_embeds = self.embed(label_input_ids, label_attention_mask, normalize=False)
-        loss, logits = self.pool_loss(query_embeds, label_embeds, targets, positive_index, label_ids, query_positive_ids)
-        return XMCModelOutput(loss=loss, logits=logits, query_embeds=query_embeds, label_embeds=label_embeds)
+        return super().forward(input_ids, attention_mask, **pool)
 
-    def pool_loss(
-        self,
-        query_embeds: torch.Tensor,
-        label_embeds: torch.Tensor,
-        targets: Optional[torch.Tensor] = None,
-        positive_index: Optional[torch.Tensor] = None,
-        label_ids: Optional[torch.Tensor] = None,
-        query_positive_ids: Optional[torch.Tensor] = None,
-    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-        """PRIME loss and query/prototype cosines from raw query and label-pool embeddings (the part of ``forward``
-        after the encoder, so a gradient cache can embed in chunks)."""
+    def loss_embedding(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Raw (un-normalised) embeddings: the prototype network takes the label's, the loss normalises."""
+        return self.embed(input_ids, attention_mask, normalize=False)
+
+    def pool_loss(self, query_embeds: torch.Tensor, label_embeds: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                  positive_index: Optional[torch.Tensor] = None, label_ids: Optional[torch.Tensor] = None,
+                  query_positive_ids: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
+        """PRIME loss, query/prototype cosines and the loss's detached terms from raw query and label-pool embeddings
+        (the part of ``forward`` after the encoder, so a gradient cache can embed in chunks)."""
         if label_ids is None:
             raise ValueError("PRIME needs the pool's label_ids to look up free vectors and centroids")
         if self.training and query_positive_ids is not None and distributed_world_size() > 1:
@@ -367,15 +347,15 @@ class PRIMEModel(PRIMEPreTrainedModel):
         queries = F.normalize(query_embeds, dim=-1)
         text_scores = queries @ F.normalize(label_embeds, dim=-1).T
         prototype_scores = queries @ F.normalize(self.prototypes(label_embeds, label_ids), dim=-1).T
-        loss = None
+        loss, logged = None, {}
         if targets is not None:
             terms = self.loss_fn(prototype_scores, text_scores, targets.bool())
             loss = terms["loss"]
-            self.last_loss_terms = {name: value.detach() for name, value in terms.items()}  # no device sync per step
+            logged = {name: value.detach() for name, value in terms.items() if name != "loss"}  # no device sync per step
             if self.training and self.config.centroid_update == "ema":
                 # after the loss: this step's prototypes used the old centroids (official code order)
                 self.update_centroids(query_embeds, label_ids, targets, query_positive_ids)
-        return loss, prototype_scores
+        return loss, prototype_scores, logged
 
     def _classifier_forward(self, input_ids, attention_mask, query_vectors, candidate_ids, candidate_targets) -> XMCModelOutput:
         if self.classifier is None:

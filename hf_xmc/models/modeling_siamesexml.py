@@ -29,7 +29,8 @@ from transformers import initialization as init
 
 from .classifier_head import ExtremeClassifier, fuse_shortlist_scores, merge_label_scores
 from .configuration_siamesexml import SIAMESEXML_SEARCH_MODES, SiameseXMLConfig
-from .modeling_xmc import POOLERS, XMCModelOutput, XMCPreTrainedModel, _repair_tokenizer
+from .encoder_utils import POOLERS, repair_tokenizer
+from .modeling_xmc import XMCModelOutput, XMCPreTrainedModel
 from .xmc_losses import siamese_classifier_loss, siamese_pair_loss
 
 SCORE_CHUNK = 64  # queries whose shortlisted classifier rows are gathered at once (64 x 500 x D floats)
@@ -138,6 +139,8 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
     no_weight_decay_parameters = ("classifier.weight", "encoder.token_embeddings.weight", "residual.scale")
     # Module IV's classifier rows get their gradients in the loss, outside the encoder
     supports_distributed_gradient_cache = False
+    # predict ranks the shortlist by "fusion", "classifier", "shortlist" or "label_text" (no re-indexing)
+    search_modes = SIAMESEXML_SEARCH_MODES
     # learning rate of the bag-of-embeddings table relative to the base rate ([C]: 0.01 against 2e-4 for a transformer)
     boe_learning_rate_multiplier = 50.0
     # the label store / index holds [z~ ; v]: two rows per label
@@ -151,7 +154,6 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
         self.register_buffer("label_text_vectors", torch.empty(num_labels, dim))  # z~ (unit rows)
         self.register_buffer("label_centroids", torch.empty(num_labels, dim))  # v (unit rows; 0 without points)
         self.register_buffer("label_state_initialized", torch.zeros((), dtype=torch.bool))
-        self.last_loss_terms: dict[str, torch.Tensor] = {}
         self.post_init()
 
     def build_encoder(self, config: SiameseXMLConfig) -> nn.Module:
@@ -168,7 +170,7 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
             return super().from_encoder_pretrained(encoder_name_or_path, **config_kwargs)
         config_kwargs = {k: v for k, v in config_kwargs.items() if v is not None or k not in ("pooling", "normalize")}  # no pooling here
         encoder_config = AutoConfig.from_pretrained(encoder_name_or_path)
-        tokenizer = _repair_tokenizer(AutoTokenizer.from_pretrained(encoder_name_or_path), encoder_config, encoder_name_or_path)
+        tokenizer = repair_tokenizer(AutoTokenizer.from_pretrained(encoder_name_or_path), encoder_config, encoder_name_or_path)
         config = cls.config_class(encoder_config=encoder_config.to_dict(), boe_vocab_size=len(tokenizer), **config_kwargs)
         model = cls(config)
         pretrained = AutoModel.from_pretrained(encoder_name_or_path).get_input_embeddings().weight.detach()
@@ -285,16 +287,6 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
         return rows
 
     # ------------------------------------------------------------------ shortlist, scores, search
-    @property
-    def search_mode(self) -> str:
-        return self.config.search_mode
-
-    def set_search_mode(self, mode: str) -> None:
-        """Rank the shortlist by ``"fusion"``, ``"classifier"``, ``"shortlist"`` or ``"label_text"`` (no re-indexing)."""
-        if mode not in SIAMESEXML_SEARCH_MODES:
-            raise ValueError(f"search mode must be one of {SIAMESEXML_SEARCH_MODES}, got {mode!r}")
-        self.config.search_mode = mode
-
     @torch.no_grad()
     def shortlist(
         self,
@@ -422,7 +414,7 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
             return XMCModelOutput(query_embeds=query_embeds)
         label_embeds = self.pooled_embedding(label_input_ids, label_attention_mask)
         scores = query_embeds @ label_embeds.T
-        loss = None
+        loss, terms = None, None
         if targets is not None:
             cfg = self.config
             targets = targets.bool()
@@ -433,8 +425,7 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
                 centroid_loss = siamese_pair_loss(query_embeds @ centroids.T, targets, cfg.siamese_c, cfg.siamese_d, cfg.siamese_hard_negatives)
                 loss = (1.0 - cfg.siamese_centroid_weight) * text_loss + cfg.siamese_centroid_weight * centroid_loss
                 terms["centroid"] = centroid_loss.detach()
-            self.last_loss_terms = terms
-        return XMCModelOutput(loss=loss, logits=scores.detach(), query_embeds=query_embeds, label_embeds=label_embeds)
+        return XMCModelOutput(loss=loss, logits=scores.detach(), query_embeds=query_embeds, label_embeds=label_embeds, loss_terms=terms)
 
     def _classifier_forward(self, input_ids, attention_mask, query_vectors, candidate_ids, candidate_targets) -> XMCModelOutput:
         if query_vectors is None:
@@ -446,7 +437,6 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
         weights = self.classifier_weights(candidate_ids.clamp(min=0))
         scores = (weights @ final.unsqueeze(-1)).squeeze(-1)
         loss = None
-        self.last_loss_terms = {}  # one term: nothing to log beside the loss
         if candidate_targets is not None:
             cfg = self.config
             loss = siamese_classifier_loss(

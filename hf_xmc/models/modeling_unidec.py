@@ -16,7 +16,6 @@ logit scale initialised at 18, xavier-initialised classifiers, mean pooling).
 """
 
 
-from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -26,7 +25,8 @@ from transformers import initialization as init
 
 from .classifier_head import ExtremeClassifier
 from .configuration_unidec import UNIDEC_SEARCH_MODES, UniDECConfig
-from .modeling_xmc import XMCModelOutput, XMCPreTrainedModel, distributed_world_size, gather_label_pool
+from .encoder_utils import distributed_world_size, gather_label_pool
+from .modeling_xmc import XMCPreTrainedModel
 from .xmc_losses import UniDECLoss
 
 
@@ -71,6 +71,8 @@ class UniDECModel(UniDECPreTrainedModel):
     supports_distributed_gradient_cache = False
     # training-time hard negatives come from the DE head only (paper Sec. 3.2)
     hard_negative_search_mode = "de"
+    search_modes = UNIDEC_SEARCH_MODES  # both heads side by side, the DE head, or the classifier vectors
+    search_mode_changes_label_vectors = True
 
     def __init__(self, config: UniDECConfig):
         super().__init__(config)
@@ -95,7 +97,6 @@ class UniDECModel(UniDECPreTrainedModel):
             de_weight=config.de_weight if config.use_classifier else 1.0,
             clf_bce_weight=config.clf_bce_weight,
         )
-        self.last_loss_terms: dict[str, torch.Tensor] = {}  # detached terms of the last loss, for logging
         self.post_init()
 
     # ------------------------------------------------------------------ heads
@@ -104,15 +105,10 @@ class UniDECModel(UniDECPreTrainedModel):
         """The space ``predict`` searches (always ``"de"`` without classifier)."""
         return self.config.search_mode if self.config.use_classifier else "de"
 
-    def set_search_mode(self, mode: str) -> None:
-        """Switch ``predict`` to ``"concat"``, ``"de"`` or ``"classifier"`` search (the label vectors are rebuilt)."""
-        if mode not in UNIDEC_SEARCH_MODES:
-            raise ValueError(f"search mode must be one of {UNIDEC_SEARCH_MODES}, got {mode!r}")
+    def _check_search_mode(self, mode: str) -> None:
+        """``"concat"`` and ``"classifier"`` need the classifier; ``"de"`` searches the DE head alone."""
         if mode != "de" and not self.config.use_classifier:
             raise ValueError(f"this model has no classifier (use_classifier=False): it can only search 'de', not {mode!r}")
-        if mode != self.config.search_mode:
-            self.config.search_mode = mode
-            self.invalidate_label_index()
 
     def project(self, pooled: torch.Tensor, head: str = "de") -> torch.Tensor:
         """Search-space vectors of pooled encoder outputs: ``"de"`` = ``N(g1(.))``, ``"classifier"`` = ``N(g2(.))``,
@@ -161,9 +157,10 @@ class UniDECModel(UniDECPreTrainedModel):
         return self.classifier is not None and self.config.classifier_init == "label_text" and not bool(self.label_state_initialized)
 
     @torch.no_grad()
-    def initialize_label_state(self, train_texts=None, train_targets=None, seed: int = 0, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> None:
+    def initialize_label_state(self, train_texts=None, train_targets=None, seed: int = 0, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> bool:
         """Set every classifier vector to its label text's normalised classifier-head embedding ``N(g2(Phi(z_l)))``
-        (eval mode), so the classifier head starts out scoring like a dual encoder. The training data is not used."""
+        (eval mode), so the classifier head starts out scoring like a dual encoder. The training data is not used.
+        Returns True: the state is set (``XMCTrainingHooks.initialize_label_state``)."""
         if self.classifier is None:
             raise ValueError("this model has no classifier (use_classifier=False)")
         raw = self.encode_labels(batch_size=batch_size, show_progress_bar=show_progress_bar, head="raw")
@@ -173,17 +170,7 @@ class UniDECModel(UniDECPreTrainedModel):
             self.classifier.weight[start : start + 65536] = F.normalize(linear(chunk), dim=-1).to(self.classifier.weight.dtype)
         self.label_state_initialized.fill_(True)
         self.invalidate_label_index()
-
-    @contextmanager
-    def using_search_mode(self, mode: Optional[str]):
-        """Temporarily search another space (hard-negative mining uses the DE head); restores mode and index after."""
-        saved = (self.config.search_mode, self.label_embeddings, self.label_index)
-        try:
-            if mode is not None:
-                self.config.search_mode = mode
-            yield self
-        finally:
-            self.config.search_mode, self.label_embeddings, self.label_index = saved
+        return True
 
     def label_search_vectors(self, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
         """Indexed vectors per label: ``Phi_D(z_l)``, ``N(Psi_l)`` or both concatenated (``search_mode``)."""
@@ -245,48 +232,13 @@ class UniDECModel(UniDECPreTrainedModel):
             rates["classifier."] = self.config.classifier_learning_rate
         return rates
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        label_input_ids: Optional[torch.Tensor] = None,
-        label_attention_mask: Optional[torch.Tensor] = None,
-        targets: Optional[torch.Tensor] = None,
-        positive_index: Optional[torch.Tensor] = None,
-        label_ids: Optional[torch.Tensor] = None,
-        query_positive_ids: Optional[torch.Tensor] = None,
-        **kwargs,
-    ) -> XMCModelOutput:
-        r"""
-        Args:
-            input_ids / attention_mask: tokenised queries, ``(batch, seq)``.
-            label_input_ids / label_attention_mask: tokenised label pool, ``(pool, seq)``.
-            targets: boolean ``(batch, pool)``; True where a pool label is any positive of the query (false negatives
-                are masked, and these are the positives of the PSL loss).
-            positive_index: unused (every in-pool positive is used); accepted for the shared collator.
-            label_ids: ``(pool,)`` label ids of the pool: they select the classifier rows (required with a classifier).
-            query_positive_ids: each query's positives (``-1``-padded), used to rebuild targets across processes.
+    def loss_embedding(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The pooled encoder outputs, which the DE and classifier heads project in the loss."""
+        return self.pooled_embedding(input_ids, attention_mask)
 
-        Returns:
-            [`XMCModelOutput`] with ``loss`` (given ``targets``), ``logits`` (batch x pool scores of the search space:
-            DE cosine + classifier cosine for ``"concat"``) and the raw pooled ``query_embeds`` / ``label_embeds``.
-        """
-        query_embeds = self.pooled_embedding(input_ids, attention_mask)
-        if label_input_ids is None:
-            return XMCModelOutput(query_embeds=query_embeds)
-        label_embeds = self.pooled_embedding(label_input_ids, label_attention_mask)
-        loss, logits = self.pool_loss(query_embeds, label_embeds, targets, positive_index, label_ids, query_positive_ids)
-        return XMCModelOutput(loss=loss, logits=logits, query_embeds=query_embeds, label_embeds=label_embeds)
-
-    def pool_loss(
-        self,
-        query_embeds: torch.Tensor,
-        label_embeds: torch.Tensor,
-        targets: Optional[torch.Tensor] = None,
-        positive_index: Optional[torch.Tensor] = None,
-        label_ids: Optional[torch.Tensor] = None,
-        query_positive_ids: Optional[torch.Tensor] = None,
-    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    def pool_loss(self, query_embeds: torch.Tensor, label_embeds: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                  positive_index: Optional[torch.Tensor] = None, label_ids: Optional[torch.Tensor] = None,
+                  query_positive_ids: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
         """UniDEC loss and search-space scores from pooled query and label-pool embeddings (the part of ``forward``
         after the encoder, so a gradient cache can embed in chunks)."""
         if self.classifier is not None and label_ids is None:
@@ -299,7 +251,7 @@ class UniDECModel(UniDECPreTrainedModel):
             clf_queries = self.clf_head(query_embeds)
             pool_vectors = self.classifier.pool_weights(label_ids)  # the pool's rows only: never (batch, L) scores
             clf_scores = clf_queries @ pool_vectors.to(clf_queries.dtype).T
-        loss = None
+        loss, logged = None, {}
         if targets is not None:
             terms = self.loss_fn(
                 de_scores * self.de_logit_scale,
@@ -308,14 +260,14 @@ class UniDECModel(UniDECPreTrainedModel):
                 clf_scores,
             )
             loss = terms["loss"]
-            self.last_loss_terms = {name: value.detach() for name, value in terms.items()}  # no device sync per step
+            logged = {name: value.detach() for name, value in terms.items() if name != "loss"}  # no device sync per step
         with torch.no_grad():
             if self.search_mode == "de":
                 logits = de_scores
             else:
                 clf_cosines = F.normalize(clf_queries, dim=-1) @ F.normalize(pool_vectors.to(clf_queries.dtype), dim=-1).T
                 logits = clf_cosines if self.search_mode == "classifier" else de_scores + clf_cosines
-        return loss, logits.detach()
+        return loss, logits.detach(), logged
 
 
 __all__ = ["UniDECModel", "UniDECPreTrainedModel"]

@@ -21,7 +21,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from ..models.modeling_xmc import tokenize_texts
+from ..models.encoder_utils import tokenize_texts
 from .collator import EpochSeededBatches
 
 

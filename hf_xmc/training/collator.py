@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..data import XMCDataset
-from ..models.modeling_xmc import tokenize_texts
+from ..models.encoder_utils import tokenize_texts
 
 
 class XMCTrainDataset(Dataset):

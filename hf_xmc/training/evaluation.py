@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from ..data import XMCDataset, filter_predictions
 from ..metrics import inverse_propensity, xmc_metrics
-from ..models.label_index import progress_bar_disabled
+from ..models.io_utils import progress_bar_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class XMCEvaluator:
         """Index the labels with ``model`` and return ``(ids, scores, query_seconds)`` for the evaluation queries."""
         k = self.top_k
         extra = int(np.diff(self.filter_matrix.indptr).max()) if self.filter_matrix is not None and self.filter_matrix.nnz else 0
-        if "image" in getattr(model, "input_modalities", ("text",)):
+        if model.takes_images:
             # multimodal models rank through predict: one index query, then re-scoring of the shortlist
             model.build_label_index(
                 self.label_texts, self.label_uids, batch_size=self.batch_size, show_progress_bar=show_progress_bar, label_images=self.label_images
@@ -138,7 +138,7 @@ class XMCEvaluator:
         for start in tqdm(chunks, desc="Searching", disable=not show or len(chunks) < 2 or progress_bar_disabled(), unit="chunk"):
             stop = min(start + self.chunk_size, n)
             queries = model.query_search_vectors(texts[start:stop], batch_size=self.batch_size, show_progress_bar=show_progress_bar if len(chunks) < 2 else False)
-            if getattr(model, "lexical_channel", None) is None:
+            if model.lexical_channel is None:
                 chunk_scores, chunk_ids = model.search(queries, k + extra)
             else:  # fused; the dense ranking alone is scored too (the channel's gain on the same model)
                 chunk_scores, chunk_ids, dense_scores, dense_ids = model.search_texts(texts[start:stop], queries, k + extra, return_dense=True)
@@ -177,7 +177,7 @@ class XMCEvaluator:
         metrics = xmc_metrics(ids, self.data.targets, self.inv_propensity, ks=self.ks, recall_ks=self.recall_ks)
         self.last_predictions = np.ascontiguousarray(ids[:, : max(self.ks)])
         out = {f"{self.name}_{key}": float(value) for key, value in metrics.items()}
-        if getattr(model, "score_calibration", None) is not None:  # how well its probabilities match these queries
+        if model.score_calibration is not None:  # how well its probabilities match these queries
             from .calibration import calibration_metrics
 
             calibration = calibration_metrics(model, ids, scores, self.data.targets)

@@ -96,13 +96,12 @@ def initialize_label_state(
 ) -> None:
     """Set a PRIME-style model's free-vector map and centroids from its current (initial) encoder and the training set.
 
-    A model with its own ``initialize_label_state`` method (UniDEC: classifier vectors from the label texts) does it
-    itself.
+    A model that sets its state itself (UniDEC: classifier vectors from the label texts) says so from its
+    ``initialize_label_state`` (``XMCTrainingHooks``), which is asked first.
     """
-    if hasattr(model, "initialize_label_state"):
-        model.initialize_label_state(train_texts, train_targets, seed=seed, batch_size=batch_size, show_progress_bar=show_progress_bar)
+    if model.initialize_label_state(train_texts, train_targets, seed=seed, batch_size=batch_size, show_progress_bar=show_progress_bar):
         return
-    num_free = int(getattr(model.config, "num_free_vectors", 0) or 0)
+    num_free = int(model.config.num_free_vectors or 0)
     assignment = None
     if num_free:
         label_embeds = model.encode_labels(batch_size=batch_size, show_progress_bar=show_progress_bar)

@@ -114,7 +114,7 @@ def fit_lexical_channel(
     (default: the model's labels); ``rebuild_label_index=False`` keeps the index (or the stored label vectors) the
     model already has, for a loaded model whose weights have not changed since they were encoded. ``settings`` override the other fusion settings (``dense_depth``, ``ranker_depth``,
     ``beam_size``)."""
-    if "image" in getattr(model, "input_modalities", ("text",)):
+    if model.takes_images:
         raise ValueError(f"{type(model).__name__} ranks texts and images through its own predict: the lexical channel is for text models")
     if label_texts is not None:
         model.set_labels(label_texts, label_uids)

@@ -27,6 +27,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..data import XMCDataset, filter_predictions
+from ..models.mufin_label_store import label_centroids_from_embeddings
 from .collator import XMCDataCollator
 
 logger = logging.getLogger(__name__)
@@ -175,8 +176,6 @@ def mine_mufin_shortlist(
     if targets.shape[0] != len(texts):
         raise ValueError(f"{len(texts)} training items but {targets.shape[0]} target rows")
     vectors = model.encode_items(texts, images, batch_size=batch_size, show_progress_bar=show_progress_bar)
-    from ..models.modeling_mufin import label_centroids_from_embeddings
-
     centroids, counts = label_centroids_from_embeddings(vectors, targets)
     model.set_label_centroids(centroids, counts)
     model.build_label_index(batch_size=batch_size, show_progress_bar=show_progress_bar)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Optional
 
 import numpy as np
@@ -55,9 +54,8 @@ def mine_hard_negatives(
     shortlist = np.full((n, top_k), -1, dtype=dtype)
     positives = np.diff(targets.indptr)
     # a model may mine in another space than it predicts in (UniDEC: the DE head only, paper Sec. 3.2)
-    mode = getattr(model, "hard_negative_search_mode", None)
     show = n > chunk_size if show_progress_bar is None else show_progress_bar
-    with model.using_search_mode(mode) if mode is not None else nullcontext():
+    with model.using_search_mode(model.hard_negative_search_mode):
         model.build_label_index(batch_size=batch_size, show_progress_bar=show_progress_bar)
         for start in tqdm(range(0, n, chunk_size), desc="Mining hard negatives", disable=not show, unit="chunk"):
             stop = min(start + chunk_size, n)

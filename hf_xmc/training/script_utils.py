@@ -21,8 +21,8 @@ from transformers import HfArgumentParser, set_seed
 
 from ..data import XCData, read_filter_file
 from ..models.calibration import CALIBRATION_METHODS
-from ..models.label_index import atomic_write
-from ..models.modeling_xmc import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+from ..models.io_utils import atomic_write, write_json_atomic
+from ..models.model_files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from .evaluation import XMCEvaluator
 from .presets import known_presets, preset_values
 from .trainer import XMCTrainer, XMCTrainingArguments
@@ -253,9 +253,9 @@ def estimated_save_bytes(model) -> int:
     """About how many bytes a save of ``model`` writes: its weights and buffers plus the label vectors and label texts
     stored beside them."""
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    for block in getattr(model, "label_embedding_blocks", None) or ():
+    for block in model.label_embedding_blocks or ():
         total += int(getattr(block, "nbytes", 0)) or block.numel() * block.element_size()
-    total += sum(len(t.encode("utf-8")) + 32 for t in getattr(model, "label_texts", None) or ())  # labels.jsonl
+    total += sum(len(t.encode("utf-8")) + 32 for t in model.label_texts or ())  # labels.jsonl
     return total
 
 
@@ -643,7 +643,7 @@ def train_and_evaluate(
     directory; returns the metrics (``train_*``, ``<evaluator name>_*``). ``--max_steps 0`` trains nothing (the
     untrained encoder, with whatever the run fits after training: the zero-shot baseline). ``card_kwargs`` go to
     ``XMCTrainer.create_model_card`` (``dataset``, ``finetuned_from``, ``model_name``, ``license``, ``tags``)."""
-    if training_args.lexical_channel != "none" and "image" in getattr(model, "input_modalities", ("text",)):
+    if training_args.lexical_channel != "none" and model.takes_images:
         raise ValueError(f"--lexical_channel: {type(model).__name__} ranks texts and images through its own predict; the lexical channel is for text models")
     validation = validation_evaluator(data, evaluator)
     check_validation(training_args, validation)
@@ -731,15 +731,3 @@ def train_and_evaluate(
     if training_args.push_to_hub:
         trainer.push_to_hub()  # to --hub_model_id: the model directory with its card, labels and index
     return metrics
-
-
-def write_json_atomic(path: str, obj, sort_keys: bool = True) -> None:
-    """Write JSON through a temp file in the same directory, then rename it into place (``sort_keys=False``: keys in
-    the objects' own order, as a results file that tables read column by column keeps them)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=sort_keys)
-
-    atomic_write(path, write)

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from ..data import filter_predictions
 from ..models.classifier_head import sum_label_scores
-from ..models.modeling_xmc import tokenize_texts
+from ..models.encoder_utils import tokenize_texts
 from .collator import XMCDataCollator
 
 logger = logging.getLogger(__name__)
@@ -328,7 +328,7 @@ class ModuleIIStore:
             return None
 
     def _write_json(self, name: str, obj: dict) -> None:
-        from .script_utils import write_json_atomic
+        from ..models.io_utils import write_json_atomic
 
         write_json_atomic(self._path(name), obj)
 
@@ -359,7 +359,7 @@ class ModuleIIStore:
         """Write ``z~``, ``v`` and the point vectors, then the settings (which mark the store complete)."""
         from safetensors.torch import save_file
 
-        from ..models.label_index import atomic_write
+        from ..models.io_utils import atomic_write
 
         if not self.writer:
             return
@@ -390,7 +390,7 @@ class ModuleIIStore:
         if not self.writer:
             self._shortlist = np.full((num_points, size), -1, dtype=np.int32)
             return self._shortlist, 0
-        from ..models.label_index import temp_path_for
+        from ..models.io_utils import temp_path_for
 
         tmp = temp_path_for(path)
         array = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int32, shape=(num_points, size))

@@ -17,7 +17,7 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput
 
 from ..data import XMCDataset
 from ..metrics import inverse_propensity
-from ..models.label_index import progress_bar_disabled
+from ..models.io_utils import progress_bar_disabled
 from .collator import (
     LabelTokens,
     PSLDataCollator,
@@ -151,9 +151,9 @@ def encoder_adapter_config(args: XMCTrainingArguments):
     """The peft config that ``--peft lora`` (with ``--lora_*``) or ``--peft_config FILE`` asks for; None for neither."""
     if not (getattr(args, "peft", None) or getattr(args, "peft_config", None)):
         return None
-    from ..models.modeling_xmc import _import_peft
+    from ..models.encoder_utils import import_peft
 
-    peft = _import_peft()
+    peft = import_peft()
     if args.peft_config:
         import json
 
@@ -170,18 +170,6 @@ def encoder_adapter_config(args: XMCTrainingArguments):
 def _accelerator_present() -> bool:
     """True when torch sees a CUDA or MPS device."""
     return torch.cuda.is_available() or (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available())
-
-
-def _check_all_label_support(model) -> None:
-    """Raise unless ``model`` can train with ``label_pool="all"`` (DEXML: DecoupledSoftmax or SoftmaxCE)."""
-    if not hasattr(model, "all_label_loss"):
-        raise ValueError(
-            f"{type(model).__name__} does not support label_pool='all' (the all-label mode is DEXML's): "
-            "use label_pool='in_batch' or 'psl'"
-        )
-    check = getattr(model, "check_all_label_loss", None)
-    if check is not None:
-        check()
 
 
 def set_encoder_dropout(model, p: float) -> int:
@@ -254,19 +242,19 @@ class XMCTrainer(Trainer):
         if (
             getattr(args, "gradient_cache_chunk_size", 0)
             and args.world_size > 1
-            and not getattr(model, "supports_distributed_gradient_cache", True)
+            and not model.supports_distributed_gradient_cache
         ):
             raise ValueError(
                 f"{type(model).__name__} has trainable parameters in its loss (outside the encoder), whose gradients the "
                 "gradient cache cannot synchronise across processes: use --gradient_cache_chunk_size 0 with several "
                 "processes, or one process"
             )
-        if args is not None and args.ddp_broadcast_buffers is None and getattr(model, "ddp_broadcast_buffers", None) is False:
+        if args is not None and args.ddp_broadcast_buffers is None and model.ddp_broadcast_buffers is False:
             # DDP would re-send every buffer from rank 0 at each forward: PRIME's centroid bank is 4 d bytes per label
             # (2 GB at 1.3M labels) and every rank already applies the same update to its copy
             args.ddp_broadcast_buffers = False
         if getattr(args, "label_pool", None) == "all":
-            _check_all_label_support(model)
+            model.check_all_label_loss()  # raises unless the model has an all-label loss (DEXML)
         if label_texts is not None:  # label images only for models that take them (MUFIN)
             model.set_labels(label_texts, label_uids, *([label_images] if label_images is not None else []))
         xmc_args = args if isinstance(args, XMCTrainingArguments) else None
@@ -339,7 +327,7 @@ class XMCTrainer(Trainer):
                 self.state = state
                 logger.info("%s: training had reached max_steps (%d): its weights are read back, nothing is trained", path, self.args.max_steps)
                 return TrainOutput(state.global_step, float("nan"), {"epoch": state.epoch})  # no step, no loss here
-        elif getattr(self.model, "needs_label_state", False) and self.xmc_train_data is not None:
+        elif self.model.needs_label_state and self.xmc_train_data is not None:
             # a fresh PRIME-style model: free-vector clusters and centroids come from the initial encoder
             data = self.xmc_train_data
             initialize_label_state(self.model, data.texts, data.targets, seed=self.args.seed, show_progress_bar=not self.args.disable_tqdm)
@@ -352,7 +340,7 @@ class XMCTrainer(Trainer):
     def get_decay_parameter_names(self, model) -> list[str]:
         """transformers' choice (no decay on biases and norms) minus the model's ``no_weight_decay_parameters``."""
         names = super().get_decay_parameter_names(model)
-        excluded = tuple(getattr(self.model, "no_weight_decay_parameters", ()))
+        excluded = tuple(self.model.no_weight_decay_parameters)
         return [n for n in names if not any(n == e or n.endswith("." + e) for e in excluded)]
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
@@ -371,12 +359,11 @@ class XMCTrainer(Trainer):
         without sparse all-reduce (NCCL; gloo has one), the tables switch to dense gradients, with a warning.
         """
         opt_model = self.model if model is None else model
-        rates_of = getattr(self.model, "parameter_learning_rates", None)
+        rates = self.model.parameter_learning_rates(self.args.learning_rate)
         sparse = sparse_gradient_parameters(opt_model)
-        if self.optimizer is not None or self.optimizer_cls_and_kwargs is not None or (rates_of is None and not sparse):
+        if self.optimizer is not None or self.optimizer_cls_and_kwargs is not None or (not rates and not sparse):
             super().create_optimizer(model)
         else:
-            rates = rates_of(self.args.learning_rate) if rates_of is not None else {}
             decay = set(self.get_decay_parameter_names(opt_model))
             groups: dict[tuple[float, bool], list] = {}
             for name, param in opt_model.named_parameters():
@@ -437,25 +424,24 @@ class XMCTrainer(Trainer):
         self.model.invalidate_label_index()
         indices = inputs.pop("indices", None)
         chunk = getattr(self.args, "gradient_cache_chunk_size", 0)
+        terms: Optional[dict[str, torch.Tensor]] = None  # a multi-term loss's detached terms, logged as loss_<term>
         if getattr(self.args, "label_pool", None) == "all":
             loss, query_embeds = self._all_label_loss(model, inputs)
             outputs = None
         elif chunk and model.training and torch.is_grad_enabled():
-            loss, query_embeds = self._cached_pool_loss(model, inputs, chunk)
+            loss, query_embeds, terms = self._cached_pool_loss(model, inputs, chunk)
             outputs = None
         else:
             outputs = model(**inputs)
             if outputs.loss is None:
                 raise ValueError("the model returned no loss: the batch must carry 'targets'")
-            loss, query_embeds = outputs.loss, outputs.query_embeds
+            loss, query_embeds, terms = outputs.loss, outputs.query_embeds, outputs.loss_terms
         if self.cluster_sampler is not None and indices is not None:
-            to_cluster = getattr(self.model, "clustering_vectors", None)  # UniDEC clusters in its DE-head space
-            self._update_memory_bank(indices, to_cluster(query_embeds.detach()) if to_cluster else query_embeds.detach())
-        terms = getattr(self.model, "last_loss_terms", None)
+            # UniDEC clusters in its DE-head space
+            self._update_memory_bank(indices, self.model.clustering_vectors(query_embeds.detach()))
         if terms and model.training:  # multi-term objectives (PRIME): log each term's mean between two logs
-            for name, value in terms.items():
-                if name != "loss":  # summed as tensors: read back (one device sync) only when logging
-                    self._loss_term_sums[name] = self._loss_term_sums.get(name, 0.0) + value
+            for name, value in terms.items():  # summed as tensors: read back (one device sync) only when logging
+                self._loss_term_sums[name] = self._loss_term_sums.get(name, 0.0) + value
             self._loss_term_count += 1
         return (loss, outputs) if return_outputs else loss
 
@@ -467,15 +453,13 @@ class XMCTrainer(Trainer):
             self._loss_term_sums, self._loss_term_count = {}, 0
         super().log(logs, start_time)
 
-    def _cached_pool_loss(self, model, inputs: dict, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cached_pool_loss(self, model, inputs: dict, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """GradCache: embed queries and labels in chunks without graph, loss on the whole batch, replay on backward.
 
         ``model`` (possibly DDP-wrapped) embeds a chunk through its ``forward`` (so DDP sees every replay); the
         loss on the embeddings comes from the unwrapped model's ``pool_loss``.
         """
         unwrapped = self.model
-        if not hasattr(unwrapped, "pool_loss"):
-            raise ValueError(f"{type(unwrapped).__name__} has no pool_loss(query_embeds, label_embeds, ...): gradient caching needs it")
         groups = [
             {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]},
             {"input_ids": inputs["label_input_ids"], "attention_mask": inputs["label_attention_mask"]},
@@ -485,11 +469,15 @@ class XMCTrainer(Trainer):
         def embed(chunk: dict) -> torch.Tensor:
             return model(**chunk).query_embeds
 
+        terms: dict[str, torch.Tensor] = {}
+
         def loss_fn(query_embeds: torch.Tensor, label_embeds: torch.Tensor) -> torch.Tensor:
-            return unwrapped.pool_loss(query_embeds, label_embeds, **extra)[0]
+            loss, _, step_terms = unwrapped.pool_loss(query_embeds, label_embeds, **extra)
+            terms.update(step_terms)
+            return loss
 
         out = cached_loss(embed, groups, loss_fn, chunk_size, ddp_module=model if hasattr(model, "no_sync") else None, return_embeddings=True)
-        return out.loss, out.embeddings[0]
+        return out.loss, out.embeddings[0], terms
 
     def _label_shard_tokens(self) -> LabelTokens:
         """This process's contiguous shard of the label space (``L / world_size`` labels), tokenised on first use."""
@@ -598,7 +586,7 @@ class XMCTrainer(Trainer):
             pickled = os.path.join(output_dir, "training_args.bin")
             if os.path.exists(pickled):
                 os.remove(pickled)
-            from .script_utils import write_json_atomic
+            from ..models.io_utils import write_json_atomic
 
             write_json_atomic(os.path.join(output_dir, self.TRAINING_ARGS_JSON), self.args.to_dict())
 
@@ -607,7 +595,7 @@ class XMCTrainer(Trainer):
         (``complete=False``) may lack the label store, which training invalidates and a reload re-encodes."""
         import transformers.trainer as hf_trainer
 
-        from ..models.modeling_xmc import model_directory_files
+        from ..models.hub_files import model_directory_files
 
         return hf_trainer.hf_api().upload_folder(
             repo_id=self.hub_model_id,
@@ -691,7 +679,7 @@ class XMCTrainer(Trainer):
         dataset: Optional[str | list[str]] = None,
         dataset_args: Optional[str | list[str]] = None,
     ) -> None:
-        """Write hf_xmc's model card (``README.md`` + ``xmc_metrics.png``, see :mod:`hf_xmc.cards`) into
+        """Write hf_xmc's model card (``README.md`` + ``xmc_metrics.png``, see :mod:`hf_xmc.training.cards`) into
         ``output_dir`` and attach it to the model, so later saves and ``push_to_hub`` carry it.
 
         Results come from the evaluator's last run (``trainer.evaluate()``); ``dataset`` names the evaluation data
@@ -701,7 +689,7 @@ class XMCTrainer(Trainer):
         """
         if not self.is_world_process_zero():
             return
-        from ..cards import evaluation_summary, generate_model_card
+        from .cards import evaluation_summary, generate_model_card
 
         ran = self.evaluator is not None and self.evaluator.last_predictions is not None
         train_metrics = next((row for row in reversed(self.state.log_history) if "train_runtime" in row), None)
@@ -764,7 +752,7 @@ class XMCEpochCallback(TrainerCallback):
         reads is a pickle. Memory: one CPU copy of the shortlist (``4 K`` bytes per training point)."""
         from safetensors.torch import save_file
 
-        from ..models.label_index import atomic_write, write_json
+        from ..models.io_utils import atomic_write, write_json
 
         tensors: dict[str, torch.Tensor] = {}
         meta = {"mined_epoch": state["mined_epoch"], "sampler": None, "memory_bank": state["memory_bank"] is not None, "shortlist": state["shortlist"] is not None}

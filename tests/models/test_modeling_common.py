@@ -111,7 +111,7 @@ def check_push_uploads_exactly_the_model_files(model, tmp_path, capsys) -> None:
     upload exactly the saved files (+ ``eval_results.json`` and the card): what the model class names, no more."""
     from hf_xmc.cli import main as cli_main
     from hf_xmc.hub import push_to_hub
-    from hf_xmc.models.modeling_xmc import model_directory_files
+    from hf_xmc.models.hub_files import model_directory_files
     from tests.test_hub import FakeHubApi
 
     out = tmp_path / "pushed"

@@ -643,7 +643,8 @@ def test_save_and_reload_same_predictions(trained_like, tmp_path):
     before = model.predict(texts, k=5, images=images)
     model.save_pretrained(tmp_path)
     for name in ("config.json", "model.safetensors", "labels.jsonl", LABEL_BAGS_FILE, LABEL_CENTROIDS_FILE, "label_index.json",
-                 "preprocessor_config.json", "tokenizer_config.json", "modeling_mufin.py", "configuration_mufin.py"):
+                 "preprocessor_config.json", "tokenizer_config.json", "modeling_mufin.py", "configuration_mufin.py",
+                 "mufin_blocks.py", "mufin_label_store.py", "mufin_vision.py", "processing_mufin.py"):
         assert (tmp_path / name).exists(), name
     reloaded = AutoModel.from_pretrained(tmp_path)
     assert type(reloaded) is MUFINModel and type(reloaded.image_processor).__name__.startswith("ViTImageProcessor")

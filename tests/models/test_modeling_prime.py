@@ -208,8 +208,8 @@ def test_auxiliary_terms_off_leaves_the_prototype_term(tiny_encoder_dir, tiny_ta
     collator = XMCDataCollator(model.tokenizer, data.train.texts, data.train.targets, data.label_texts, 16, 16)
     model.train()
     out = model(**collator([{"index": i} for i in range(16)]))
-    assert set(model.last_loss_terms) == {"query_to_prototype", "loss"}
-    assert out.loss.item() == pytest.approx(model.last_loss_terms["query_to_prototype"].item())
+    assert set(out.loss_terms) == {"query_to_prototype"}  # the terms leave the model in its output
+    assert out.loss.item() == pytest.approx(out.loss_terms["query_to_prototype"].item())
 
 
 def test_train_prime_script_contract(tiny_task, tiny_encoder_dir, tmp_path):

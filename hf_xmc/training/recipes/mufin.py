@@ -170,7 +170,7 @@ def fit_dimensions(config: dict, text_encoder: str, vision_encoder: Optional[str
     from transformers import AutoConfig
 
     from ...models.configuration_mufin import OPEN_CLIP_PREFIX, encoder_width
-    from ...models.modeling_mufin import SMALL_VISION_CONFIG, open_clip_model_config
+    from ...models.mufin_vision import SMALL_VISION_CONFIG, open_clip_model_config
 
     if not vision_encoder:
         vision = SMALL_VISION_CONFIG

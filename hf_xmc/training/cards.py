@@ -27,8 +27,9 @@ from typing import Any, Optional
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .metrics import precision_by_frequency_bucket, xmc_metrics
-from .models.modeling_xmc import MODEL_CARD_ASSETS, MODEL_CARD_FILE, ModelCardFiles, card_pipeline_tag
+from ..metrics import precision_by_frequency_bucket, xmc_metrics
+from ..models.hub_files import ModelCardFiles, card_pipeline_tag
+from ..models.model_files import MODEL_CARD_ASSETS, MODEL_CARD_FILE
 
 PLOT_FILE = MODEL_CARD_ASSETS[0]
 CARD_METRICS = ("P@1", "P@3", "P@5", "nDCG@1", "nDCG@3", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")
@@ -49,7 +50,7 @@ EXAMPLE_QUERY = "a query text, e.g. a product title"
 def templates_dir() -> Path:
     """Where the card templates live: ``$HF_XMC_MODEL_CARDS``, the repository's ``model_cards/`` (a clone or an
     editable install), or ``<prefix>/share/hf_xmc/model_cards`` (a wheel install)."""
-    candidates = [os.environ.get(TEMPLATES_ENV), Path(__file__).resolve().parent.parent / "model_cards"]
+    candidates = [os.environ.get(TEMPLATES_ENV), Path(__file__).resolve().parents[2] / "model_cards"]
     candidates += [Path(sysconfig.get_path("data")) / "share" / "hf_xmc" / "model_cards", Path(sys.prefix) / "share" / "hf_xmc" / "model_cards"]
     for path in candidates:
         if path and (Path(path) / "base.md").is_file():

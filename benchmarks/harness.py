@@ -1,0 +1,179 @@
+"""What every benchmark script shares: the common flags of its command line, writing its JSON result, rendering its
+markdown tables, and writing a table into its block of the README or a docs page.
+
+A benchmark script reads top to bottom as: parse (:func:`bench_parser`), measure, ``write_json(args.out, result)``,
+render the table from the result alone, ``publish(table, "name", args.update_docs)``. With ``--table_only`` it
+measures nothing and renders the result already at ``--out``: every table in the docs can be re-rendered from the
+committed JSON, and none is ever typed by hand.
+
+A docs block is the text between two identical marker lines ``<!-- bench:NAME -->`` in README.md or a docs/*.md
+page. :func:`update_docs_block` rewrites every file that holds the block, so the README can show a table of a docs
+page (the LoRA table of docs/peft.md) from the same render.
+
+Only the standard library is imported at module level: peers.py's XR-Linear worker parses its command line in an
+interpreter without torch or hf_xmc; hf_xmc's file helpers are imported when a file is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+from collections.abc import Iterable, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
+
+
+def result_path(name: str) -> str:
+    """``benchmarks/results/<name>``: the default ``--out`` of a benchmark."""
+    return os.path.join(RESULTS_DIR, name)
+
+
+def docs_marker(name: str) -> str:
+    """The marker line of docs block ``name``: ``<!-- bench:NAME -->``."""
+    return f"<!-- bench:{name} -->"
+
+
+# ------------------------------------------------------------------------------------------------ command line
+def bench_parser(doc: str, out: str | None, *, docs_block: str | None = None, marker: bool = False,
+                 table_only: bool = False) -> argparse.ArgumentParser:
+    """The parser of a benchmark script: its module docstring as description, and the common flags.
+
+    * ``--out``: the JSON result (default ``out``; ``None``: written only when given);
+    * with ``docs_block`` (the block's name, as the help shows it): ``--update_docs``, write the table into that
+      block of README.md / docs/*.md; with ``marker`` also ``--marker NAME``, another block (default ``docs_block``);
+    * with ``table_only``: ``--table_only``, render the result at ``--out`` and run nothing.
+    """
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default = f"default {os.path.relpath(out, REPO)}" if out else "default: not written"
+    parser.add_argument("--out", default=out, help=f"JSON file of the results ({default})")
+    if docs_block:
+        parser.add_argument("--update_docs", action="store_true",
+                            help=f"write the table between the {docs_marker(docs_block)} lines of README.md / docs/*.md")
+        if marker:
+            parser.add_argument("--marker", default=docs_block, help="the docs block to write instead: <!-- bench:MARKER -->")
+    if table_only:
+        parser.add_argument("--table_only", action="store_true",
+                            help="print (and with --update_docs write) the table of the results at --out; run nothing")
+    return parser
+
+
+# ------------------------------------------------------------------------------------------------ results
+def write_json(path: str, obj, *, sort_keys: bool = True, default=None) -> None:
+    """Write ``obj`` as indented JSON (UTF-8) through a temp file renamed into place, creating the directory: a run
+    stopped midway leaves the previous file whole. ``sort_keys=False`` keeps the objects' own key order (results whose
+    tables read them column by column); ``default`` as in :func:`json.dump`."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=sort_keys, default=default)
+
+    _write_atomically(path, write)
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) through a temp file renamed into place, creating the directory."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    _write_atomically(path, write)
+
+
+def read_json(path: str):
+    """The JSON at ``path`` (UTF-8)."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _write_atomically(path: str, write_fn) -> None:
+    """hf_xmc's atomic write (temp file beside ``path``, then rename) with ``path``'s permissions kept (a new file
+    gets ``rw-r--r--``): the temp file is created private, and a docs page or a result must stay readable."""
+    from hf_xmc.models.io_utils import atomic_write
+
+    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
+
+    def write(tmp: str) -> None:
+        write_fn(tmp)
+        os.chmod(tmp, mode)
+
+    atomic_write(path, write)
+
+
+# ------------------------------------------------------------------------------------------------ tables
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence], align: str | None = None) -> str:
+    """A markdown table, lines joined by newlines (no newline after the last one). ``rows`` hold the cells already
+    formatted: each is written `` {cell} `` (``str()`` applied; ``""`` gives ``|  |``), but ``None`` is a blank cell,
+    written ``| |``. ``align`` has one letter per column: ``l`` (``---``, markdown's default) or ``r`` (``---:``,
+    numbers); default all ``l``."""
+    align = align or "l" * len(header)
+    if len(align) != len(header) or set(align) - {"l", "r"}:
+        raise ValueError(f"align {align!r}: one of 'l' / 'r' per column of {len(header)}")
+    lines = [_row(header), "|" + "".join("---:|" if a == "r" else "---|" for a in align)]
+    for row in rows:
+        if len(row) != len(header):
+            raise ValueError(f"a row of {len(row)} cells under {len(header)} columns: {row}")
+        lines.append(_row(row))
+    return "\n".join(lines)
+
+
+def _row(cells: Sequence) -> str:
+    return "|" + "|".join(" " if cell is None else f" {cell} " for cell in cells) + "|"
+
+
+# ------------------------------------------------------------------------------------------------ docs blocks
+def replace_block(path: str, marker: str, body: str) -> None:
+    """Replace the lines between the two lines ``marker`` of ``path`` by ``body`` (ending in one newline), atomically;
+    the rest of the file is left byte for byte (a mention of the marker inside a line is text, not a marker).
+    ValueError unless the file has exactly two marker lines."""
+    with open(path, encoding="utf-8", newline="") as f:
+        lines = f.read().splitlines(keepends=True)
+    at = _marker_lines(lines, marker)
+    if len(at) != 2:
+        found = "no" if not at else f"{len(at)} (not 2)"
+        raise ValueError(f"{path} holds {found} {marker} lines: a block is the text between exactly two")
+    write_text(path, "".join(lines[: at[0] + 1]) + body.rstrip("\n") + "\n" + "".join(lines[at[1] :]))
+
+
+def _marker_lines(lines: Sequence[str], marker: str) -> list[int]:
+    """Indices of the lines that are ``marker`` alone."""
+    return [i for i, line in enumerate(lines) if line.rstrip("\r\n") == marker]
+
+
+def doc_files() -> list[str]:
+    """README.md and docs/*.md: the files benchmark tables are written into."""
+    return [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
+
+
+def update_docs_block(name: str, body: str, files: Sequence[str] | None = None) -> list[str]:
+    """Write ``body`` into block ``name`` of every file of ``files`` (default :func:`doc_files`) that has a marker line
+    of it; returns the paths written. ValueError when no file has one (or a file has one or three)."""
+    marker = docs_marker(name)
+    candidates = list(files) if files is not None else doc_files()
+    holders = {}
+    for path in candidates:
+        with open(path, encoding="utf-8", newline="") as f:
+            count = len(_marker_lines(f.read().splitlines(keepends=True), marker))
+        if count:
+            holders[path] = count
+    if not holders:
+        raise ValueError(f"no block {marker} in {', '.join(os.path.relpath(p, REPO) for p in candidates)}")
+    broken = [f"{path} ({count})" for path, count in holders.items() if count != 2]
+    if broken:  # checked before any file is written: all holders are updated or none
+        raise ValueError(f"{marker} lines, not 2, in {', '.join(broken)}")
+    for path in holders:
+        replace_block(path, marker, body)
+    return list(holders)
+
+
+def publish(table: str, name: str, update_docs: bool) -> None:
+    """Print a benchmark's table and, with ``update_docs``, write it into docs block ``name``."""
+    print(table)
+    if update_docs:
+        for path in update_docs_block(name, table):
+            print(f"{os.path.relpath(path, REPO)} updated")

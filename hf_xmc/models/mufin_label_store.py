@@ -1,0 +1,358 @@
+"""MUFIN's label store: the label bags ``Z^1``, label vectors ``z^1``, centroids ``mu_l``, label images and the
+shortlist index over them, kept on the model, saved beside its weights and read back through ``cached_file``.
+
+* ``mufin_label_bags.safetensors``: the cached label bags ``Z^1`` (ragged: all rows + per-label offsets) and the
+  label vectors ``z^1``;
+* ``mufin_label_centroids.safetensors``: ``mu_l`` and the number of training positives behind each;
+* ``mufin_label_images.safetensors``: the label images as their file bytes (``config.save_label_images``), so a
+  reloaded model can re-encode its labels from texts and images;
+* ``label_index.json`` (+ ``label_index.faiss`` for HNSW / IVF): the shortlist index, a cache rebuilt from the bags
+  and centroids.
+
+Remote-code file (``modeling_mufin.py`` imports it). Memory: ``4 D`` bytes per bag row and per label (vectors and
+centroids), the label images' encoded sizes.
+"""
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from transformers.utils import logging
+
+from .configuration_mufin import MUFINConfig
+from .io_utils import atomic_write
+from .label_index import INDEX_META_FILE, LabelIndex
+from .model_files import ModelFileError, check_offsets, read_safetensors
+from .processing_mufin import pack_label_images, unpack_label_images
+
+logger = logging.get_logger(__name__)
+
+LABEL_BAGS_FILE = "mufin_label_bags.safetensors"
+LABEL_CENTROIDS_FILE = "mufin_label_centroids.safetensors"
+LABEL_IMAGES_FILE = "mufin_label_images.safetensors"
+
+
+def label_centroids_from_embeddings(embeddings: Union[torch.Tensor, np.ndarray], targets: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Label centroids ``mu_l = mean{x_i^1 : y_il = 1}`` as ``Y^T X / counts`` (spec Sec. 4, Module II).
+
+    ``embeddings``: ``(N, D)`` datapoint vectors ``x^1``; ``targets``: ``(N, L)`` scipy sparse matrix (CSR), numpy array
+    or torch tensor (non-zero = positive). Returns ``(centroids (L, D) float32, counts (L,) int64)``; a label without
+    positives gets a zero row and count 0 (it contributes only its bag rows to the index).
+    """
+    x = embeddings.detach().float().cpu().numpy() if isinstance(embeddings, torch.Tensor) else np.asarray(embeddings, dtype=np.float32)
+    if hasattr(targets, "tocsr"):  # scipy sparse, without importing scipy here
+        y = (targets.tocsr() != 0).astype(np.float32)
+        sums = np.asarray(y.T @ x, dtype=np.float32)
+        counts = np.asarray(y.sum(axis=0)).ravel()
+    else:
+        y = (targets.detach().cpu().numpy() if isinstance(targets, torch.Tensor) else np.asarray(targets)) != 0
+        y = y.astype(np.float32)
+        sums, counts = y.T @ x, y.sum(axis=0)
+    if y.shape[0] != x.shape[0]:
+        raise ValueError(f"targets have {y.shape[0]} rows but there are {x.shape[0]} embeddings")
+    centroids = sums / np.maximum(counts, 1.0)[:, None]
+    return torch.from_numpy(np.ascontiguousarray(centroids, dtype=np.float32)), torch.from_numpy(counts.astype(np.int64))
+
+
+class MUFINLabelStoreMixin:
+    """The label store of :class:`~.modeling_mufin.MUFINModel` (mixed in before its base class, so these methods
+    override :class:`~.modeling_xmc.XMCPreTrainedModel`'s and reach them through ``super()``).
+
+    It relies on the model for ``config``, the label texts and uids of the base class, ``encode_items`` (texts and/or
+    images -> ``x^1`` and the ``X^1`` bags) and ``_normalize_items`` (items as text + image bag pairs).
+    """
+
+    config: MUFINConfig
+    label_images: Optional[list[list[Any]]]
+    label_images_missing: bool
+    label_bag_rows: Optional[torch.Tensor]
+    label_bag_offsets: Optional[torch.Tensor]
+    label_vectors: Optional[torch.Tensor]
+    label_centroids: Optional[torch.Tensor]
+    label_centroid_counts: Optional[torch.Tensor]
+    shortlist_row_labels: Optional[torch.Tensor]
+
+    def set_labels(self, texts: Optional[Sequence[Optional[str]]], uids: Optional[Sequence[str]] = None, images: Optional[Sequence[Any]] = None) -> None:
+        """Attach the label space: a text (``None`` or blank = none) and/or a bag of images per label, in label-id
+        order. Drops the cached bags and index.
+
+        A model with classifiers for ``label_space_size`` labels takes those labels first, in their training order;
+        labels after them (added without retraining) are scored zero-shot (``w_l = z_l^1``) in the same index.
+        Centroids are kept when the label count is unchanged, extended with empty rows (count 0) for appended labels,
+        and dropped otherwise."""
+        if texts is None and images is None:
+            raise ValueError("labels need texts and/or images")
+        n = len(texts) if texts is not None else len(images)
+        known = self.config.label_space_size
+        if not self.config.zero_shot and n < known:
+            raise ValueError(
+                f"this MUFIN model has classifiers for {known} labels (label_space_size) but got {n} labels: give its "
+                f"{known} labels in training order, then any new ones (scored zero-shot), or use zero_shot=True"
+            )
+        if not self.config.zero_shot and n > known:
+            logger.info("%d labels after the %d with classifiers are scored zero-shot (w_l = z_l^1)", n - known, known)
+        norm_texts, bags = self._normalize_items(texts, images)  # validates: every label needs a descriptor
+        super().set_labels(["" if t is None else t for t in norm_texts], uids)
+        self.label_images = bags if any(bags) else None
+        self.label_images_missing = False
+        rows = self.label_centroids.shape[0] if self.label_centroids is not None else n
+        if rows < n:
+            self._extend_centroids(n - rows)
+        elif rows > n:
+            self.label_centroids = self.label_centroid_counts = None
+
+    def _extend_centroids(self, count: int) -> None:
+        """Zero centroids (count 0) for ``count`` appended labels: they have no training positives."""
+        self.label_centroids = torch.cat([self.label_centroids, self.label_centroids.new_zeros(count, self.label_centroids.shape[1])])
+        self.label_centroid_counts = torch.cat([self.label_centroid_counts, self.label_centroid_counts.new_zeros(count)])
+
+    @torch.no_grad()
+    def add_labels(
+        self,
+        texts: Optional[Sequence[Optional[str]]] = None,
+        uids: Optional[Sequence[str]] = None,
+        batch_size: int = 64,
+        show_progress_bar: Optional[bool] = None,
+        images: Optional[Sequence[Any]] = None,
+    ) -> np.ndarray:
+        """Append labels (texts and/or image bags), scored zero-shot (``w_l = z_l^1``, no centroid: the rule of labels
+        after ``label_space_size``) while trained labels keep their classifiers. Only the new bags are encoded and
+        appended to the cached label store; the shortlist index is rebuilt from the cache (no re-encoding). Returns
+        the new label ids. Memory: the new labels' bag rows and vectors."""
+        self._require_label_store()
+        norm_texts, bags = self._normalize_items(texts, images)
+        first = len(self.label_texts)
+        uids = self._new_label_uids(len(norm_texts), uids)
+        vectors, new_bags = self.encode_items(norm_texts, bags, batch_size, show_progress_bar, return_bags=True)
+        counts = torch.tensor([b.shape[0] for b in new_bags])
+        self.label_bag_rows = torch.cat([self.label_bag_rows, *new_bags]).contiguous()
+        self.label_bag_offsets = torch.cat([self.label_bag_offsets, self.label_bag_offsets[-1] + torch.cumsum(counts, 0)])
+        self.label_vectors = torch.cat([self.label_vectors, vectors.to(self.label_vectors)]).contiguous()
+        if any(bags) or self.label_images is not None:
+            self.label_images = (self.label_images or [[] for _ in range(first)]) + [list(b) for b in bags]
+        self.label_texts = list(self.label_texts) + ["" if t is None else t for t in norm_texts]
+        self.label_uids = list(self.label_uids) + uids
+        if self.label_centroids is not None:
+            self._extend_centroids(len(norm_texts))
+        self.build_shortlist_index()
+        return np.arange(first, len(self.label_texts), dtype=np.int64)
+
+    @torch.no_grad()
+    def remove_labels(self, uids: Sequence[str]) -> np.ndarray:
+        """Remove labels added after training (ids >= ``label_space_size``; MUFIN's classifiers are laid out by training
+        order, so trained labels stay). Returns the old ids of the kept labels."""
+        self._require_label_store()
+        keep = self._kept_label_ids(uids)
+        gone = np.setdiff1d(np.arange(len(self.label_uids)), keep)
+        if gone.size and gone[0] < self.config.label_space_size:
+            raise ValueError(f"label {self.label_uids[gone[0]]!r} has a trained classifier: MUFIN removes only labels added after training")
+        rows = torch.from_numpy(keep)
+        starts, ends = self.label_bag_offsets[rows], self.label_bag_offsets[rows + 1]
+        self.label_bag_rows = torch.cat([self.label_bag_rows[a:b] for a, b in zip(starts.tolist(), ends.tolist())]).contiguous()
+        self.label_bag_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(ends - starts, 0)])
+        self.label_vectors = self.label_vectors[rows].contiguous()
+        if self.label_images is not None:
+            self.label_images = [self.label_images[i] for i in keep]
+        self.label_texts = [self.label_texts[i] for i in keep]
+        self.label_uids = [self.label_uids[i] for i in keep]
+        if self.label_centroids is not None:
+            self.label_centroids, self.label_centroid_counts = self.label_centroids[rows], self.label_centroid_counts[rows]
+        self.build_shortlist_index()
+        return keep
+
+    def invalidate_label_index(self) -> None:
+        """Forget the label bags, vectors and index (they no longer match the weights). Centroids are kept: they come
+        from training points and are refreshed with :meth:`compute_label_centroids`."""
+        super().invalidate_label_index()
+        self.label_bag_rows = self.label_bag_offsets = self.label_vectors = None
+
+    @torch.no_grad()
+    def build_label_index(
+        self,
+        label_texts: Optional[Sequence[Optional[str]]] = None,
+        label_uids: Optional[Sequence[str]] = None,
+        kind: Optional[str] = None,
+        batch_size: int = 64,
+        show_progress_bar: Optional[bool] = None,
+        label_images: Optional[Sequence[Any]] = None,
+    ) -> LabelIndex:
+        """Encode every label bag with the current weights (``Z_l^1`` and ``z_l^1``, cached) and build the shortlist
+        index over them and the centroids. Without arguments, re-encodes the labels already attached: their texts and
+        images (a loaded model has the images it was saved with, ``config.save_label_images``). Passing the attached
+        label texts again without ``label_images`` keeps the attached images (an evaluator that only knows the label
+        texts re-indexes the full multi-modal labels). A loaded model whose labels had images that were not saved
+        refuses to re-encode them as text only: give ``label_images`` again."""
+        same = (
+            label_texts is not None and label_images is None and self.label_texts is not None
+            and [t if isinstance(t, str) and t.strip() else "" for t in label_texts] == self.label_texts
+        )
+        if (same or (label_texts is None and label_images is None)) and self.label_images_missing:
+            raise ValueError(
+                "the labels of this model had images, which were not saved with it (save_label_images=False): re-encoding "
+                "them needs the images again, build_label_index(label_texts, label_images=[...]) (label_images=[[]] * n "
+                "re-encodes them as text only)"
+            )
+        if label_texts is not None or label_images is not None:
+            self.set_labels(label_texts, label_uids, self.label_images if same else label_images)
+        texts = self._require_labels()
+        vectors, bags = self.encode_items(texts, self.label_images, batch_size, show_progress_bar, return_bags=True)
+        counts = torch.tensor([b.shape[0] for b in bags])
+        self.label_bag_rows = torch.cat(bags).contiguous()
+        self.label_bag_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)])
+        self.label_vectors = vectors.contiguous()
+        self.label_index = None
+        return self.build_shortlist_index(kind)
+
+    def _require_label_store(self) -> None:
+        self._require_labels()
+        if self.label_vectors is None:
+            self.build_label_index()
+
+    def label_bags(self, label_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached ``Z^1`` of ``label_ids`` ``(n,)`` as padded bags ``(n, m, D)`` + mask (m = the longest of them)."""
+        label_ids = label_ids.cpu().long()
+        start = self.label_bag_offsets[label_ids]
+        count = self.label_bag_offsets[label_ids + 1] - start
+        width = int(count.max()) if label_ids.numel() else 1
+        slots = torch.arange(width)
+        mask = slots.unsqueeze(0) < count.unsqueeze(1)
+        rows = (start.unsqueeze(1) + slots.unsqueeze(0)).clamp(max=self.label_bag_rows.shape[0] - 1)
+        bags = self.label_bag_rows[rows] * mask.unsqueeze(-1)
+        return bags, mask
+
+    def shortlist_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shortlist index rows (unit vectors) and the label id of each.
+
+        ``shortlist_index="bag"``: every row of every ``Z_l^1`` plus ``mu_l`` for labels with training positives, i.e.
+        ``sum_l (m_l + 1)`` rows (``m_l`` for labels without positives); ``"vector"``: one ``z_l^1`` per label.
+        """
+        num_labels = self.label_vectors.shape[0]
+        if self.config.shortlist_index == "vector":
+            return F.normalize(self.label_vectors, dim=-1), torch.arange(num_labels)
+        counts = self.label_bag_offsets[1:] - self.label_bag_offsets[:-1]
+        vectors = [self.label_bag_rows]
+        owners = [torch.repeat_interleave(torch.arange(num_labels), counts)]
+        if self.label_centroids is not None:
+            has = (self.label_centroid_counts > 0).nonzero().squeeze(1)
+            vectors.append(self.label_centroids[has])
+            owners.append(has)
+        return F.normalize(torch.cat(vectors).float(), dim=-1), torch.cat(owners)
+
+    def build_shortlist_index(self, kind: Optional[str] = None) -> LabelIndex:
+        """(Re)build the shortlist index from the cached label bags and centroids (no encoding)."""
+        if self.label_vectors is None:
+            raise ValueError("no label bags are cached: call build_label_index(label_texts, label_images=...) first")
+        vectors, self.shortlist_row_labels = self.shortlist_vectors()
+        self.label_index = LabelIndex(vectors, kind=kind or self.config.index_kind, ivf_nprobe=self.config.ivf_nprobe)
+        return self.label_index
+
+    def _require_shortlist_index(self) -> LabelIndex:
+        self._require_label_store()
+        if self.label_index is None:
+            self.build_shortlist_index()
+        return self.label_index
+
+    def set_label_centroids(self, centroids: torch.Tensor, counts: Optional[torch.Tensor] = None) -> None:
+        """Set ``mu_l`` (``(L, D)``) and the number of training positives behind each (``(L,)``; default: non-zero rows
+        count as 1). Labels with count 0 add no centroid to the index. The index is rebuilt on next use."""
+        centroids = torch.as_tensor(centroids).detach().float().cpu().contiguous()
+        num_labels = len(self.label_texts) if self.label_texts is not None else self.config.label_space_size
+        if centroids.ndim != 2 or centroids.shape[1] != self.config.embed_dim or (num_labels and centroids.shape[0] != num_labels):
+            raise ValueError(f"centroids must have shape ({num_labels}, {self.config.embed_dim}), got {tuple(centroids.shape)}")
+        counts = (centroids.abs().sum(dim=1) > 0).long() if counts is None else torch.as_tensor(counts).long().cpu()
+        if counts.shape != (centroids.shape[0],):
+            raise ValueError(f"counts must have shape ({centroids.shape[0]},), got {tuple(counts.shape)}")
+        self.label_centroids, self.label_centroid_counts = centroids, counts
+        self.label_index = None
+
+    def compute_label_centroids(self, texts=None, images=None, targets=None, batch_size: int = 64, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
+        """``mu_l = mean{x_i^1 : y_il = 1}`` over training items (texts and/or images, ``targets`` ``(N, L)`` sparse or
+        dense), encoded with the current weights; sets them (:meth:`set_label_centroids`) and returns them."""
+        if targets is None:
+            raise ValueError("compute_label_centroids needs the training targets (N x L)")
+        vectors = self.encode_items(texts, images, batch_size, show_progress_bar)
+        centroids, counts = label_centroids_from_embeddings(vectors, targets)
+        self.set_label_centroids(centroids, counts)
+        return centroids
+
+    @torch.no_grad()
+    def shortlist(self, query_vectors: Union[torch.Tensor, np.ndarray], size: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+        """``R_t`` and ``a_tl`` for query vectors ``x^1``: one index query each, ``shortlist_fetch_factor * size`` raw
+        hits collapsed to at most ``size`` unique labels scored by their best row. Returns ``(label_ids, scores)``,
+        ``(n, size)`` int64 / float32, best first, ``-1`` / ``-inf`` padded."""
+        size = size or self.config.shortlist_size
+        index = self._require_shortlist_index()
+        queries = F.normalize(torch.as_tensor(query_vectors).float(), dim=-1)
+        raw_scores, raw_rows = index.search(queries, min(self.config.shortlist_fetch_factor * size, index.num_labels))
+        row_labels = self.shortlist_row_labels.numpy()
+        ids = np.full((queries.shape[0], size), -1, dtype=np.int64)
+        scores = np.full((queries.shape[0], size), -np.inf, dtype=np.float32)
+        for i in range(queries.shape[0]):
+            valid = raw_rows[i] >= 0
+            labels, row_scores = row_labels[raw_rows[i][valid]], raw_scores[i][valid]
+            _, first = np.unique(labels, return_index=True)  # hits are sorted: a label's first hit is its max
+            first = np.sort(first)[:size]
+            ids[i, : first.size], scores[i, : first.size] = labels[first], row_scores[first]
+        return ids, scores
+
+    def _save_label_store(self, save_directory: str) -> None:
+        """Write the cached label bags, the label images (``config.save_label_images``), the centroids and the shortlist
+        index into ``save_directory``."""
+        if self.label_vectors is not None:
+            tensors = {"label_bag_rows": self.label_bag_rows, "label_bag_offsets": self.label_bag_offsets, "label_vectors": self.label_vectors}
+            tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+            atomic_write(os.path.join(save_directory, LABEL_BAGS_FILE), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+        if self.label_images is not None and self.config.save_label_images:
+            images = pack_label_images(self.label_images)
+            atomic_write(os.path.join(save_directory, LABEL_IMAGES_FILE), lambda p: save_file(images, p, metadata={"format": "pt"}))
+        if self.label_centroids is not None:
+            tensors = {"label_centroids": self.label_centroids.contiguous(), "label_centroid_counts": self.label_centroid_counts.contiguous()}
+            atomic_write(os.path.join(save_directory, LABEL_CENTROIDS_FILE), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+        if self.label_vectors is not None:
+            self._require_shortlist_index().save(save_directory)
+
+    def _load_label_store(self, fetch: Callable[[str], Optional[str]]) -> None:
+        """Read the centroids, label bags and label images that ``fetch(name)`` (a local path or ``None``) finds, check
+        them against the label texts, and load the shortlist index (its faiss file reused when it still matches)."""
+        centroids_path = fetch(LABEL_CENTROIDS_FILE)
+        if centroids_path is not None:
+            saved = read_safetensors(centroids_path, keys=("label_centroids", "label_centroid_counts"))
+            self.label_centroids, self.label_centroid_counts = saved["label_centroids"], saved["label_centroid_counts"]
+        bags_path = fetch(LABEL_BAGS_FILE)
+        if bags_path is not None:
+            saved = read_safetensors(bags_path, keys=("label_bag_rows", "label_bag_offsets", "label_vectors"))
+            num_labels = saved["label_vectors"].shape[0]
+            if self.label_texts is not None and num_labels != len(self.label_texts):
+                raise ModelFileError(f"{bags_path}: holds {num_labels} label bags but labels.jsonl lists {len(self.label_texts)} labels")
+            check_offsets(bags_path, saved["label_bag_offsets"].numpy(), num_labels, saved["label_bag_rows"].shape[0], "label_bag_offsets")
+            if saved["label_bag_rows"].ndim != 2 or saved["label_vectors"].ndim != 2 or saved["label_bag_rows"].shape[1] != saved["label_vectors"].shape[1]:
+                raise ModelFileError(
+                    f"{bags_path}: label_bag_rows {list(saved['label_bag_rows'].shape)} and label_vectors {list(saved['label_vectors'].shape)} "
+                    "are not (rows, dim) tensors of one width"
+                )
+            self.label_bag_rows, self.label_bag_offsets, self.label_vectors = saved["label_bag_rows"], saved["label_bag_offsets"], saved["label_vectors"]
+            self._label_store_path = bags_path
+        images_path = fetch(LABEL_IMAGES_FILE)
+        if images_path is not None:
+            packed = read_safetensors(images_path, keys=("image_bytes", "image_offsets", "label_image_offsets"))
+            check_offsets(images_path, packed["image_offsets"].numpy(), len(packed["image_offsets"]) - 1, packed["image_bytes"].numel(), "image_offsets")
+            check_offsets(images_path, packed["label_image_offsets"].numpy(), len(packed["label_image_offsets"]) - 1, len(packed["image_offsets"]) - 1, "label_image_offsets")
+            images = unpack_label_images(packed)
+            if self.label_texts is not None and len(images) != len(self.label_texts):
+                raise ModelFileError(f"{images_path}: holds images of {len(images)} labels but labels.jsonl lists {len(self.label_texts)} labels")
+            self.label_images = images if any(images) else None
+        elif self.label_bag_offsets is not None and self.label_texts is not None:
+            # rows of a label's bag beyond its text are images: had the labels any, re-encoding them needs them back
+            text_rows = torch.tensor([1 if t else 0 for t in self.label_texts])
+            self.label_images_missing = bool(((self.label_bag_offsets[1:] - self.label_bag_offsets[:-1]) > text_rows).any())
+        if bags_path is not None:
+            vectors, self.shortlist_row_labels = self.shortlist_vectors()
+            # the saved faiss file is reused when it matches these rows and the installed faiss, else rebuilt
+            self.label_index = LabelIndex.load(vectors, meta_path=fetch(INDEX_META_FILE), index_path=self._saved_index_path(fetch), kind=self.config.index_kind)
+
+
+__all__ = ["LABEL_BAGS_FILE", "LABEL_CENTROIDS_FILE", "LABEL_IMAGES_FILE", "MUFINLabelStoreMixin", "label_centroids_from_embeddings"]
