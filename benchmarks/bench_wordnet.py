@@ -102,8 +102,7 @@ def zero_shot(work: str) -> dict:
     channel = fit_lexical_channel(model, data.train, data.label_texts, data.label_uids, batch_size=data_args.eval_batch_size)
     fit_seconds = time.perf_counter() - start
     evaluator = build_evaluator(data, data_args)
-    evaluator.reuse_label_index = True
-    results = evaluator(model)
+    results = evaluator(model)  # the index fit_lexical_channel built is current: searched as it is
     results["lexical_fit_runtime"] = round(fit_seconds, 1)
     results["lexical_ranker_weight"], results["lexical_text_weight"] = channel.settings["ranker_weight"], channel.settings["text_weight"]
     results["lexical_tuning"] = channel.tuning

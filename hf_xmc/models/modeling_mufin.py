@@ -479,6 +479,25 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
         ``config.search_mode``'s scores).
         """
         k = self._prediction_depth(k, threshold)
+        out_scores, out_ids = self.rank(texts, k, batch_size, show_progress_bar, images=images, search_mode=search_mode, pair_batch_size=pair_batch_size)
+        return self._prediction(out_ids, out_scores, threshold)
+
+    @torch.no_grad()
+    def rank(
+        self,
+        texts: Optional[Sequence[Optional[str]]],
+        k: int,
+        batch_size: int = 64,
+        show_progress_bar: Optional[bool] = None,
+        return_dense: bool = False,
+        *,
+        images: Optional[Sequence[Any]] = None,
+        search_mode: Optional[str] = None,
+        pair_batch_size: int = 4096,
+    ):
+        """The ranking :meth:`predict` and the evaluator share (``XMCPreTrainedModel.rank``): top-``k`` ``(scores, ids)``
+        of items given as texts and/or images, ranked by ``search_mode`` over the shortlist (:meth:`predict`). MUFIN has
+        no lexical channel: with ``return_dense`` the same arrays come twice."""
         mode = search_mode or self.config.search_mode
         if mode not in MUFIN_SEARCH_MODES:
             raise ValueError(f"search mode must be one of {MUFIN_SEARCH_MODES}, got {mode!r}")
@@ -505,7 +524,7 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
                 out_scores[start : start + len(ids), :width] = np.take_along_axis(scores, order, 1)
         finally:
             self.train(was_training)
-        return self._prediction(out_ids, out_scores, threshold)
+        return (out_scores, out_ids, out_scores, out_ids) if return_dense else (out_scores, out_ids)
 
     def _shortlist_classifier_scores(self, query_bags: torch.Tensor, query_mask: torch.Tensor, ids: np.ndarray, pair_batch_size: int) -> np.ndarray:
         """``c_tl`` for every (query, shortlisted label) pair: one A_C + classifier evaluation per pair."""

@@ -160,7 +160,7 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         self.label_texts: Optional[list[str]] = None
         self.label_uids: Optional[list[str]] = None
         self.label_embedding_blocks: Optional[list[torch.Tensor]] = None  # the label vectors, as row blocks
-        self.label_index: Optional[LabelIndex] = None
+        self.label_index: Optional[LabelIndex] = None  # with the weights it was built with (label_index_is_current)
         self.model_card: Optional[ModelCardFiles] = None
         # TF-IDF ranker + label-text scores fused with the dense score (lexical_channel.py); None: dense only
         self.lexical_channel: Optional[LexicalChannel] = None
@@ -364,6 +364,29 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         self.label_embeddings = None
         self.label_index = None
 
+    @property
+    def label_index(self) -> Optional[LabelIndex]:
+        """The search index over the label vectors, or None; setting it records the weights it was built with."""
+        return self._label_index
+
+    @label_index.setter
+    def label_index(self, index: Optional[LabelIndex]) -> None:
+        self._label_index = index
+        self._label_index_weights = self.weights_fingerprint() if index is not None else None
+
+    def weights_fingerprint(self) -> tuple[float, ...]:
+        """The sum and norm of every parameter and buffer: what an optimiser step (even a sparse one) or a load
+        changes. Memory: none beyond one reduction at a time; time: one pass over the weights."""
+        tensors = [t.detach() for t in (*self.parameters(), *self.buffers())]
+        return tuple(v for t in tensors for v in (float(t.float().sum()), float(torch.linalg.vector_norm(t.float()))))
+
+    def label_index_is_current(self, label_texts: Optional[Sequence[str]] = None) -> bool:
+        """Whether the label index exists, was built with the current weights and (given ``label_texts``) over these
+        labels: the evaluator then searches it as it is instead of encoding the labels again."""
+        if self._label_index is None or (label_texts is not None and list(label_texts) != self.label_texts):
+            return False
+        return self._label_index_weights == self.weights_fingerprint()
+
     def _require_labels(self) -> list[str]:
         if not self.label_texts:
             raise ValueError("this model has no labels: call model.set_labels(texts) or build_label_index(label_texts)")
@@ -486,9 +509,18 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         self._require_labels()
         if len(texts) == 0:  # as pipeline([]) gives []: an empty prediction, not an error
             return self._prediction(np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32), threshold)
-        queries = self.query_search_vectors(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
-        scores, ids = self.search_texts(texts, queries, k)
+        scores, ids = self.rank(texts, k, batch_size=batch_size, show_progress_bar=show_progress_bar)
         return self._prediction(ids, scores, threshold)
+
+    def rank(self, texts: Sequence[str], k: int, batch_size: int = 128, show_progress_bar: Optional[bool] = None, return_dense: bool = False,
+             images: Optional[Sequence] = None):
+        """The one ranking :meth:`predict` and the evaluator share: the top-``k`` ``(scores, ids)`` arrays of the
+        queries (the dense search, fused with the lexical channel when the model has one); with ``return_dense``,
+        ``(scores, ids, dense_scores, dense_ids)`` (:meth:`search_texts`). ``images``: for a model that takes them."""
+        if images is not None:
+            raise ValueError(f"{type(self).__name__} ranks texts only: it takes no images")
+        queries = self.query_search_vectors(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        return self.search_texts(texts, queries, k, return_dense=return_dense)
 
     # ------------------------------------------------------------------ calibrated scores (calibration.py)
     @property

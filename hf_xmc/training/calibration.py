@@ -117,16 +117,15 @@ def reliability_bins(probabilities: np.ndarray, relevant: np.ndarray, bins: int 
     return rows
 
 
-def fit_score_calibration(model, evaluator, method: str = "isotonic", depth: int = CALIBRATION_DEPTH, reuse_label_index: bool = False,
+def fit_score_calibration(model, evaluator, method: str = "isotonic", depth: int = CALIBRATION_DEPTH,
                           also: tuple[str, ...] = ()) -> ScoreCalibration | dict[str, ScoreCalibration]:
     """Fit ``method`` on the ranking of ``evaluator``'s queries (validation queries, an :class:`XMCEvaluator`) by
     ``model`` as ``predict`` ranks them, attach it (``model.set_score_calibration``) and return it.
-    ``reuse_label_index``: the model's index was just built with its final weights (not built again). ``also``: other
-    methods fitted on the same pairs (not attached), for comparison; then a dict ``{method: calibration}`` is returned."""
+    The model's index is searched as it is when it is current (``label_index_is_current``). ``also``: other methods
+    fitted on the same pairs (not attached), for comparison; then a dict ``{method: calibration}`` is returned."""
     for name in (method, *also):
         if name not in CALIBRATION_METHODS:
             raise ValueError(f"score calibration method must be one of {CALIBRATION_METHODS}, got {name!r}")
-    evaluator.reuse_label_index = reuse_label_index
     ids, scores, _ = evaluator.predict(model)
     scores_flat, relevant = ranked_pairs(ids, scores, evaluator.data.targets, depth)
     if len(scores_flat) == 0 or relevant.all() or not relevant.any():

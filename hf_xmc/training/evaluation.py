@@ -82,8 +82,6 @@ class XMCEvaluator:
         self.last_predictions: Optional[np.ndarray] = None
         # a model with a lexical channel: the top-k of its dense search alone (reported as <name>_dense_<metric>)
         self.dense_predictions: Optional[np.ndarray] = None
-        # skip re-encoding the labels once, when the model's index was just built over them with its final weights
-        self.reuse_label_index = False
         # a calibrated model: the reliability diagram's rows of the last evaluation (hf_xmc.training.calibration)
         self.last_reliability: Optional[list[dict]] = None
         self.last_ranking: Optional[tuple[np.ndarray, np.ndarray]] = None  # (ids, scores) behind last_reliability
@@ -103,69 +101,49 @@ class XMCEvaluator:
         return max(self.ks + self.recall_ks)
 
     def predict(self, model, show_progress_bar: Optional[bool] = None) -> tuple[np.ndarray, np.ndarray, float]:
-        """Index the labels with ``model`` and return ``(ids, scores, query_seconds)`` for the evaluation queries."""
+        """Index the labels with ``model`` (their images too, for a model that takes them; not again when its index is
+        current: built over these labels with its present weights) and return ``(ids, scores, query_seconds)`` for the
+        evaluation queries, ranked by ``model.rank``: the one ranking ``predict`` uses."""
         k = self.top_k
         extra = int(np.diff(self.filter_matrix.indptr).max()) if self.filter_matrix is not None and self.filter_matrix.nnz else 0
-        if model.takes_images:
-            # multimodal models rank through predict: one index query, then re-scoring of the shortlist
-            model.build_label_index(
-                self.label_texts, self.label_uids, batch_size=self.batch_size, show_progress_bar=show_progress_bar, label_images=self.label_images
-            )
-            start = time.perf_counter()
-            scores, ids = self._predict_items(model, k + extra, show_progress_bar)
-        else:
-            reuse = self.reuse_label_index and model.label_index is not None and model.label_texts == self.label_texts
-            self.reuse_label_index = False
-            if not reuse:
-                model.build_label_index(self.label_texts, self.label_uids, batch_size=self.batch_size, show_progress_bar=show_progress_bar)
-            start = time.perf_counter()
-            scores, ids = self._search_texts(model, k, extra, show_progress_bar)
-            return ids, scores, time.perf_counter() - start
-        seconds = time.perf_counter() - start
-        if self.filter_matrix is not None:
-            ids, scores = filter_predictions(ids, scores, self.filter_matrix, k)
-        return ids, scores, seconds
+        if not model.label_index_is_current(self.label_texts):
+            label_images = {"label_images": self.label_images} if model.takes_images else {}
+            model.build_label_index(self.label_texts, self.label_uids, batch_size=self.batch_size, show_progress_bar=show_progress_bar, **label_images)
+        start = time.perf_counter()
+        scores, ids = self._rank(model, k, extra, show_progress_bar)
+        return ids, scores, time.perf_counter() - start
 
-    def _search_texts(self, model, k: int, extra: int, show_progress_bar: Optional[bool]) -> tuple[np.ndarray, np.ndarray]:
-        """Encode, search and filter the queries ``chunk_size`` at a time: memory is the ``(n, k)`` result (12 bytes per
-        query and rank) plus one chunk of query vectors and search hits, however many queries there are."""
-        texts = self.data.texts
-        n = len(texts)
+    def _rank(self, model, k: int, extra: int, show_progress_bar: Optional[bool]) -> tuple[np.ndarray, np.ndarray]:
+        """Rank and filter the queries ``chunk_size`` at a time: memory is the ``(n, k)`` result (12 bytes per query and
+        rank) plus one chunk of query vectors and hits, however many queries there are. A model that takes images gets
+        them, and an item with neither a text nor an image (a single-modality ablation) no prediction (``-1``: a miss);
+        a model with a lexical channel also gives its dense ranking alone (``dense_predictions``)."""
+        texts, n = self.data.texts, len(self.data.texts)
+        images = self.data.images if model.takes_images else None
+        described = np.flatnonzero(self.data.has_descriptor()) if model.takes_images else np.arange(n)
         ids = np.full((n, k), -1, dtype=np.int64)
         scores = np.full((n, k), -np.inf, dtype=np.float32)
+        fused = model.lexical_channel is not None
         show = n > self.chunk_size if show_progress_bar is None else show_progress_bar
-        chunks = range(0, n, self.chunk_size)
+        chunks = range(0, len(described), self.chunk_size)
         for start in tqdm(chunks, desc="Searching", disable=not show or len(chunks) < 2 or progress_bar_disabled(), unit="chunk"):
-            stop = min(start + self.chunk_size, n)
-            queries = model.query_search_vectors(texts[start:stop], batch_size=self.batch_size, show_progress_bar=show_progress_bar if len(chunks) < 2 else False)
-            if model.lexical_channel is None:
-                chunk_scores, chunk_ids = model.search(queries, k + extra)
-            else:  # fused; the dense ranking alone is scored too (the channel's gain on the same model)
-                chunk_scores, chunk_ids, dense_scores, dense_ids = model.search_texts(texts[start:stop], queries, k + extra, return_dense=True)
+            rows = described[start : start + self.chunk_size]
+            ranked = model.rank(
+                [texts[i] for i in rows], k + extra, batch_size=self.batch_size, show_progress_bar=show_progress_bar if len(chunks) < 2 else False,
+                return_dense=fused, images=[images[i] for i in rows] if images is not None else None,
+            )
+            chunk_scores, chunk_ids = ranked[0], ranked[1]
+            if fused:  # the dense ranking alone is scored too (the channel's gain on the same model)
+                dense_scores, dense_ids = ranked[2], ranked[3]
                 if self.filter_matrix is not None:
-                    dense_ids, dense_scores = filter_predictions(dense_ids, dense_scores, self.filter_matrix[start:stop], k)
+                    dense_ids, dense_scores = filter_predictions(dense_ids, dense_scores, self.filter_matrix[rows], k)
                 if self.dense_predictions is None:
                     self.dense_predictions = np.full((n, k), -1, dtype=np.int64)
-                self.dense_predictions[start:stop] = dense_ids[:, :k]
+                self.dense_predictions[rows] = dense_ids[:, :k]
             if self.filter_matrix is not None:
-                chunk_ids, chunk_scores = filter_predictions(chunk_ids, chunk_scores, self.filter_matrix[start:stop], k)
-            ids[start:stop], scores[start:stop] = chunk_ids[:, :k], chunk_scores[:, :k]
-        return scores, ids
-
-    def _predict_items(self, model, k: int, show_progress_bar: Optional[bool]) -> tuple[np.ndarray, np.ndarray]:
-        """``model.predict`` on the items (texts and images); items with neither (a single-modality ablation) get no
-        predictions (``-1``), i.e. they count as misses."""
-        texts, images = self.data.texts, self.data.images
-        described = self.data.has_descriptor()
-        ids = np.full((len(texts), k), -1, dtype=np.int64)
-        scores = np.full((len(texts), k), -np.inf, dtype=np.float32)
-        rows = np.flatnonzero(described)
-        if len(rows):
-            pred = model.predict(
-                [texts[i] for i in rows], k=k, images=[images[i] for i in rows] if images is not None else None,
-                batch_size=self.batch_size, show_progress_bar=show_progress_bar,
-            )
-            ids[rows], scores[rows] = pred.label_ids, pred.scores
+                chunk_ids, chunk_scores = filter_predictions(chunk_ids, chunk_scores, self.filter_matrix[rows], k)
+            width = min(k, chunk_ids.shape[1])
+            ids[rows, :width], scores[rows, :width] = chunk_ids[:, :width], chunk_scores[:, :width]
         return scores, ids
 
     def __call__(self, model, show_progress_bar: Optional[bool] = None) -> dict[str, float]:

@@ -675,19 +675,11 @@ def train_and_evaluate(
             train_result = trainer.train(resume_from_checkpoint=resume)
         metrics = dict(train_result.metrics)
     trainer.release_training_state()  # the optimizer's moments and the batches' data: not needed from here on
-    index_current = False  # the model's label index was built with the final weights (no need to encode the labels again)
-    if training_args.lexical_channel != "none":
-        from .lexical import fit_lexical_channel
-
-        start = time.perf_counter()
-        channel = fit_lexical_channel(
-            model, data.train, data.label_texts, data.label_uids, ranker_weight=training_args.lexical_ranker_weight,
-            text_weight=training_args.lexical_text_weight, tune_queries=training_args.lexical_tune_queries, seed=training_args.seed,
-            batch_size=evaluator.batch_size, validation=data.validation,
-        )
+    start = time.perf_counter()
+    channel = trainer.fit_lexical_channel(data.validation, batch_size=evaluator.batch_size)  # None without --lexical_channel
+    if channel is not None:
         metrics["lexical_fit_runtime"] = round(time.perf_counter() - start, 4)
         metrics["lexical_ranker_weight"], metrics["lexical_text_weight"] = channel.settings["ranker_weight"], channel.settings["text_weight"]
-        index_current = True
     method = training_args.score_calibration
     if method == "auto":
         method = "isotonic" if validation is not None else "none"
@@ -696,16 +688,14 @@ def train_and_evaluate(
 
         start = time.perf_counter()
         other = tuple(m for m in CALIBRATION_METHODS if m != method)  # fitted beside it: its test ECE is reported too
-        calibrations = fit_score_calibration(model, validation, method, reuse_label_index=index_current, also=other)
+        calibrations = fit_score_calibration(model, validation, method, also=other)
         metrics["calibration_runtime"] = round(time.perf_counter() - start, 4)
-        index_current = True
     if training_args.lexical_channel != "none" and data.validation is not None and training_args.lexical_refit_ranker:
         from .lexical import refit_lexical_ranker
 
         start = time.perf_counter()  # after the calibration: it is fitted on queries the ranker has not seen
         refit_lexical_ranker(model.lexical_channel, data.train, data.validation)
         metrics["lexical_fit_runtime"] += round(time.perf_counter() - start, 4)
-    evaluator.reuse_label_index = index_current
     trainer.evaluator = evaluator  # the test file, read for this final evaluation only (and the model card)
     try:
         metrics.update(trainer.evaluate(metric_key_prefix=evaluator.name))

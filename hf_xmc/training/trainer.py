@@ -653,6 +653,25 @@ class XMCTrainer(Trainer):
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
+    def fit_lexical_channel(self, validation: Optional[XMCDataset] = None, batch_size: int = 128):
+        """What ``--lexical_channel`` asks, once training is over: a lexical channel fitted on the training queries, the
+        weights that ``--lexical_ranker_weight`` / ``--lexical_text_weight`` leave open tuned on ``validation`` (else on
+        ``--lexical_tune_queries`` training queries held out from the ranker), attached to the model and returned
+        (:func:`hf_xmc.training.lexical.fit_lexical_channel`); None with ``--lexical_channel none``. The training
+        scripts call it after :meth:`train`, and so can a user of this trainer."""
+        if getattr(self.args, "lexical_channel", "none") == "none":
+            return None
+        if self.xmc_train_data is None:
+            raise ValueError("--lexical_channel: the channel is fitted on the training queries, and this trainer has no XMCDataset to train on")
+        from .lexical import fit_lexical_channel
+
+        args = self.args
+        return fit_lexical_channel(
+            self.model, self.xmc_train_data, self.model.label_texts, self.model.label_uids, ranker_weight=args.lexical_ranker_weight,
+            text_weight=args.lexical_text_weight, tune_queries=args.lexical_tune_queries, seed=args.seed, batch_size=batch_size,
+            validation=validation,
+        )
+
     def release_training_state(self) -> None:
         """Drop what only training needs, before evaluation and saving at scale: the optimizer and its state (AdamW
         keeps 8 bytes per trainable value: 4 GB for 1.3M per-label rows of 384), the scheduler, the data loaders and
