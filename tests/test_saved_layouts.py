@@ -2,9 +2,10 @@
 
 ``tests/fixtures/saved_e5b7bd3`` holds four tiny models (DEXML with a lexical channel, UniDEC, PRIME, SiameseXML; 24
 labels, a 16-wide random BERT) saved by the code of commit e5b7bd3, before the model package was cut into modules, with
-the top-5 that code predicted for eight queries (``expected.json``; ``build_fixture.py`` made both). They are loaded
-by today's classes in this process, re-saved by today's code and loaded through remote code from that save, in a
-process where hf_xmc cannot be imported: every way must give the saved label ids and scores.
+the top-5 that code predicted for eight queries (``expected.json``; ``build_fixture.py`` made both). Every file of
+those directories is kept but the remote-code ``*.py`` copies (a frozen second copy of the old package that nothing
+here runs). They are loaded by today's classes in this process, re-saved by today's code and loaded through remote
+code from that save, in a process where hf_xmc cannot be imported: every way must give the saved label ids and scores.
 """
 
 import json
