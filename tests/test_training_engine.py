@@ -100,6 +100,33 @@ def test_hard_negatives_enter_the_pool(tiny_encoder_dir, tiny_task, tmp_path):
     assert set(without["label_ids"].tolist()) <= set(with_neg["label_ids"].tolist())
 
 
+def test_fractional_mining_schedule_mines_within_epochs(tiny_encoder_dir, tiny_task, tmp_path, monkeypatch):
+    from hf_xmc.training import trainer as trainer_module
+
+    data = tiny_task[0]
+    steps_per_epoch = -(-len(data.train) // 32)
+    trainer = make_trainer(tiny_encoder_dir, data, tmp_path, num_train_epochs=2, hard_negatives=2, hard_negative_top_k=10,
+                           hard_negative_start_epoch=0.5, hard_negative_refresh_interval=0.5)
+    mined_at = []
+    real = trainer_module.mine_hard_negatives
+
+    def recording(model, *args, **kwargs):
+        mined_at.append((trainer.state.global_step, model.training))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "mine_hard_negatives", recording)
+    trainer.train()
+    # schedule points 0.5, 1.0 and 1.5 epochs: mid-epoch ones before the first step past them, 1.0 at the epoch start
+    expected = [int(np.ceil(0.5 * steps_per_epoch)), steps_per_epoch, int(np.ceil(1.5 * steps_per_epoch))]
+    assert [step for step, _ in mined_at] == expected
+    assert trainer.data_collator.shortlist is not None and trainer.data_collator.shortlist.shape == (len(data.train), 10)
+    callback = next(c for c in trainer.callback_handler.callbacks if hasattr(c, "mining_due"))
+    assert callback.mined_epoch == pytest.approx(1.5)
+    assert callback.mining_due(trainer.args, 1.99) is None and callback.mining_due(trainer.args, 2.0) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="hard_negative_refresh_interval"):
+        XMCTrainingArguments(output_dir=str(tmp_path), hard_negative_refresh_interval=0)
+
+
 def test_propensity_sampling_prefers_tail_labels(tiny_encoder_dir, tiny_task, tmp_path):
     from hf_xmc.training import XMCDataCollator
 

@@ -180,6 +180,10 @@ class XMCDataset:
     # records, so they must be mapped through this when unlabeled points were skipped.
     source_rows: np.ndarray | None = None
     images: list[list[str]] | None = None  # per point: image paths (absolute once read from a file)
+    # (n x num_labels) boolean CSR of pairs that are neither relevant nor irrelevant: removed from a ranking before
+    # it is scored and never drawn as a negative (a filter file's pairs, e.g. LF datasets' "a point is its own
+    # label"); None: no such pairs. Memory: 5 bytes per pair plus 8 per point.
+    filter_matrix: sp.csr_matrix | None = None
 
     def __post_init__(self) -> None:
         """Normalise ``targets`` to CSR float32 and check that the lengths agree."""
@@ -197,6 +201,10 @@ class XMCDataset:
             self.source_rows = np.asarray(self.source_rows, dtype=np.int64)
             if self.source_rows.shape != (n,):
                 raise ValueError(f"source_rows has shape {self.source_rows.shape}, expected ({n},)")
+        if self.filter_matrix is not None:
+            self.filter_matrix = sp.csr_matrix(self.filter_matrix, dtype=bool)
+            if self.filter_matrix.shape != self.targets.shape:
+                raise ValueError(f"filter_matrix has shape {self.filter_matrix.shape}, expected the targets' {self.targets.shape}")
         if self.images is not None:
             if len(self.images) != n:
                 raise ValueError(f"inconsistent lengths: {len(self.images)} image lists, {n} target rows")
@@ -239,8 +247,9 @@ class XMCDataset:
             raise IndexError(f"index out of range for dataset of length {len(self)}")
         pos = idx.tolist()
         images = None if self.images is None else [list(self.images[i]) for i in pos]
+        filt = None if self.filter_matrix is None else self.filter_matrix[idx]
         return XMCDataset(texts=[self.texts[i] for i in pos], targets=self.targets[idx],
-                          uids=[self.uids[i] for i in pos], source_rows=self.record_indices()[idx], images=images)
+                          uids=[self.uids[i] for i in pos], source_rows=self.record_indices()[idx], images=images, filter_matrix=filt)
 
     def label_lists(self) -> list[list[int]]:
         """Return the label ids of every point as python lists."""

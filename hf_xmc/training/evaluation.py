@@ -88,8 +88,10 @@ class XMCEvaluator:
 
     def for_queries(self, data: XMCDataset, name: str) -> XMCEvaluator:
         """An evaluator of other queries (a validation split) over the same labels, propensities, cut-offs, batch size
-        and label images, named ``name`` (its keys' prefix); no filter file."""
+        and label images, named ``name`` (its keys' prefix); the pairs of ``data.filter_matrix`` (``--train_filter_file``
+        for queries carved out of the training points) are removed before scoring."""
         other = XMCEvaluator(data, self.label_texts, self.label_uids, ks=self.ks, recall_ks=self.recall_ks, name=name, batch_size=self.batch_size,
+                             filter_matrix=data.filter_matrix,
                              dataset_name=self.dataset_name, dataset_id=self.dataset_id, label_images=self.label_images, chunk_size=self.chunk_size,
                              propensity_a=self.propensity_a, propensity_b=self.propensity_b)
         other.inv_propensity, other.train_label_counts = self.inv_propensity, self.train_label_counts

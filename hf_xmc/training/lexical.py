@@ -38,7 +38,7 @@ from typing import Optional
 import numpy as np
 import scipy.sparse as sp
 
-from ..data import XMCDataset, write_bow
+from ..data import XMCDataset, filter_predictions, write_bow
 from ..metrics import inverse_propensity, xmc_metrics
 from ..models.lexical_channel import DEFAULT_SETTINGS, CsrRows, LexicalChannel, TfidfFeatures, _quiet_output
 
@@ -208,18 +208,24 @@ def tune_fusion_weights(
     use_ranker, use_text = any(ranker_weights), any(text_weights)
     candidates = channel.candidates(holdout.texts, dense_scores, dense_ids, float(use_ranker), float(use_text))
 
-    def objective(ids: np.ndarray) -> float:
-        m = xmc_metrics(ids, holdout.targets, inv_prop, ks=(1, 5), recall_ks=())
+    # the holdout's filter pairs (--train_filter_file: a query that is its own label) are not scored, as at test time
+    filt = holdout.filter_matrix
+    extra = int(np.diff(filt.indptr).max()) if filt is not None and filt.nnz else 0
+
+    def objective(ids: np.ndarray, scores: np.ndarray) -> float:
+        if extra:
+            ids, _ = filter_predictions(ids, scores, filt, 5)
+        m = xmc_metrics(ids[:, :5], holdout.targets, inv_prop, ks=(1, 5), recall_ks=())
         return m["P@1"] + m["PSP@5"]
 
     grid = {}
     best = None
     for wr in sorted(ranker_weights):
         for wt in sorted(text_weights):
-            _, ids = candidates.top_k(wr, wt, 5)
-            value = objective(ids)
+            scores, ids = candidates.top_k(wr, wt, 5 + extra)
+            value = objective(ids, scores)
             grid[f"{wr:g},{wt:g}"] = round(value, 3)
             if best is None or value > best[0] + 1e-9:
                 best = (value, wr, wt)
     return {"ranker_weight": best[1], "text_weight": best[2], "objective": round(best[0], 3),
-            "dense": round(objective(dense_ids[:, :5]), 3), "grid": grid}
+            "dense": round(objective(dense_ids, dense_scores), 3), "grid": grid}

@@ -28,8 +28,10 @@ def mine_hard_negatives(
     batch_size: int = 256,
     show_progress_bar: Optional[bool] = None,
     chunk_size: int = 16384,
+    exclude: Optional[sp.spmatrix] = None,
 ) -> np.ndarray:
-    """Top-``top_k`` labels per training query under the current weights, known positives removed.
+    """Top-``top_k`` labels per training query under the current weights, known positives (and the pairs of
+    ``exclude``, a ``(n, L)`` matrix such as the training filter file's: labels that are the query itself) removed.
 
     The labels are re-encoded and indexed with ``model.build_label_index()`` (exact search, as the DEXML code
     does), in the model's ``hard_negative_search_mode`` when it names one. The queries are then encoded, searched
@@ -48,6 +50,11 @@ def mine_hard_negatives(
     n = targets.shape[0]
     if n != len(texts):
         raise ValueError(f"{len(texts)} texts but {n} target rows")
+    if exclude is not None:
+        if exclude.shape != targets.shape:
+            raise ValueError(f"exclude has shape {exclude.shape}, expected the targets' {targets.shape}")
+        # a pair in either is never a negative: search past both, filter both
+        targets = sp.csr_matrix(((targets != 0) + (sp.csr_matrix(exclude) != 0)).astype(np.float32))
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     dtype = np.int32 if targets.shape[1] < np.iinfo(np.int32).max else np.int64

@@ -43,6 +43,11 @@ class XMCDataArguments:
     test_filter_file: Optional[str] = field(
         default=None, metadata={"help": "Pairs 'point_idx label_idx' removed from test predictions before scoring (point_idx: row of the test file or split)."}
     )
+    train_filter_file: Optional[str] = field(
+        default=None,
+        metadata={"help": "Pairs 'point_idx label_idx' of the training points (the XC repository's filter_labels_train.txt) that are neither "
+                  "positives nor negatives: removed from the validation rankings that tune the run and never mined as hard negatives."},
+    )
     text_fields: str = field(default="title", metadata={"help": "Comma-separated JSON fields joined into a query text."})
     label_text_fields: str = field(default="title", metadata={"help": "Comma-separated JSON fields joined into a label text."})
     dataset_name: Optional[str] = field(
@@ -501,6 +506,12 @@ def load_data(data_args: XMCDataArguments, training_args: Optional[XMCTrainingAr
             label_text_column=data_args.label_text_column, label_image_column=data_args.label_image_column,
         )
         logger.info("data: %d train, %d test points, %d labels", len(data.train), len(data.test), len(data.label_texts))
+    if data_args.train_filter_file:
+        # rows index records of the training file (as a test filter file's do the test file's); select() carries
+        # them into the validation points carved out below
+        filt = read_filter_file(data_args.train_filter_file, num_points=data.train.num_source_records, num_labels=len(data.label_texts))
+        data.train.filter_matrix = filt[data.train.record_indices()]
+        logger.info("training filter: %d (point, label) pairs are neither positives nor negatives", data.train.filter_matrix.nnz)
     if training_args is not None:
         data = prepare_validation(data, data_args, training_args)
     return data

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -76,8 +77,8 @@ class XMCTrainingArguments(TrainingArguments):
     cluster_batch_mode: str = field(default="concat", metadata={"help": "'concat' (NGAME, PRIME: shuffled clusters concatenated and cut into batches; clusters grow by the curriculum) or 'one_per_batch' (UniDEC: clusters of at most the global batch size, each batch one cluster; the curriculum does not apply)."})
     hard_negatives: int = field(default=0, metadata={"help": "Hard negatives per query drawn from a mined shortlist (0 = in-batch only)."})
     hard_negative_top_k: int = field(default=100, metadata={"help": "Shortlist size per query (known positives removed)."})
-    hard_negative_start_epoch: int = field(default=5, metadata={"help": "First epoch that uses the shortlist (in-batch negatives before)."})
-    hard_negative_refresh_interval: int = field(default=5, metadata={"help": "Re-mine the shortlist every N epochs."})
+    hard_negative_start_epoch: float = field(default=5, metadata={"help": "When the shortlist is first mined, in epochs (in-batch negatives before); a fraction mines within an epoch (0.1: a tenth into the first)."})
+    hard_negative_refresh_interval: float = field(default=5, metadata={"help": "Re-mine the shortlist every N epochs (a fraction: several times an epoch)."})
     gradient_cache_chunk_size: int = field(default=0, metadata={"help": "GradCache: encode queries and labels in chunks of N rows (0 = off; with label_pool='all' 0 means 256)."})
     label_pool: str = field(default="in_batch", metadata={"help": "'in_batch' (sampled positives [+ hard negatives]), 'psl' (UniDEC pick-some-labels: sampled positives, hard negatives and the batch's other positives, capped at max_label_pool) or 'all' (every label re-encoded each step: DEXML brute force)."})
     max_label_pool: int = field(default=0, metadata={"help": "label_pool='psl': most labels in a pool (0 = no cap)."})
@@ -113,11 +114,13 @@ class XMCTrainingArguments(TrainingArguments):
             raise ValueError(f"cluster_batch_mode must be one of {ClusterBatchSampler.MODES}, got {self.cluster_batch_mode!r}")
         if self.positive_sampling not in ("uniform", "propensity"):
             raise ValueError(f"positive_sampling must be 'uniform' or 'propensity', got {self.positive_sampling!r}")
-        for name in ("num_positives", "cluster_init_size", "cluster_refresh_interval", "hard_negative_top_k", "hard_negative_refresh_interval",
+        if self.hard_negative_refresh_interval <= 0:
+            raise ValueError(f"--hard_negative_refresh_interval must be > 0, got {self.hard_negative_refresh_interval}")
+        for name in ("num_positives", "cluster_init_size", "cluster_refresh_interval", "hard_negative_top_k",
                      "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_train_epochs", "learning_rate", "hard_negatives", "gradient_cache_chunk_size", "weight_decay", "warmup_steps"):
+        for name in ("num_train_epochs", "learning_rate", "hard_negatives", "hard_negative_start_epoch", "gradient_cache_chunk_size", "weight_decay", "warmup_steps"):
             if getattr(self, name, 0) < 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if self.peft not in (None, "lora"):
@@ -740,7 +743,38 @@ class XMCEpochCallback(TrainerCallback):
 
     def __init__(self, trainer: XMCTrainer):
         self.trainer = trainer
-        self.mined_epoch: Optional[int] = None  # the shortlist's epoch (a resumed epoch does not re-mine)
+        self.mined_epoch: Optional[float] = None  # the schedule point the shortlist was mined for (a resumed run does not re-mine)
+
+    def mining_due(self, args, epoch: float) -> Optional[float]:
+        """The point of the mining schedule (``--hard_negative_start_epoch`` + j ``--hard_negative_refresh_interval``,
+        in epochs) that training at ``epoch`` has reached and whose shortlist is not mined yet; None when none is."""
+        if not getattr(args, "hard_negatives", 0):
+            return None
+        start, every = float(args.hard_negative_start_epoch), float(args.hard_negative_refresh_interval)
+        if epoch + 1e-9 < start:
+            return None
+        point = start + math.floor((epoch - start) / every + 1e-9) * every
+        if self.mined_epoch is not None and self.mined_epoch >= point - 1e-9:
+            return None
+        return point
+
+    def mine(self, args, point: float) -> None:
+        """Mine the shortlist of every training query with the current weights (its filter pairs excluded)."""
+        trainer = self.trainer
+        data = trainer.xmc_train_data
+        trainer.data_collator.set_shortlist(mine_hard_negatives(trainer.model, data.texts, data.targets, top_k=args.hard_negative_top_k,
+                                                                show_progress_bar=not args.disable_tqdm, exclude=data.filter_matrix))
+        trainer.model.invalidate_label_index()
+        self.mined_epoch = point
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        # a schedule point within an epoch (fractional start or interval): mined between two steps; the batch of this
+        # step is already built, so the shortlist serves from the next one
+        point = self.mining_due(args, float(state.epoch or 0))
+        if point is not None and point != int(point) and hasattr(self.trainer.data_collator, "set_shortlist"):
+            logger.info("epoch %.3f: mining the hard-negative shortlist", float(state.epoch or 0))
+            self.mine(args, point)
+        return control
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         trainer = self.trainer
@@ -754,14 +788,9 @@ class XMCEpochCallback(TrainerCallback):
             if sampler.needs_refresh(epoch):  # False when a resumed epoch was already clustered
                 sampler.update_clusters(self._query_embeddings())
                 logger.info("epoch %d: clustered %d queries into clusters of %d", epoch, sampler.num_samples, sampler.cluster_size(epoch))
-        k = getattr(args, "hard_negatives", 0)
-        start = getattr(args, "hard_negative_start_epoch", 0)
-        due = k and epoch >= start and (epoch - start) % args.hard_negative_refresh_interval == 0
-        if due and self.mined_epoch != epoch and hasattr(collator, "set_shortlist"):
-            data = trainer.xmc_train_data
-            collator.set_shortlist(mine_hard_negatives(trainer.model, data.texts, data.targets, top_k=args.hard_negative_top_k, show_progress_bar=not args.disable_tqdm))
-            trainer.model.invalidate_label_index()
-            self.mined_epoch = epoch
+        point = self.mining_due(args, float(epoch))
+        if point is not None and point == epoch and hasattr(collator, "set_shortlist"):  # due right at this epoch's start
+            self.mine(args, point)
         return control
 
     @classmethod

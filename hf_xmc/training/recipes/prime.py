@@ -131,7 +131,8 @@ def prepare_classifier_stage(model: PRIMEModel, data, args: PRIMETrainingArgumen
     of the shared classifier stage."""
     show = not args.disable_tqdm
     targets = sp.csr_matrix(data.train.targets)
-    shortlist = mine_hard_negatives(model, data.train.texts, targets, top_k=args.classifier_shortlist_size, show_progress_bar=show)
+    shortlist = mine_hard_negatives(model, data.train.texts, targets, top_k=args.classifier_shortlist_size, show_progress_bar=show,
+                                    exclude=data.train.filter_matrix)
     vectors = model.encode_texts(data.train.texts, model.config.max_seq_length, show_progress_bar=show, desc="Caching queries", normalize=False)
     model.add_classifier(show_progress_bar=show)
     for name, param in model.named_parameters():
