@@ -295,6 +295,9 @@ def test_training_script_end_to_end_and_a_resumed_run(tiny_encoder_dir, tiny_tas
         assert key in saved and saved[key] == pytest.approx(metrics[key])
     model = AutoModel.from_pretrained(out)
     assert model.config.encoder_type == "boe" and bool(model.label_state_initialized)
+    # --fusion_weight not given: tuned on the validation split the run held out for it, and saved
+    assert saved["tuned_fusion_weight"] in model.tunable_ranking_settings["fusion_weight"]
+    assert model.config.fusion_weight == saved["tuned_fusion_weight"] and model.config.validation["queries"] > 0
     assert torch.count_nonzero(model.classifier.weight) > 0  # Module IV moved the refinement vectors
     assert (model.encoder.idf > 0).any() and model.encoder.idf[model.tokenizer.cls_token_id] == 0
     assert model.encoder.idf.min() < model.encoder.idf.max()  # set from the texts, not the initial ones
@@ -327,3 +330,39 @@ def test_max_steps_bound_module_one_and_classifier_max_steps_module_four(tmp_pat
     assert classifier.max_steps == -1 and classifier.num_train_epochs == 3  # Module IV runs its epochs, not Module I's steps
     bounded = _module_args(dataclasses.replace(args, classifier_max_steps=7), "classifier")
     assert bounded.max_steps == 7
+
+
+def test_fusion_weight_is_tuned_to_the_best_validation_ranking(tiny_encoder_dir, tiny_task):
+    from hf_xmc.data import XMCDataset
+    from hf_xmc.metrics import xmc_metrics
+    from hf_xmc.training.evaluation import XMCEvaluator, tune_ranking_settings
+    from tests.models.test_modeling_siamesexml import make_siamesexml, perturb
+
+    data = tiny_task[0]
+    model = make_siamesexml(tiny_encoder_dir, data)
+    perturb(model)
+    model.build_label_index()
+    texts = data.test.texts[:30]
+    # relevant: the classifiers' first label for one half of the queries, the shortlist similarity's for the other
+    tops = {}
+    for mode in ("classifier", "shortlist"):
+        with model.using_search_mode(mode):
+            tops[mode] = model.predict(texts, k=1).label_ids[:, 0]
+    relevant = np.where(np.arange(30) < 15, tops["classifier"], tops["shortlist"])
+    targets = sp.csr_matrix((np.ones(30, dtype=np.float32), (np.arange(30), relevant)), shape=(30, len(data.label_texts)))
+    validation = XMCDataset(texts=list(texts), targets=targets, uids=[str(i) for i in range(30)])
+    evaluator = XMCEvaluator(data.test, data.label_texts, data.label_uids, train_targets=data.train.targets).for_queries(validation, "eval")
+    expected = {}  # each value's objective through predict, independently of the evaluator
+    for value in model.tunable_ranking_settings["fusion_weight"]:
+        model.config.fusion_weight = value
+        m = xmc_metrics(model.predict(texts, k=5).label_ids, targets, evaluator.inv_propensity, ks=(1, 5), recall_ks=())
+        expected[value] = m["P@1"] + m["PSP@5"]
+    model.config.fusion_weight = 0.5
+    chosen = tune_ranking_settings(model, evaluator)
+    best = max(expected.values())
+    assert chosen == {"fusion_weight": model.config.fusion_weight}
+    assert expected[chosen["fusion_weight"]] == pytest.approx(best)
+    if expected[0.5] < best - 1e-9:  # the value it had is kept only on a tie; otherwise the smallest best one
+        assert chosen["fusion_weight"] == min(v for v, score in expected.items() if score >= best - 1e-9)
+    assert tune_ranking_settings(model, evaluator, names=()) == {}
+

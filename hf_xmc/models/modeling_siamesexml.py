@@ -141,6 +141,9 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
     supports_distributed_gradient_cache = False
     # predict ranks the shortlist by "fusion", "classifier", "shortlist" or "label_text" (no re-indexing)
     search_modes = SIAMESEXML_SEARCH_MODES
+    # beta of the fused score (0: the shortlist's similarity alone, 1: the classifiers alone), tuned on the validation
+    # split after training: the paper's and the code's fixed value was chosen on their datasets and budgets
+    tunable_ranking_settings = {"fusion_weight": (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)}
     # learning rate of the bag-of-embeddings table relative to the base rate ([C]: 0.01 against 2e-4 for a transformer)
     boe_learning_rate_multiplier = 50.0
     # the label store / index holds [z~ ; v]: two rows per label

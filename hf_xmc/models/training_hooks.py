@@ -44,6 +44,11 @@ class XMCTrainingHooks:
         training queries, then ``set_label_state``). Called only while :attr:`needs_label_state` is True."""
         return False
 
+    #: Fields of the model's config that shape its own ranking and that a run tunes on its validation split once
+    #: training is over, each with the values tried (``hf_xmc.training.evaluation.tune_ranking_settings``; SiameseXML:
+    #: the classifier's share of the fused score). Empty: nothing to tune.
+    tunable_ranking_settings: dict[str, tuple[float, ...]] = {}
+
     def parameter_learning_rates(self, base_lr: float) -> dict[str, float]:
         """Learning rate per parameter-name prefix for the optimizer (UniDEC: the heads at a multiple of ``base_lr``,
         the classifier vectors at their own rate); every other parameter trains at ``base_lr``. Here: none."""

@@ -170,3 +170,30 @@ class XMCEvaluator:
         out[f"{self.name}_runtime"] = round(time.perf_counter() - start, 4)
         out[f"{self.name}_samples_per_second"] = round(len(self.data) / max(query_seconds, 1e-9), 3)
         return out
+
+
+def tune_ranking_settings(model, evaluator: XMCEvaluator, names: Optional[Sequence[str]] = None) -> dict[str, float]:
+    """Set each of the model's ``tunable_ranking_settings`` (config fields of its own ranking, e.g. SiameseXML's fusion
+    weight) to the value with the best ``P@1 + PSP@5`` on ``evaluator``'s queries (a validation split), one field after
+    the other (``names``: only these); a tie keeps the value the model had, then the smaller. Returns ``{field: chosen
+    value}``; nothing when the model has no such field. Cost: one ranking of the validation queries per value tried (the label index is
+    current throughout: the settings do not change the label vectors)."""
+    chosen: dict[str, float] = {}
+    for name, values in model.tunable_ranking_settings.items():
+        if names is not None and name not in names:
+            continue
+        current = getattr(model.config, name)
+        scores = {}
+        for value in dict.fromkeys([current, *values]):
+            setattr(model.config, name, value)
+            ids, _, _ = evaluator.predict(model, show_progress_bar=False)
+            m = xmc_metrics(ids, evaluator.data.targets, evaluator.inv_propensity, ks=(1, 5), recall_ks=())
+            scores[value] = m["P@1"] + m["PSP@5"]
+        best = max(scores.values())
+        value = current if scores[current] >= best - 1e-9 else min(v for v, score in scores.items() if score >= best - 1e-9)
+        setattr(model.config, name, value)
+        chosen[name] = value
+        logger.info("%s tuned on %d %s queries: %g (P@1 + PSP@5 %s)", name, len(evaluator.data), evaluator.name, value,
+                    {f"{v:g}": round(score, 2) for v, score in scores.items()})
+    return chosen
+

@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -479,9 +480,10 @@ def uses_hf_dataset(data_args: XMCDataArguments) -> bool:
     return True
 
 
-def load_data(data_args: XMCDataArguments, training_args: Optional[XMCTrainingArguments] = None) -> XCData:
+def load_data(data_args: XMCDataArguments, training_args: Optional[XMCTrainingArguments] = None, tuned_by_recipe: Sequence[str] = ()) -> XCData:
     """Read the train/test/label files named by the data arguments, or the ``datasets`` dataset of ``--dataset_name``;
-    with ``training_args``, also the validation points the run needs (:func:`prepare_validation`)."""
+    with ``training_args``, also the validation points the run needs (:func:`prepare_validation`; ``tuned_by_recipe``:
+    the recipe's own settings that it tunes on them, e.g. SiameseXML's ``--fusion_weight`` left unset)."""
     if uses_hf_dataset(data_args):
         from ..data import load_hf_xc_data
 
@@ -513,7 +515,7 @@ def load_data(data_args: XMCDataArguments, training_args: Optional[XMCTrainingAr
         data.train.filter_matrix = filt[data.train.record_indices()]
         logger.info("training filter: %d (point, label) pairs are neither positives nor negatives", data.train.filter_matrix.nnz)
     if training_args is not None:
-        data = prepare_validation(data, data_args, training_args)
+        data = prepare_validation(data, data_args, training_args, tuned_by_recipe)
     return data
 
 
@@ -533,7 +535,7 @@ def needs_validation(training_args: XMCTrainingArguments) -> list[str]:
     return needs
 
 
-def prepare_validation(data: XCData, data_args: XMCDataArguments, training_args: XMCTrainingArguments) -> XCData:
+def prepare_validation(data: XCData, data_args: XMCDataArguments, training_args: XMCTrainingArguments, tuned_by_recipe: Sequence[str] = ()) -> XCData:
     """The validation points of the run, before anything trains: the ones of ``--validation_file`` /
     ``--validation_split`` when given (already in ``data.validation``), else ``--validation_size`` queries or
     ``--validation_split_percentage`` percent of the training queries, else, when the run needs a split
@@ -542,7 +544,8 @@ def prepare_validation(data: XCData, data_args: XMCDataArguments, training_args:
     ``data.validation_record`` (the saved config's ``validation`` and the card)."""
     from ..data.splits import carve_validation, default_validation_size, validation_record
 
-    needs = needs_validation(training_args)
+    required = needs_validation(training_args)
+    needs = required + list(tuned_by_recipe)  # a recipe's own tuning falls back to its default without a split
     if data.validation is not None:
         source = data_args.validation_file or f"split {data_args.validation_split!r}"
         data.validation_record = validation_record(data, source)
@@ -559,8 +562,8 @@ def prepare_validation(data: XCData, data_args: XMCDataArguments, training_args:
         if needs:
             if data_args.validation_size == 0 or data_args.validation_split_percentage == 0:
                 logger.warning("no validation split (asked for 0 points): %s tune on training points the model has seen", ", ".join(needs))
-            else:
-                raise ValueError(f"{', '.join(needs)} tune on a validation split, and {n} training points are too few to hold one out: give --validation_file")
+            elif required:
+                raise ValueError(f"{', '.join(required)} tune on a validation split, and {n} training points are too few to hold one out: give --validation_file")
         data.validation_record = None
         return data
     if size >= n:
@@ -645,6 +648,7 @@ def train_and_evaluate(
     evaluator: XMCEvaluator,
     training_args: XMCTrainingArguments,
     card_kwargs: Optional[dict] = None,
+    tune_settings: Optional[Sequence[str]] = None,
     **trainer_kwargs,
 ) -> dict:
     """Train ``model`` on ``data.train``, tune what the run tunes on ``data.validation`` (the lexical channel's weights,
@@ -653,7 +657,9 @@ def train_and_evaluate(
     model card) to ``output_dir``, write ``eval_results.json`` there and, with ``--push_to_hub``, upload the
     directory; returns the metrics (``train_*``, ``<evaluator name>_*``). ``--max_steps 0`` trains nothing (the
     untrained encoder, with whatever the run fits after training: the zero-shot baseline). ``card_kwargs`` go to
-    ``XMCTrainer.create_model_card`` (``dataset``, ``finetuned_from``, ``model_name``, ``license``, ``tags``)."""
+    ``XMCTrainer.create_model_card`` (``dataset``, ``finetuned_from``, ``model_name``, ``license``, ``tags``).
+    ``tune_settings``: which of the model's ``tunable_ranking_settings`` to tune on the validation split after training,
+    before the lexical channel is fitted on top (None: all of them; ``()``: none, the values given are kept)."""
     if training_args.lexical_channel != "none" and model.takes_images:
         raise ValueError(f"--lexical_channel: {type(model).__name__} ranks texts and images through its own predict; the lexical channel is for text models")
     validation = validation_evaluator(data, evaluator)
@@ -686,6 +692,13 @@ def train_and_evaluate(
             train_result = trainer.train(resume_from_checkpoint=resume)
         metrics = dict(train_result.metrics)
     trainer.release_training_state()  # the optimizer's moments and the batches' data: not needed from here on
+    tunable = [name for name in model.tunable_ranking_settings if tune_settings is None or name in tune_settings]
+    if tunable and validation is not None:  # the model's own ranking first: the channel is fused on top of it
+        from .evaluation import tune_ranking_settings
+
+        start = time.perf_counter()
+        chosen = tune_ranking_settings(model, validation, tunable)
+        metrics.update({f"tuned_{name}": value for name, value in chosen.items()}, ranking_tuning_runtime=round(time.perf_counter() - start, 4))
     start = time.perf_counter()
     channel = trainer.fit_lexical_channel(data.validation, batch_size=evaluator.batch_size)  # None without --lexical_channel
     if channel is not None:

@@ -82,7 +82,9 @@ class SiameseXMLModelArguments:
     shortlist_size: int = field(default=500, metadata={"help": "Labels scored per query at prediction ([C] 500)."})
     shortlist_per_source: int = field(default=300, metadata={"help": "Neighbours per label representation ([C] 300)."})
     fusion: str = field(default="code", metadata={"help": "code: beta exp(5(cos-1)) + (1-beta) sigmoid(sim) | paper: alpha cos + (1-alpha)(z+v).E(x)."})
-    fusion_weight: float = field(default=0.5, metadata={"help": "beta (code fusion) or alpha (paper fusion)."})
+    fusion_weight: Optional[float] = field(
+        default=None, metadata={"help": "beta (code fusion) or alpha (paper fusion): the classifiers' share of the score (default: tuned on the validation split when the run has one, else 0.5)."}
+    )
     search_mode: str = field(default="fusion", metadata={"help": "Saved ranking: fusion | classifier | shortlist | label_text (Module I alone)."})
     index_kind: str = field(default="exact", metadata={"help": "Shortlist index saved with the model: exact | ivf | hnsw | torch."})
     ivf_nprobe: int = field(default=64, metadata={"help": "Lists an ivf index scans per query."})
@@ -211,7 +213,10 @@ def mine(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments):
 def main(argv: Optional[list[str]] = None) -> dict:
     """Parse the arguments, run Modules I-IV, evaluate, save; returns the metrics of ``eval_results.json``."""
     model_args, data_args, training_args = parse_script_args(SiameseXMLModelArguments, SiameseXMLTrainingArguments, argv, method="siamesexml")
-    data = load_data(data_args, training_args)
+    tune = () if model_args.fusion_weight is not None else None  # a beta given on the command line is kept as given
+    if model_args.fusion_weight is None:
+        model_args.fusion_weight = 0.5  # [C]'s value until the validation split tunes it
+    data = load_data(data_args, training_args, tuned_by_recipe=["--fusion_weight"] if tune is None else [])
     model = SiameseXMLModel.from_encoder_pretrained(model_args.model_name_or_path, label_space_size=len(data.label_texts), **model_config_kwargs(model_args, data_args))
     model.set_labels(data.label_texts, data.label_uids)
     module1_restored = training_args.num_train_epochs > 0 and stage_finished(module1_dir(training_args), resume_argument(training_args))
@@ -222,4 +227,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
     evaluator = build_evaluator(data, data_args)
     train_siamese(model, data, training_args, **stage_evaluation(data, evaluator))
     collator = mine(model, data, training_args)
-    return train_and_evaluate(model, data, evaluator, _module_args(training_args, "classifier"), data_collator=collator)
+    return train_and_evaluate(model, data, evaluator, _module_args(training_args, "classifier"), data_collator=collator, tune_settings=tune)

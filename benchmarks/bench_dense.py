@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Trained encoders that carry the head on their own: each text method's dense ranking (and its fusion with the
+lexical channel) per dataset and training recipe, against the best tree peer and the untrained encoder.
+
+    python benchmarks/make_wordnet.py
+    python benchmarks/bench_dense.py --datasets wordnet --methods dexml --recipes default hard_negatives --update_docs
+    python benchmarks/bench_dense.py --table_only --update_docs        # the table of --out, nothing run
+
+A row is ``training_scripts/train_<method>.py`` run through the training-script contract on a dataset with the
+step budget of ``bench_validation.py`` (WordNet-XMC: the 40-CPU-minute budgets of ``bench_wordnet.py``; Debtags half
+an epoch, Reuters one), ``--lexical_channel omikuji`` (so the fused ranking is measured on the same model, its
+weights tuned on the validation split) and the training filter file where the dataset has one; the recipe's flags
+come last and win (a recipe may change the step budget, so that two recipes cost the same wall time). *Dense* is the
+trained model alone (``test_dense_*``), *fused* what the script saves and reports (``test_*``). The references are
+read from committed results: the best tree peer by P@1 (``peers_wordnet.json``, ``debtags.json``) and the untrained
+all-MiniLM-L6-v2 with and without the channel (the ``zeroshot`` rows of ``validation_fusion.json``). Wall minutes are
+the whole script on the machine it ran on (``load_1min`` says how busy it was); rows already in ``--out`` are kept
+(``--rerun`` runs them again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.bench_validation import BUDGETS, SHOWN, data_setup, pick  # noqa: E402
+from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.sweep_defaults import minilm, training_command  # noqa: E402
+
+DATASETS = ("wordnet", "debtags", "reuters")
+METHODS = ("dexml", "prime", "unidec", "siamesexml")
+#: named flag sets appended to a row's command; "default" is the script's defaults at the commit that ran the row
+RECIPES: dict[str, list[str]] = {
+    "default": [],
+    # ANCE-style negatives from the model's own index, mined once a twentieth into the run (its training filter pairs
+    # excluded), one per query from its top 100; half the steps of the default, for about the same wall time
+    "hard_negatives": ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negative_start_epoch", "0.05",
+                       "--hard_negative_refresh_interval", "10"],
+}
+#: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget)
+RECIPE_BUDGETS: dict[tuple[str, str], list[str]] = {
+    ("wordnet", "hard_negatives"): ["--max_steps", "400"],
+}
+TRAIN_FILTERS = {"wordnet": "filter_labels_train.txt"}
+
+
+def run_row(dataset: str, method: str, recipe: str, work: str) -> dict:
+    """Train through the script and read its eval_results.json."""
+    data_dir, data_flags = data_setup(dataset, work)
+    if dataset in TRAIN_FILTERS:
+        data_flags = [*data_flags, "--train_filter_file", os.path.join(data_dir, TRAIN_FILTERS[dataset])]
+    flags = [*BUDGETS.get((dataset, method), []), *RECIPES[recipe], *RECIPE_BUDGETS.get((dataset, recipe), [])]
+    out = os.path.join(work, f"{dataset}-{method}-{recipe}")
+    cmd, env = training_command(method, data_dir, minilm(), out, [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", *flags])
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{dataset}-{method}-{recipe}: the training script failed")
+    with open(os.path.join(out, "eval_results.json")) as f:
+        results = json.load(f)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    return {"row": f"{dataset}-{method}-{recipe}", "dataset": dataset, "method": method, "recipe": recipe, "flags": flags,
+            "commit": commit, "wall_seconds": round(wall, 1), "load_1min": round(os.getloadavg()[0], 2),
+            "train_runtime": results.get("train_runtime"), "dense": pick(results, "test_dense_"), "fused": pick(results, "test_"),
+            "weights": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")]}
+
+
+def references(dataset: str) -> list[tuple[str, dict]]:
+    """The best tree peer by P@1 and the untrained encoder (dense, + channel) of ``dataset`` from committed results."""
+    refs = []
+    peers_file = {"wordnet": "peers_wordnet.json", "debtags": "debtags.json"}.get(dataset)
+    if peers_file and os.path.exists(result_path(peers_file)):
+        rows = [r for r in read_json(result_path(peers_file))["rows"] if "hf_xmc" not in r["method"] and "zero-shot" not in r["method"]]
+        if rows:
+            best = max(rows, key=lambda r: r["metrics"]["P@1"])
+            refs.append((f"best tree peer: {best['method']}", best["metrics"]))
+    validation = result_path("validation_fusion.json")
+    zeroshot = next((r for r in read_json(validation) if r["row"] == f"{dataset}-zeroshot"), None) if os.path.exists(validation) else None
+    if zeroshot:
+        refs += [("untrained all-MiniLM-L6-v2, dense", zeroshot["dense"]), ("untrained all-MiniLM-L6-v2 + channel", zeroshot["fused_now"])]
+    return refs
+
+
+def table(rows: list[dict]) -> str:
+    header = ["dataset", "model", "recipe", "ranking", *SHOWN, "wall min"]
+    cells = []
+    for dataset in DATASETS:
+        ours = [r for r in rows if r["dataset"] == dataset]
+        if not ours:
+            continue
+        for name, metrics in references(dataset):
+            cells.append([dataset, name, "", "", *(f"{metrics[m]:.2f}" if m in metrics else "" for m in SHOWN), ""])
+        for r in ours:
+            for ranking in ("dense", "fused"):
+                cells.append([dataset, r["method"], r["recipe"] + (f" ({' '.join(r['flags'])})" if r["flags"] else ""), ranking,
+                              *(f"{r[ranking][m]:.2f}" for m in SHOWN), f"{r['wall_seconds'] / 60:.1f}"])
+    return markdown_table(header, cells, "llll" + "r" * (len(SHOWN) + 1)) + "\n"
+
+
+def main(argv=None) -> list[dict]:
+    ap = bench_parser(__doc__, result_path("dense.json"), docs_block="dense", table_only=True)
+    ap.add_argument("--datasets", nargs="+", default=["wordnet"], choices=list(DATASETS))
+    ap.add_argument("--methods", nargs="+", default=["dexml"], choices=list(METHODS))
+    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    ap.add_argument("--rerun", action="store_true", help="run rows already in --out again")
+    args = ap.parse_args(argv)
+    rows = read_json(args.out) if os.path.exists(args.out) else []
+    if not args.table_only:
+        with tempfile.TemporaryDirectory(prefix="dense_") as work:
+            for dataset in args.datasets:
+                for method in args.methods:
+                    for recipe in args.recipes:
+                        name = f"{dataset}-{method}-{recipe}"
+                        if any(r["row"] == name for r in rows) and not args.rerun:
+                            continue
+                        row = run_row(dataset, method, recipe, work)
+                        rows = [r for r in rows if r["row"] != name] + [row]
+                        write_json(args.out, rows, sort_keys=False)
+                        print(f"{name}: dense {row['dense']} fused {row['fused']} ({row['wall_seconds'] / 60:.1f} min)", flush=True)
+    publish(table(rows), "dense", args.update_docs)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
