@@ -51,6 +51,20 @@ def test_train_filter_file_follows_its_records_into_the_validation_split(tiny_ta
     assert plain.train.filter_matrix is None and plain.validation.filter_matrix is None
 
 
+def test_the_repository_filter_file_beside_the_training_file_is_found(tiny_task, tmp_path):
+    import shutil
+
+    data, task_dir = tiny_task
+    for name in ("trn.json.gz", "tst.json.gz", "lbl.json.gz"):
+        shutil.copy(f"{task_dir}/{name}", tmp_path / name)
+    pairs = _pairs(len(data.train), len(data.label_texts))
+    (tmp_path / "filter_labels_train.txt").write_text("".join(f"{r} {c}\n" for r, c in zip(*pairs.nonzero())))
+    files = dict(train_file=str(tmp_path / "trn.json.gz"), test_file=str(tmp_path / "tst.json.gz"), label_file=str(tmp_path / "lbl.json.gz"))
+    found = load_data(XMCDataArguments(**files))
+    np.testing.assert_array_equal(found.train.filter_matrix.toarray(), pairs.toarray())
+    assert load_data(XMCDataArguments(**files, train_filter_file="none")).train.filter_matrix is None
+
+
 @pytest.fixture(scope="module")
 def indexed_model(tiny_encoder_dir, tiny_task):
     data, _ = tiny_task

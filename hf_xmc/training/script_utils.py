@@ -47,7 +47,8 @@ class XMCDataArguments:
     train_filter_file: Optional[str] = field(
         default=None,
         metadata={"help": "Pairs 'point_idx label_idx' of the training points (the XC repository's filter_labels_train.txt) that are neither "
-                  "positives nor negatives: removed from the validation rankings that tune the run and never mined as hard negatives."},
+                  "positives nor negatives: removed from the validation rankings that tune the run and never mined as hard negatives "
+                  "(default: filter_labels_train.txt next to --train_file when there is one; 'none': no file)."},
     )
     text_fields: str = field(default="title", metadata={"help": "Comma-separated JSON fields joined into a query text."})
     label_text_fields: str = field(default="title", metadata={"help": "Comma-separated JSON fields joined into a label text."})
@@ -508,15 +509,34 @@ def load_data(data_args: XMCDataArguments, training_args: Optional[XMCTrainingAr
             label_text_column=data_args.label_text_column, label_image_column=data_args.label_image_column,
         )
         logger.info("data: %d train, %d test points, %d labels", len(data.train), len(data.test), len(data.label_texts))
-    if data_args.train_filter_file:
+    train_filter = training_filter_file(data_args)
+    if train_filter:
         # rows index records of the training file (as a test filter file's do the test file's); select() carries
         # them into the validation points carved out below
-        filt = read_filter_file(data_args.train_filter_file, num_points=data.train.num_source_records, num_labels=len(data.label_texts))
+        filt = read_filter_file(train_filter, num_points=data.train.num_source_records, num_labels=len(data.label_texts))
         data.train.filter_matrix = filt[data.train.record_indices()]
-        logger.info("training filter: %d (point, label) pairs are neither positives nor negatives", data.train.filter_matrix.nnz)
+        logger.info("training filter %s: %d (point, label) pairs are neither positives nor negatives", train_filter, data.train.filter_matrix.nnz)
     if training_args is not None:
         data = prepare_validation(data, data_args, training_args, tuned_by_recipe)
     return data
+
+
+TRAIN_FILTER_FILE = "filter_labels_train.txt"  # the Extreme Classification Repository's name, beside trn.json.gz
+
+
+def training_filter_file(data_args: XMCDataArguments) -> Optional[str]:
+    """The training filter file of the run: ``--train_filter_file``, or the repository's ``filter_labels_train.txt``
+    beside the training file when the flag is not given (None: no file, or ``--train_filter_file none``)."""
+    given = data_args.train_filter_file
+    if given is not None:
+        return None if given.lower() == "none" else given
+    if data_args.train_file and not uses_hf_dataset(data_args):
+        beside = os.path.join(os.path.dirname(os.path.abspath(data_args.train_file)), TRAIN_FILTER_FILE)
+        if os.path.isfile(beside):
+            logger.info("%s beside the training file: its pairs are not scored on the validation split nor mined as negatives "
+                        "(--train_filter_file none: not used)", beside)
+            return beside
+    return None
 
 
 def needs_validation(training_args: XMCTrainingArguments) -> list[str]:
