@@ -90,7 +90,8 @@ def run_row(dataset: str, method: str, work: str) -> dict:
            "load_1min": round(os.getloadavg()[0], 2), "fused_now": pick(results, "test_"), "dense": pick(results, "test_dense_"),
            "weights_now": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")],
            "ece": {k[len("test_ECE_"):]: v for k, v in results.items() if k.startswith("test_ECE_")},
-           "reliability": results.get("calibration_reliability"), "train_runtime": results.get("train_runtime")}
+           "reliability": results.get("calibration_reliability"), "train_runtime": results.get("train_runtime"),
+           "tuned": {k[len("tuned_"):]: v for k, v in results.items() if k.startswith("tuned_")}}  # the model's own ranking settings
     row.update(post_hoc(out, data_dir, data_flags))
     return row
 
