@@ -337,7 +337,8 @@ def train_worker(cfg: dict) -> dict:
         *cfg["args"],
     ]
     if cfg["method"] == "siamesexml":  # --max_steps bounds Module I only: Module IV gets the same budget of steps
-        argv += ["--classifier_max_steps", str(cfg["steps"])]
+        # [C]'s fusion weight as given, so no validation split is held out to tune it: the pipeline of the committed rows
+        argv += ["--classifier_max_steps", str(cfg["steps"]), "--fusion_weight", "0.5"]
     if cfg.get("resume"):
         argv += ["--resume_from_checkpoint", "true"]
     with rec.stage("total"):
