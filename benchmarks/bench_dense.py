@@ -20,19 +20,17 @@ the whole script on the machine it ran on (``load_1min`` says how busy it was); 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.bench_validation import BUDGETS, SHOWN, data_setup, pick  # noqa: E402
 from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
-from benchmarks.sweep_defaults import minilm, training_command  # noqa: E402
+from benchmarks.sweep_defaults import minilm, run_training_script  # noqa: E402
 
 DATASETS = ("wordnet", "debtags", "reuters")
 METHODS = ("dexml", "prime", "unidec", "siamesexml")
@@ -52,21 +50,13 @@ TRAIN_FILTERS = {"wordnet": "filter_labels_train.txt"}
 
 
 def run_row(dataset: str, method: str, recipe: str, work: str) -> dict:
-    """Train through the script and read its eval_results.json."""
+    """Train through the script (``run_training_script``) and keep what its eval_results.json says."""
     data_dir, data_flags = data_setup(dataset, work)
     if dataset in TRAIN_FILTERS:
         data_flags = [*data_flags, "--train_filter_file", os.path.join(data_dir, TRAIN_FILTERS[dataset])]
     flags = [*BUDGETS.get((dataset, method), []), *RECIPES[recipe], *RECIPE_BUDGETS.get((dataset, recipe), [])]
     out = os.path.join(work, f"{dataset}-{method}-{recipe}")
-    cmd, env = training_command(method, data_dir, minilm(), out, [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", *flags])
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-    wall = time.perf_counter() - start
-    if proc.returncode:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        raise SystemExit(f"{dataset}-{method}-{recipe}: the training script failed")
-    with open(os.path.join(out, "eval_results.json")) as f:
-        results = json.load(f)
+    results, wall = run_training_script(method, data_dir, minilm(), out, [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", *flags])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     return {"row": f"{dataset}-{method}-{recipe}", "dataset": dataset, "method": method, "recipe": recipe, "flags": flags,
             "commit": commit, "wall_seconds": round(wall, 1), "load_1min": round(os.getloadavg()[0], 2),

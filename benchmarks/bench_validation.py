@@ -30,9 +30,7 @@ the machine it ran on; each row records the 1-minute load average when it ended.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
-from benchmarks.sweep_defaults import minilm, prepare, training_command  # noqa: E402
+from benchmarks.sweep_defaults import minilm, prepare, run_training_script  # noqa: E402
 
 SHOWN = ("P@1", "P@5", "PSP@1", "PSP@5", "R@100")
 METHODS = ("zeroshot", "dexml", "prime", "unidec", "siamesexml")
@@ -77,15 +75,7 @@ def run_row(dataset: str, method: str, work: str) -> dict:
     out = os.path.join(work, f"{dataset}-{method}")
     script = "dexml" if method == "zeroshot" else method
     flags = ["--max_steps", "0"] if method == "zeroshot" else BUDGETS.get((dataset, method), [])
-    cmd, env = training_command(script, data_dir, minilm(), out, [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", *flags])
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-    wall = time.perf_counter() - start
-    if proc.returncode:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        raise SystemExit(f"{dataset}-{method}: the training script failed")
-    with open(os.path.join(out, "eval_results.json")) as f:
-        results = json.load(f)
+    results, wall = run_training_script(script, data_dir, minilm(), out, [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", *flags])
     row = {"row": f"{dataset}-{method}", "dataset": dataset, "method": method, "flags": flags, "wall_seconds": round(wall, 1),
            "load_1min": round(os.getloadavg()[0], 2), "fused_now": pick(results, "test_"), "dense": pick(results, "test_dense_"),
            "weights_now": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")],

@@ -213,10 +213,10 @@ def mine(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments):
 def main(argv: Optional[list[str]] = None) -> dict:
     """Parse the arguments, run Modules I-IV, evaluate, save; returns the metrics of ``eval_results.json``."""
     model_args, data_args, training_args = parse_script_args(SiameseXMLModelArguments, SiameseXMLTrainingArguments, argv, method="siamesexml")
-    tune = () if model_args.fusion_weight is not None else None  # a beta given on the command line is kept as given
-    if model_args.fusion_weight is None:
+    tune_beta = model_args.fusion_weight is None  # a beta given on the command line is kept as given
+    if tune_beta:
         model_args.fusion_weight = 0.5  # [C]'s value until the validation split tunes it
-    data = load_data(data_args, training_args, tuned_by_recipe=["--fusion_weight"] if tune is None else [])
+    data = load_data(data_args, training_args, tuned_by_recipe=["--fusion_weight"] if tune_beta else [])
     model = SiameseXMLModel.from_encoder_pretrained(model_args.model_name_or_path, label_space_size=len(data.label_texts), **model_config_kwargs(model_args, data_args))
     model.set_labels(data.label_texts, data.label_uids)
     module1_restored = training_args.num_train_epochs > 0 and stage_finished(module1_dir(training_args), resume_argument(training_args))
@@ -227,4 +227,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
     evaluator = build_evaluator(data, data_args)
     train_siamese(model, data, training_args, **stage_evaluation(data, evaluator))
     collator = mine(model, data, training_args)
-    return train_and_evaluate(model, data, evaluator, _module_args(training_args, "classifier"), data_collator=collator, tune_settings=tune)
+    return train_and_evaluate(model, data, evaluator, _module_args(training_args, "classifier"), data_collator=collator, tune_settings=None if tune_beta else ())
