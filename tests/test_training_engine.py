@@ -106,12 +106,13 @@ def test_fractional_mining_schedule_mines_within_epochs(tiny_encoder_dir, tiny_t
     data = tiny_task[0]
     steps_per_epoch = -(-len(data.train) // 32)
     trainer = make_trainer(tiny_encoder_dir, data, tmp_path, num_train_epochs=2, hard_negatives=2, hard_negative_top_k=10,
-                           hard_negative_start_epoch=0.5, hard_negative_refresh_interval=0.5)
-    mined_at = []
+                           hard_negative_start_epoch=0.5, hard_negative_refresh_interval=0.5, mining_precision="bfloat16")
+    mined_at, precisions = [], []
     real = trainer_module.mine_hard_negatives
 
     def recording(model, *args, **kwargs):
         mined_at.append((trainer.state.global_step, model.training))
+        precisions.append(model.encoding_autocast_dtype)
         return real(model, *args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "mine_hard_negatives", recording)
@@ -119,12 +120,41 @@ def test_fractional_mining_schedule_mines_within_epochs(tiny_encoder_dir, tiny_t
     # schedule points 0.5, 1.0 and 1.5 epochs: mid-epoch ones before the first step past them, 1.0 at the epoch start
     expected = [int(np.ceil(0.5 * steps_per_epoch)), steps_per_epoch, int(np.ceil(1.5 * steps_per_epoch))]
     assert [step for step, _ in mined_at] == expected
+    # --mining_precision bfloat16: the mining passes ran under bf16 autocast, training and evaluation did not
+    assert precisions == [torch.bfloat16] * 3 and trainer.model.encoding_autocast_dtype is None
     assert trainer.data_collator.shortlist is not None and trainer.data_collator.shortlist.shape == (len(data.train), 10)
     callback = next(c for c in trainer.callback_handler.callbacks if hasattr(c, "mining_due"))
     assert callback.mined_epoch == pytest.approx(1.5)
     assert callback.mining_due(trainer.args, 1.99) is None and callback.mining_due(trainer.args, 2.0) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="hard_negative_refresh_interval"):
         XMCTrainingArguments(output_dir=str(tmp_path), hard_negative_refresh_interval=0)
+
+
+def test_mining_precision_picks_bfloat16_where_the_hardware_runs_it(tiny_encoder_dir, monkeypatch):
+    from hf_xmc.training import negatives
+
+    cpu = torch.device("cpu")
+    assert negatives.mining_autocast_dtype("float32", cpu) is None
+    assert negatives.mining_autocast_dtype("bfloat16", cpu) is torch.bfloat16
+    for amx in (True, False):
+        monkeypatch.setattr(negatives, "cpu_has_amx_bf16", lambda amx=amx: amx)
+        assert negatives.mining_autocast_dtype("auto", cpu) is (torch.bfloat16 if amx else None)
+    with pytest.raises(ValueError, match="mining_precision"):
+        negatives.mining_autocast_dtype("fp8", cpu)
+    with pytest.raises(ValueError, match="mining_precision"):
+        XMCTrainingArguments(output_dir="unused", mining_precision="half")
+    # the model's encoding passes under bf16 autocast: float32 vectors near the float32 pass, not equal to it (the
+    # autocast took effect), and the model's own precision back after the block, also when it raises
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir, max_seq_length=16)
+    texts = [f"query number {i} about topic {i % 7}" for i in range(40)]
+    full = model.encode_queries(texts)
+    with model.encoding_autocast(torch.bfloat16):
+        fast = model.encode_queries(texts)
+    assert fast.dtype == torch.float32 and not torch.equal(fast, full)
+    torch.testing.assert_close(fast, full, atol=3e-2, rtol=0)
+    with pytest.raises(RuntimeError), model.encoding_autocast(torch.bfloat16):
+        raise RuntimeError("inside")
+    assert model.encoding_autocast_dtype is None and torch.equal(model.encode_queries(texts), full)
 
 
 def test_propensity_sampling_prefers_tail_labels(tiny_encoder_dir, tiny_task, tmp_path):

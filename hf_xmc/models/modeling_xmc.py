@@ -157,6 +157,7 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         self.embedding_dropout = nn.Dropout(config.embedding_dropout)
         self.save_adapter_only = False  # save_pretrained's default: merged (the adapter folded into the encoder)
         self.tokenizer = None
+        self.encoding_autocast_dtype: Optional[torch.dtype] = None  # encode passes under torch.autocast (encoding_autocast)
         self.label_texts: Optional[list[str]] = None
         self.label_uids: Optional[list[str]] = None
         self.label_embedding_blocks: Optional[list[torch.Tensor]] = None  # the label vectors, as row blocks
@@ -263,6 +264,19 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         ``max_length`` words first where that keeps the result: :func:`tokenize_texts`)."""
         return tokenize_texts(self._require_tokenizer(), texts, max_length, padding=True, return_tensors="pt")
 
+    @contextmanager
+    def encoding_autocast(self, dtype: Optional[torch.dtype]):
+        """Run :meth:`encode_texts` (every query / label encoding pass) under ``torch.autocast(dtype)`` inside the
+        block; ``None`` leaves it in the weights' precision. The trainer uses it for the passes that only choose
+        training examples (hard-negative mining, cluster batching's query embeddings), in bfloat16 where the hardware
+        runs it natively (``XMCTrainingArguments.mining_precision``); the vectors come back in float32 either way."""
+        previous = self.encoding_autocast_dtype
+        self.encoding_autocast_dtype = dtype
+        try:
+            yield self
+        finally:
+            self.encoding_autocast_dtype = previous
+
     @torch.no_grad()
     def encode_texts(
         self,
@@ -295,7 +309,10 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
                 idx = order[start : start + batch_size]
                 batch = self.tokenize([texts[i] for i in idx], max_length)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                emb = self.embed(batch["input_ids"], batch["attention_mask"], normalize=normalize, **embed_kwargs).cpu()
+                autocast = self.encoding_autocast_dtype
+                with torch.autocast(self.device.type, dtype=autocast, enabled=autocast is not None):
+                    emb = self.embed(batch["input_ids"], batch["attention_mask"], normalize=normalize, **embed_kwargs)
+                emb = emb.float().cpu() if autocast is not None else emb.cpu()
                 if out is None:
                     out = torch.empty(len(order), emb.shape[1], dtype=dtype or emb.dtype)
                 out[torch.from_numpy(idx)] = emb.to(out.dtype)

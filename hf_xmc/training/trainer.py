@@ -30,7 +30,7 @@ from .collator import (
 from .evaluation import XMCEvaluator
 from .gradcache import cached_loss
 from .label_state import initialize_label_state
-from .negatives import mine_hard_negatives
+from .negatives import MINING_PRECISIONS, mine_hard_negatives, mining_autocast_dtype
 from .optim import (
     SparseAdamW,
     can_reduce_sparse_gradients,
@@ -79,6 +79,7 @@ class XMCTrainingArguments(TrainingArguments):
     hard_negative_top_k: int = field(default=100, metadata={"help": "Shortlist size per query (known positives removed)."})
     hard_negative_start_epoch: float = field(default=5, metadata={"help": "When the shortlist is first mined, in epochs (in-batch negatives before); a fraction mines within an epoch (0.1: a tenth into the first)."})
     hard_negative_refresh_interval: float = field(default=5, metadata={"help": "Re-mine the shortlist every N epochs (a fraction: several times an epoch)."})
+    mining_precision: str = field(default="auto", metadata={"help": "Precision of the encoding passes that pick training examples (hard-negative mining, cluster batching): 'auto' (bfloat16 where the device runs it natively: a CPU with AMX, a GPU with bf16; else float32), 'float32' or 'bfloat16'."})
     gradient_cache_chunk_size: int = field(default=0, metadata={"help": "GradCache: encode queries and labels in chunks of N rows (0 = off; with label_pool='all' 0 means 256)."})
     label_pool: str = field(default="in_batch", metadata={"help": "'in_batch' (sampled positives [+ hard negatives]), 'psl' (UniDEC pick-some-labels: sampled positives, hard negatives and the batch's other positives, capped at max_label_pool) or 'all' (every label re-encoded each step: DEXML brute force)."})
     max_label_pool: int = field(default=0, metadata={"help": "label_pool='psl': most labels in a pool (0 = no cap)."})
@@ -114,6 +115,8 @@ class XMCTrainingArguments(TrainingArguments):
             raise ValueError(f"cluster_batch_mode must be one of {ClusterBatchSampler.MODES}, got {self.cluster_batch_mode!r}")
         if self.positive_sampling not in ("uniform", "propensity"):
             raise ValueError(f"positive_sampling must be 'uniform' or 'propensity', got {self.positive_sampling!r}")
+        if self.mining_precision not in MINING_PRECISIONS:
+            raise ValueError(f"--mining_precision takes one of {MINING_PRECISIONS}, got {self.mining_precision!r}")
         if self.hard_negative_refresh_interval <= 0:
             raise ValueError(f"--hard_negative_refresh_interval must be > 0, got {self.hard_negative_refresh_interval}")
         for name in ("num_positives", "cluster_init_size", "cluster_refresh_interval", "hard_negative_top_k",
@@ -762,8 +765,10 @@ class XMCEpochCallback(TrainerCallback):
         """Mine the shortlist of every training query with the current weights (its filter pairs excluded)."""
         trainer = self.trainer
         data = trainer.xmc_train_data
-        trainer.data_collator.set_shortlist(mine_hard_negatives(trainer.model, data.texts, data.targets, top_k=args.hard_negative_top_k,
-                                                                show_progress_bar=not args.disable_tqdm, exclude=data.filter_matrix))
+        with trainer.model.encoding_autocast(mining_autocast_dtype(args.mining_precision, trainer.model.device)):
+            shortlist = mine_hard_negatives(trainer.model, data.texts, data.targets, top_k=args.hard_negative_top_k,
+                                            show_progress_bar=not args.disable_tqdm, exclude=data.filter_matrix)
+        trainer.data_collator.set_shortlist(shortlist)
         trainer.model.invalidate_label_index()
         self.mined_epoch = point
 
@@ -875,4 +880,6 @@ class XMCEpochCallback(TrainerCallback):
         bank = self.trainer.memory_bank
         if bank is not None and bool(bank.filled.all()):
             return bank.embeddings
-        return self.trainer.model.encode_queries(self.trainer.xmc_train_data.texts, show_progress_bar=not self.trainer.args.disable_tqdm)
+        model, args = self.trainer.model, self.trainer.args
+        with model.encoding_autocast(mining_autocast_dtype(args.mining_precision, model.device)):
+            return model.encode_queries(self.trainer.xmc_train_data.texts, show_progress_bar=not args.disable_tqdm)
