@@ -3,7 +3,7 @@
 lexical channel) per dataset and training recipe, against the best tree peer and the untrained encoder.
 
     python benchmarks/make_wordnet.py
-    python benchmarks/bench_dense.py --datasets wordnet --methods dexml --recipes default hard_negatives --update_docs
+    python benchmarks/bench_dense.py --datasets wordnet --methods dexml --recipes in_batch hard_negatives --update_docs
     python benchmarks/bench_dense.py --table_only --update_docs        # the table of --out, nothing run
 
 A row is ``training_scripts/train_<method>.py`` run through the training-script contract on a dataset with the
@@ -34,17 +34,20 @@ from benchmarks.sweep_defaults import minilm, run_training_script  # noqa: E402
 
 DATASETS = ("wordnet", "debtags", "reuters")
 METHODS = ("dexml", "prime", "unidec", "siamesexml")
-#: named flag sets appended to a row's command; "default" is the script's defaults at the commit that ran the row
+#: named flag sets appended to a row's command (the script's defaults fill in the rest, at the commit that ran the row)
 RECIPES: dict[str, list[str]] = {
-    "default": [],
-    # ANCE-style negatives from the model's own index, mined once a twentieth into the run (its training filter pairs
-    # excluded), one per query from its top 100; half the steps of the default, for about the same wall time
+    # in-batch negatives only: the other queries' positives of the batch (train_dexml.py's default until 8227f22)
+    "in_batch": ["--hard_negatives", "0"],
+    # ANCE-style negatives from the model's own index: mined a twentieth of an epoch into the run and once an epoch
+    # after that (its training filter pairs excluded, in bfloat16 where the CPU has AMX), one per query from its top 100
     "hard_negatives": ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negative_start_epoch", "0.05",
-                       "--hard_negative_refresh_interval", "10"],
+                       "--hard_negative_refresh_interval", "1"],
 }
-#: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget)
+#: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget): a hard-negative
+#: step encodes 64 more labels (~1.5x an in-batch step) and a mining pass ~150K texts (~2.7 min in bfloat16), so 440
+#: steps take about the wall time of the in-batch recipe's 800
 RECIPE_BUDGETS: dict[tuple[str, str], list[str]] = {
-    ("wordnet", "hard_negatives"): ["--max_steps", "400"],
+    ("wordnet", "hard_negatives"): ["--max_steps", "440"],
 }
 TRAIN_FILTERS = {"wordnet": "filter_labels_train.txt"}
 

@@ -200,6 +200,10 @@ def test_train_mufin_script_contract(task, tmp_path):
     assert torch.equal(saved_owners, rebuilt_owners)
     queries = saved.encode_items(data.test.texts, data.test.images)
     np.testing.assert_array_equal(saved.shortlist(queries)[0], rebuilt.shortlist(queries)[0])
+    # text-only query vectors as numpy on request, as the text methods' encode_queries (sentence-transformers' rule)
+    as_numpy = saved.encode_queries(data.test.texts[:3], convert_to_numpy=True)
+    assert isinstance(as_numpy, np.ndarray) and as_numpy.dtype == np.float32
+    np.testing.assert_array_equal(as_numpy, saved.encode_queries(data.test.texts[:3]).numpy())
 
 
 def test_single_modality_ablations_strip_the_points_only(task):

@@ -46,7 +46,7 @@ from transformers.utils import ModelOutput, logging
 
 from .classifier_head import ExtremeClassifier
 from .configuration_mufin import MUFIN_SEARCH_MODES, MUFINConfig
-from .encoder_utils import repair_tokenizer
+from .encoder_utils import as_requested, repair_tokenizer
 from .io_utils import progress_bar_disabled
 from .label_store import LABEL_EMBEDDINGS_FILE, LABEL_EMBEDDINGS_INDEX_FILE
 from .modeling_xmc import XMCPrediction, XMCPreTrainedModel
@@ -438,9 +438,13 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
     def _to_device(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: (v.to(self.device) if k != "num_items" else v) for k, v in inputs.items()}
 
-    def encode_queries(self, texts, batch_size: int = 64, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
-        """``x^1`` of text-only queries."""
-        return self.encode_items(texts, None, batch_size, show_progress_bar)
+    def encode_queries(
+        self, texts, batch_size: int = 64, show_progress_bar: Optional[bool] = None, convert_to_numpy: bool = False,
+        convert_to_tensor: Optional[bool] = None,
+    ) -> torch.Tensor | np.ndarray:
+        """``x^1`` of text-only queries: a tensor, or a numpy array with ``convert_to_numpy=True`` (the rule of the
+        text methods' ``encode_queries``)."""
+        return as_requested(self.encode_items(texts, None, batch_size, show_progress_bar), convert_to_numpy, convert_to_tensor)
 
     def query_encoder_modules(self) -> list[dict]:
         """MUFIN's item vector runs self- and cross-attention over a bag of text and image embeddings: no
