@@ -36,7 +36,7 @@ DATASETS = ("wordnet", "debtags", "reuters")
 METHODS = ("dexml", "prime", "unidec", "siamesexml")
 #: named flag sets appended to a row's command (the script's defaults fill in the rest, at the commit that ran the row)
 RECIPES: dict[str, list[str]] = {
-    # in-batch negatives only: the other queries' positives of the batch (train_dexml.py's default until 8227f22)
+    # in-batch negatives only: the other queries' positives of the batch (train_dexml.py's default before the hard negatives)
     "in_batch": ["--hard_negatives", "0"],
     # ANCE-style negatives from the model's own index: mined a twentieth of an epoch into the run and once an epoch
     # after that (its training filter pairs excluded, in bfloat16 where the CPU has AMX), one per query from its top 100
@@ -83,20 +83,34 @@ def references(dataset: str) -> list[tuple[str, dict]]:
     return refs
 
 
+#: the recipe each training script runs without flags (its defaults), per method
+SCRIPT_DEFAULTS = {"dexml": "hard_negatives"}
+
+
+def budget(flags: list[str]) -> str:
+    """The row's training budget from its flags (the last occurrence wins, as on the command line)."""
+    for flag, unit in (("--max_steps", "steps"), ("--num_train_epochs", "epochs")):
+        last = max((i for i, f in enumerate(flags) if f == flag), default=None)
+        if last is not None:
+            return f"{flags[last + 1]} {unit}"
+    return "script's epochs"
+
+
 def table(rows: list[dict]) -> str:
-    header = ["dataset", "model", "recipe", "ranking", *SHOWN, "wall min"]
+    header = ["dataset", "model", "recipe", "budget", "ranking", *SHOWN, "wall min"]
     cells = []
     for dataset in DATASETS:
-        ours = [r for r in rows if r["dataset"] == dataset]
+        ours = sorted((r for r in rows if r["dataset"] == dataset), key=lambda r: (METHODS.index(r["method"]), list(RECIPES).index(r["recipe"])))
         if not ours:
             continue
         for name, metrics in references(dataset):
-            cells.append([dataset, name, "", "", *(f"{metrics[m]:.2f}" if m in metrics else "" for m in SHOWN), ""])
+            cells.append([dataset, name, "", "", "", *(f"{metrics[m]:.2f}" if m in metrics else "" for m in SHOWN), ""])
         for r in ours:
+            recipe = r["recipe"] + (" (default)" if SCRIPT_DEFAULTS.get(r["method"]) == r["recipe"] else "")
             for ranking in ("dense", "fused"):
-                cells.append([dataset, r["method"], r["recipe"] + (f" ({' '.join(r['flags'])})" if r["flags"] else ""), ranking,
-                              *(f"{r[ranking][m]:.2f}" for m in SHOWN), f"{r['wall_seconds'] / 60:.1f}"])
-    return markdown_table(header, cells, "llll" + "r" * (len(SHOWN) + 1)) + "\n"
+                cells.append([dataset, r["method"], recipe, budget(r["flags"]), ranking, *(f"{r[ranking][m]:.2f}" for m in SHOWN),
+                              f"{r['wall_seconds'] / 60:.1f}"])
+    return markdown_table(header, cells, "lllll" + "r" * (len(SHOWN) + 1)) + "\n"
 
 
 def main(argv=None) -> list[dict]:

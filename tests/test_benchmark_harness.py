@@ -73,6 +73,7 @@ def _blocks() -> dict:
     from benchmarks import (
         bench_classifier_stage,
         bench_debtags,
+        bench_dense,
         bench_dexml_modes,
         bench_index,
         bench_mufin,
@@ -113,6 +114,7 @@ def _blocks() -> dict:
         "throughput": ("throughput.json", bench_throughput.throughput_tables),
         "validation_fusion": ("validation_fusion.json", bench_validation.tables),
         "train_filter": ("train_filter.json", bench_train_filter.table),
+        "dense": ("dense.json", bench_dense.table),
         "validation_reliability": ("validation_fusion.json", bench_validation.reliability),
         "wordnet_quality": ("wordnet_quality.json", bench_wordnet.table),
         "peers_wordnet": ("peers_wordnet.json", lambda r: peers.peers_table(r["rows"])),

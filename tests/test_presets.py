@@ -52,6 +52,9 @@ def test_paper_values_of_the_issue_dataset(tmp_path):
     m, d, t = parse("dexml", "--preset", "lf-amazontitles-1.3m", tmp_path=tmp_path)
     assert (t.per_device_train_batch_size, t.learning_rate, m.temperature, m.normalize) == (8192, 8e-4, 1.0, False)
     assert t.label_pool == "all" and t.gradient_cache_chunk_size == 1024 and m.pooling == "cls"
+    assert t.hard_negatives == 0  # every label is a negative already: DEXML's default mined negative is dropped
+    m, d, t = parse("dexml", "--model_name_or_path", "local/encoder", tmp_path=tmp_path)  # the recipe's own defaults
+    assert (t.label_pool, t.hard_negatives, t.hard_negative_top_k, t.hard_negative_start_epoch, t.hard_negative_refresh_interval) == ("in_batch", 1, 100, 0.05, 1.0)
 
 
 def test_explicit_flags_beat_the_preset(tmp_path):
