@@ -42,12 +42,17 @@ RECIPES: dict[str, list[str]] = {
     # after that (its training filter pairs excluded, in bfloat16 where the CPU has AMX), one per query from its top 100
     "hard_negatives": ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negative_start_epoch", "0.05",
                        "--hard_negative_refresh_interval", "1"],
+    # the same, mined again 0.15 epoch after the first mining: negatives of a model trained for a while, not of the
+    # nearly untrained one of step ~75
+    "hard_negatives_refreshed": ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negative_start_epoch", "0.05",
+                                 "--hard_negative_refresh_interval", "0.15"],
 }
 #: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget): a hard-negative
 #: step encodes 64 more labels (~1.5x an in-batch step) and a mining pass ~150K texts (~2.7 min in bfloat16), so 440
 #: steps take about the wall time of the in-batch recipe's 800
 RECIPE_BUDGETS: dict[tuple[str, str], list[str]] = {
     ("wordnet", "hard_negatives"): ["--max_steps", "440"],
+    ("wordnet", "hard_negatives_refreshed"): ["--max_steps", "380"],  # a second mining pass costs ~60 hard-negative steps
 }
 TRAIN_FILTERS = {"wordnet": "filter_labels_train.txt"}
 
