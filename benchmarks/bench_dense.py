@@ -34,18 +34,18 @@ from benchmarks.sweep_defaults import minilm, run_training_script  # noqa: E402
 
 DATASETS = ("wordnet", "debtags", "reuters")
 METHODS = ("dexml", "prime", "unidec", "siamesexml")
+#: one negative per query from its top 100 under the model's own index, first mined a twentieth of an epoch in
+MINED = ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negative_start_epoch", "0.05"]
 #: named flag sets appended to a row's command (the script's defaults fill in the rest, at the commit that ran the row)
 RECIPES: dict[str, list[str]] = {
     # in-batch negatives only: the other queries' positives of the batch (train_dexml.py's default before the hard negatives)
     "in_batch": ["--hard_negatives", "0"],
     # ANCE-style negatives from the model's own index: mined a twentieth of an epoch into the run and once an epoch
     # after that (its training filter pairs excluded, in bfloat16 where the CPU has AMX), one per query from its top 100
-    "hard_negatives": ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negative_start_epoch", "0.05",
-                       "--hard_negative_refresh_interval", "1"],
+    "hard_negatives": [*MINED, "--hard_negative_refresh_interval", "1"],
     # the same, mined again 0.15 epoch after the first mining: negatives of a model trained for a while, not of the
     # nearly untrained one of step ~75
-    "hard_negatives_refreshed": ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negative_start_epoch", "0.05",
-                                 "--hard_negative_refresh_interval", "0.15"],
+    "hard_negatives_refreshed": [*MINED, "--hard_negative_refresh_interval", "0.15"],
 }
 #: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget): a hard-negative
 #: step encodes 64 more labels (~1.5x an in-batch step) and a mining pass ~150K texts (~2.7 min in bfloat16), so 440

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from hf_xmc import cli
+from hf_xmc.training import XMCTrainingArguments
 from hf_xmc.training.presets import DATASETS, PRESETS, known_presets, preset_values
 from hf_xmc.training.script_utils import parse_script_args
 
@@ -53,6 +54,7 @@ def test_paper_values_of_the_issue_dataset(tmp_path):
     assert (t.per_device_train_batch_size, t.learning_rate, m.temperature, m.normalize) == (8192, 8e-4, 1.0, False)
     assert t.label_pool == "all" and t.gradient_cache_chunk_size == 1024 and m.pooling == "cls"
     assert t.hard_negatives == 0  # every label is a negative already: DEXML's default mined negative is dropped
+    assert XMCTrainingArguments(output_dir=str(tmp_path), label_pool="all", hard_negatives=2).hard_negatives == 0  # any recipe
     m, d, t = parse("dexml", "--model_name_or_path", "local/encoder", tmp_path=tmp_path)  # the recipe's own defaults
     assert (t.label_pool, t.hard_negatives, t.hard_negative_top_k, t.hard_negative_start_epoch, t.hard_negative_refresh_interval) == ("in_batch", 1, 100, 0.05, 1.0)
 

@@ -52,6 +52,12 @@ def mining_autocast_dtype(precision: str, device: torch.device) -> Optional[torc
     return torch.bfloat16 if device.type == "cpu" and cpu_has_amx_bf16() else None
 
 
+def mining_autocast(model, precision: str):
+    """``model.encoding_autocast`` in the dtype of ``--mining_precision`` on the model's device
+    (:func:`mining_autocast_dtype`): the block around a pass that only picks training examples."""
+    return model.encoding_autocast(mining_autocast_dtype(precision, model.device))
+
+
 def mine_hard_negatives(
     model,
     texts: Sequence[str],

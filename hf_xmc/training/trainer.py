@@ -30,7 +30,7 @@ from .collator import (
 from .evaluation import XMCEvaluator
 from .gradcache import cached_loss
 from .label_state import initialize_label_state
-from .negatives import MINING_PRECISIONS, mine_hard_negatives, mining_autocast_dtype
+from .negatives import MINING_PRECISIONS, mine_hard_negatives, mining_autocast
 from .optim import (
     SparseAdamW,
     can_reduce_sparse_gradients,
@@ -75,7 +75,7 @@ class XMCTrainingArguments(TrainingArguments):
     cluster_curriculum_epochs: list[int] = field(default_factory=lambda: [10, 25, 50, 75, 100, 125, 150, 200], metadata={"help": "Epochs at which the cluster size doubles; clustering starts at the first."})
     cluster_refresh_interval: int = field(default=5, metadata={"help": "Re-cluster every N epochs."})
     cluster_batch_mode: str = field(default="concat", metadata={"help": "'concat' (NGAME, PRIME: shuffled clusters concatenated and cut into batches; clusters grow by the curriculum) or 'one_per_batch' (UniDEC: clusters of at most the global batch size, each batch one cluster; the curriculum does not apply)."})
-    hard_negatives: int = field(default=0, metadata={"help": "Hard negatives per query drawn from a mined shortlist (0 = in-batch only)."})
+    hard_negatives: int = field(default=0, metadata={"help": "Hard negatives per query drawn from a mined shortlist (0 = in-batch only; ignored with --label_pool all, where every label is a negative)."})
     hard_negative_top_k: int = field(default=100, metadata={"help": "Shortlist size per query (known positives removed)."})
     hard_negative_start_epoch: float = field(default=5, metadata={"help": "When the shortlist is first mined, in epochs (in-batch negatives before); a fraction mines within an epoch (0.1: a tenth into the first)."})
     hard_negative_refresh_interval: float = field(default=5, metadata={"help": "Re-mine the shortlist every N epochs (a fraction: several times an epoch)."})
@@ -146,6 +146,9 @@ class XMCTrainingArguments(TrainingArguments):
             raise ValueError(f"--score_calibration takes 'auto', 'isotonic', 'platt' or 'none', got {self.score_calibration!r}")
         if self.load_best_model_at_end and self.metric_for_best_model is None:
             self.metric_for_best_model = "P@1"  # the validation split's P@1 (transformers' default, the loss, is not computed)
+        if self.label_pool == "all" and self.hard_negatives:  # every label is a negative of every step: nothing to mine
+            logger.info("--label_pool all: no hard-negative shortlist is mined (--hard_negatives %d ignored)", self.hard_negatives)
+            self.hard_negatives = 0
         if self.hard_negatives > self.hard_negative_top_k:
             raise ValueError(f"--hard_negatives {self.hard_negatives} exceeds the shortlist they are drawn from (--hard_negative_top_k {self.hard_negative_top_k})")
         super().__post_init__()
@@ -765,7 +768,7 @@ class XMCEpochCallback(TrainerCallback):
         """Mine the shortlist of every training query with the current weights (its filter pairs excluded)."""
         trainer = self.trainer
         data = trainer.xmc_train_data
-        with trainer.model.encoding_autocast(mining_autocast_dtype(args.mining_precision, trainer.model.device)):
+        with mining_autocast(trainer.model, args.mining_precision):
             shortlist = mine_hard_negatives(trainer.model, data.texts, data.targets, top_k=args.hard_negative_top_k,
                                             show_progress_bar=not args.disable_tqdm, exclude=data.filter_matrix)
         trainer.data_collator.set_shortlist(shortlist)
@@ -881,5 +884,5 @@ class XMCEpochCallback(TrainerCallback):
         if bank is not None and bool(bank.filled.all()):
             return bank.embeddings
         model, args = self.trainer.model, self.trainer.args
-        with model.encoding_autocast(mining_autocast_dtype(args.mining_precision, model.device)):
+        with mining_autocast(model, args.mining_precision):
             return model.encode_queries(self.trainer.xmc_train_data.texts, show_progress_bar=not args.disable_tqdm)

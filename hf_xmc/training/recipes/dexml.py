@@ -66,12 +66,6 @@ class DEXMLTrainingArguments(XMCTrainingArguments):
     hard_negative_start_epoch: float = field(default=0.05, metadata={"help": "When the shortlist is first mined, in epochs (a twentieth into the first: after the encoder has seen the task)."})
     hard_negative_refresh_interval: float = field(default=1.0, metadata={"help": "Re-mine the shortlist every N epochs (a fraction: several times an epoch)."})
 
-    def __post_init__(self):
-        if self.label_pool == "all" and self.hard_negatives:  # every label is a negative of every step: nothing to mine
-            logger.info("--label_pool all: no hard-negative shortlist is mined (--hard_negatives %d ignored)", self.hard_negatives)
-            self.hard_negatives = 0
-        super().__post_init__()
-
 
 def main(argv: Optional[list[str]] = None) -> dict:
     """Parse the recipe's arguments (``argv``, default ``sys.argv[1:]``; or one ``.json`` file), train, evaluate

@@ -40,7 +40,7 @@ import scipy.sparse as sp
 from hf_xmc.models import PRIMEModel
 from hf_xmc.training import XMCTrainer, XMCTrainingArguments, mine_hard_negatives
 from hf_xmc.training.classifier_stage import ClassifierStageCollator
-from hf_xmc.training.negatives import mining_autocast_dtype
+from hf_xmc.training.negatives import mining_autocast
 from hf_xmc.training.script_utils import (
     build_evaluator,
     load_data,
@@ -132,7 +132,7 @@ def prepare_classifier_stage(model: PRIMEModel, data, args: PRIMETrainingArgumen
     of the shared classifier stage."""
     show = not args.disable_tqdm
     targets = sp.csr_matrix(data.train.targets)
-    with model.encoding_autocast(mining_autocast_dtype(args.mining_precision, model.device)):  # picks negatives only
+    with mining_autocast(model, args.mining_precision):  # picks negatives only
         shortlist = mine_hard_negatives(model, data.train.texts, targets, top_k=args.classifier_shortlist_size, show_progress_bar=show,
                                         exclude=data.train.filter_matrix)
     vectors = model.encode_texts(data.train.texts, model.config.max_seq_length, show_progress_bar=show, desc="Caching queries", normalize=False)
