@@ -46,6 +46,11 @@ RECIPES: dict[str, list[str]] = {
     # the same, mined again 0.15 epoch after the first mining: negatives of a model trained for a while, not of the
     # nearly untrained one of step ~75
     "hard_negatives_refreshed": [*MINED, "--hard_negative_refresh_interval", "0.15"],
+    # two mined negatives per query instead of one
+    "two_negatives": [*MINED, "--hard_negatives", "2", "--hard_negative_refresh_interval", "1"],
+    # the default's negatives + NGAME cluster batching (clusters of 16 similar queries, from the second epoch, re-clustered every epoch)
+    "clustered": [*MINED, "--hard_negative_refresh_interval", "1", "--cluster_batching", "true", "--cluster_init_size", "8",
+                  "--cluster_curriculum_epochs", "1", "--cluster_refresh_interval", "1"],
 }
 #: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget): a hard-negative
 #: step encodes 64 more labels (~1.5x an in-batch step) and a mining pass ~150K texts (~2.7 min in bfloat16), so 440

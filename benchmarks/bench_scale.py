@@ -293,6 +293,7 @@ def train_worker(cfg: dict) -> dict:
     import importlib
 
     from hf_xmc.models.modeling_xmc import XMCPreTrainedModel
+    from hf_xmc.training import callbacks as callbacks_module
     from hf_xmc.training import trainer as trainer_module
     from hf_xmc.training.recipes import RECIPES
     from hf_xmc.training.samplers import ClusterBatchSampler
@@ -310,9 +311,9 @@ def train_worker(cfg: dict) -> dict:
         if "from_encoder_pretrained" in vars(cls):
             rec.wrap(cls, "from_encoder_pretrained", "model_init", kind="classmethod")
     rec.wrap(trainer_module, "initialize_label_state", "label_state")
-    rec.wrap(trainer_module.XMCEpochCallback, "_query_embeddings", "clustering_encode")
+    rec.wrap(callbacks_module.XMCEpochCallback, "_query_embeddings", "clustering_encode")
     rec.wrap(ClusterBatchSampler, "update_clusters", "clustering")
-    rec.wrap(trainer_module, "mine_hard_negatives", "hard_negative_mining")
+    rec.wrap(callbacks_module, "mine_hard_negatives", "hard_negative_mining")
     # SiameseXML's Module II (its recipe's names): the label graph, the label state and the training shortlists
     # (and the bag-of-embeddings encoder's IDF pass over the training and label texts)
     for attr, stage in (("label_correlation_matrix", "label_graph"), ("build_label_state", "label_state"), ("mine_classifier_shortlist", "hard_negative_mining"),

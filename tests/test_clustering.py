@@ -162,6 +162,35 @@ def test_state_dict_round_trip_reproduces_batches():
         ClusterBatchSampler(64, 10).load_state_dict(s.state_dict())
 
 
+def test_clustering_within_an_epoch_reorders_only_what_the_epoch_has_not_served():
+    x, labels = blobs(num_blobs=8, per_blob=16, dim=16)
+    s = ClusterBatchSampler(128, 16, init_cluster_size=16, curriculum_epochs=(), refresh_interval=1, seed=2, start_epoch=0.25)
+    plain = list(ClusterBatchSampler(128, 16, seed=2))  # the same epoch never clustered
+    assert s.first_clustering == 0.25 and not s.needs_refresh(0)
+    assert not s.clustering_due_within(0.2) and s.clustering_due_within(0.25)
+    batches = iter(s)
+    head = [next(batches) for _ in range(3)]
+    s.cluster_within_epoch(torch.from_numpy(x))
+    rest = list(batches)
+    assert head == plain[:3] and len(head + rest) == len(s) == 8
+    assert sorted(i for b in head + rest for i in b) == list(range(128))  # every query once this epoch
+    served = set(i for b in head for i in b)
+    assert set(i for b in rest for i in b) == set(range(128)) - served
+    # what is left comes cluster by cluster (each cluster's unserved members contiguous): here clusters are the blobs
+    blob_runs = labels[np.concatenate(rest)]
+    assert np.count_nonzero(blob_runs[1:] != blob_runs[:-1]) == len(set(blob_runs.tolist())) - 1
+    assert s.split_batch == 3 and not s.clustering_due_within(0.5)  # once
+    # the epoch boundary after the split re-clusters (every refresh_interval from epoch 1); a resumed run rebuilds the order
+    assert s.needs_refresh(1)
+    r = ClusterBatchSampler(128, 16, init_cluster_size=16, curriculum_epochs=(), seed=0, start_epoch=0.25)
+    r.load_state_dict(s.state_dict())
+    assert list(r) == head + rest
+    with pytest.raises(ValueError, match="start_epoch"):
+        ClusterBatchSampler(128, 16, mode="one_per_batch", start_epoch=0.5)
+    with pytest.raises(RuntimeError, match="first clustering"):
+        s.cluster_within_epoch(torch.from_numpy(x))
+
+
 def test_memory_bank_update_state_and_auto_refresh():
     bank = EmbeddingMemoryBank(6, 3)
     bank.update(torch.tensor([4, 1]), torch.tensor([[1.0, 2, 3], [4, 5, 6]], requires_grad=True))

@@ -101,7 +101,7 @@ def test_hard_negatives_enter_the_pool(tiny_encoder_dir, tiny_task, tmp_path):
 
 
 def test_fractional_mining_schedule_mines_within_epochs(tiny_encoder_dir, tiny_task, tmp_path, monkeypatch):
-    from hf_xmc.training import trainer as trainer_module
+    from hf_xmc.training import callbacks as trainer_module
 
     data = tiny_task[0]
     steps_per_epoch = -(-len(data.train) // 32)
@@ -128,6 +128,31 @@ def test_fractional_mining_schedule_mines_within_epochs(tiny_encoder_dir, tiny_t
     assert callback.mining_due(trainer.args, 1.99) is None and callback.mining_due(trainer.args, 2.0) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="hard_negative_refresh_interval"):
         XMCTrainingArguments(output_dir=str(tmp_path), hard_negative_refresh_interval=0)
+
+
+def test_clustering_within_the_first_epoch_reuses_the_mining_pass(tiny_encoder_dir, tiny_task, tmp_path, monkeypatch):
+    # --cluster_start_epoch 0.5 with the shortlist mined at the same point: one encoding pass serves both, and the
+    # second half of the epoch is cut from clusters; without mining at that point the queries are encoded for it
+    from hf_xmc.training.callbacks import XMCEpochCallback
+
+    data = tiny_task[0]
+    steps_per_epoch = -(-len(data.train) // 32)
+    encoded = []
+    real = XMCEpochCallback._query_embeddings
+    monkeypatch.setattr(XMCEpochCallback, "_query_embeddings", lambda self: encoded.append(1) or real(self))
+    flags = dict(num_train_epochs=1, cluster_batching=True, cluster_init_size=8, cluster_curriculum_epochs=[5], cluster_start_epoch=0.5)
+    trainer = make_trainer(tiny_encoder_dir, data, tmp_path / "a", hard_negatives=2, hard_negative_top_k=10, hard_negative_start_epoch=0.5, **flags)
+    trainer.train()
+    sampler = trainer.cluster_sampler
+    assert encoded == [] and sampler.assignment is not None and sampler.clustered_epoch == 0
+    assert np.bincount(sampler.assignment).max() <= 8 and trainer.state.global_step == steps_per_epoch
+    # the split is where the epoch was when the point came (the loader may have drawn a batch ahead)
+    assert steps_per_epoch // 2 <= sampler.split_batch <= steps_per_epoch // 2 + 2
+    alone = make_trainer(tiny_encoder_dir, data, tmp_path / "b", **flags)
+    alone.train()
+    assert encoded == [1] and alone.cluster_sampler.assignment is not None and alone.data_collator.shortlist is None
+    with pytest.raises(ValueError, match="cluster_start_epoch"):
+        XMCTrainingArguments(output_dir=str(tmp_path), cluster_start_epoch=0.5, cluster_batch_mode="one_per_batch")
 
 
 def test_mining_precision_picks_bfloat16_where_the_hardware_runs_it(tiny_encoder_dir, monkeypatch):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import numpy as np
@@ -67,6 +67,7 @@ def mine_hard_negatives(
     show_progress_bar: Optional[bool] = None,
     chunk_size: int = 16384,
     exclude: Optional[sp.spmatrix] = None,
+    query_sink: Optional[Callable[[np.ndarray, torch.Tensor], None]] = None,
 ) -> np.ndarray:
     """Top-``top_k`` labels per training query under the current weights, known positives (and the pairs of
     ``exclude``, a ``(n, L)`` matrix such as the training filter file's: labels that are the query itself) removed.
@@ -81,6 +82,10 @@ def mine_hard_negatives(
     Memory: the result, ``top_k`` int32 ids per query (400 bytes per query at ``top_k=100``; int64 when the label
     space exceeds 2^31), plus per chunk ``chunk_size x d`` query vectors and at most ``_SEARCH_BUDGET`` (id,
     score) pairs of search results; the label index itself is the model's (see ``LabelIndex``).
+
+    ``query_sink(rows, vectors)``, when given, receives every chunk's query vectors (in the search space the labels
+    were searched in) with their row ids, in order: a caller that needs them (cluster batching at the same point)
+    gets them without a second encoding pass.
 
     Returns an ``(n, top_k)`` array, ``-1``-padded where fewer negatives exist.
     """
@@ -106,6 +111,8 @@ def mine_hard_negatives(
             stop = min(start + chunk_size, n)
             queries = model.query_search_vectors(texts[start:stop], batch_size=batch_size, show_progress_bar=False)
             rows = np.arange(start, stop)
+            if query_sink is not None:
+                query_sink(rows, queries)
             for group in _depth_groups(positives[start:stop], top_k):
                 depth = top_k + int(positives[start + group].max())
                 scores, ids = model.search(queries[torch.from_numpy(group)], depth)

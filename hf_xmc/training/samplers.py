@@ -10,6 +10,10 @@ whole clusters of similar training queries. The schedule (facts of the official 
 * Re-clustering (balanced hierarchical spherical 2-means, :func:`~hf_xmc.training.clustering.balanced_2means_tree`)
   happens at the start of epochs ``start, start + refresh_interval, ...`` with ``start = min(curriculum_epochs)``
   (10, 15, 20, ... by default), and also whenever the cluster size changes.
+* ``start_epoch`` may move the first clustering elsewhere, also *within* an epoch (0.05: a twentieth into the
+  first, for runs shorter than an epoch): the queries the epoch has not served yet are then re-ordered by cluster
+  (:meth:`ClusterBatchSampler.cluster_within_epoch`), the batches already served stay as they were, so every query is
+  still seen once an epoch; re-clustering then happens at the epoch starts after it, every ``refresh_interval``.
 * Curriculum: the target cluster size starts at ``init_cluster_size`` (4) and doubles at every epoch of
   ``curriculum_epochs`` (10, 25, 50, 75, 100, 125, 150, 200), i.e. the number of clusters
   ``2^ceil(log2(N / cluster_size))`` halves; the first clustering (epoch 10) already uses the doubled size.
@@ -121,7 +125,10 @@ class ClusterBatchSampler(Sampler[list[int]]):
         init_cluster_size: cluster size before the first curriculum step (NGAME: 4).
         curriculum_epochs: epochs at which the cluster size doubles; the first one is also the first clustering.
             Empty: never cluster (random batches).
-        refresh_interval: re-cluster every this many epochs from ``min(curriculum_epochs)`` on.
+        refresh_interval: re-cluster every this many epochs from ``min(curriculum_epochs)`` on (from the first epoch
+            start at or after ``start_epoch`` when that is given).
+        start_epoch: when the queries are first clustered, in epochs (None: ``min(curriculum_epochs)``). A fraction
+            clusters within an epoch (``concat`` mode only), through :meth:`cluster_within_epoch`.
         seed: seed of the shuffles and of the clustering.
         drop_last: drop the last incomplete global batch (otherwise it is kept; with several replicas it is
             padded by wrapping around to the start of the epoch's order so that every rank gets a full batch).
@@ -151,9 +158,12 @@ class ClusterBatchSampler(Sampler[list[int]]):
         rank: int = 0,
         memory_bank: Optional[EmbeddingMemoryBank] = None,
         mode: str = "concat",
+        start_epoch: Optional[float] = None,
     ) -> None:
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
+        if start_epoch is not None and (start_epoch < 0 or (mode != "concat" and start_epoch != int(start_epoch))):
+            raise ValueError(f"start_epoch must be >= 0 (a whole number of epochs in {mode!r} mode), got {start_epoch}")
         if num_samples <= 0 or batch_size <= 0 or init_cluster_size <= 0 or refresh_interval <= 0:
             raise ValueError("num_samples, batch_size, init_cluster_size and refresh_interval must be positive")
         if num_replicas <= 0 or not 0 <= rank < num_replicas:
@@ -171,10 +181,14 @@ class ClusterBatchSampler(Sampler[list[int]]):
         self.rank = int(rank)
         self.memory_bank = memory_bank
         self.mode = mode
+        self.start_epoch = None if start_epoch is None else float(start_epoch)
         self.epoch = 0
         self.assignment: Optional[np.ndarray] = None  # cluster id per query; None = every query its own cluster
         self.assigned_cluster_size: Optional[int] = None  # target cluster size the assignment was made for
         self.clustered_epoch: Optional[int] = None  # epoch at which the assignment was made
+        self.split_batch: Optional[int] = None  # the assignment was made within its epoch, after this many batches
+        self._order: Optional[np.ndarray] = None  # the epoch's (padded) global order while it is iterated
+        self._served = 0  # batches of the epoch yielded so far
 
     # ----------------------------------------------------------------- schedule
     @property
@@ -199,18 +213,44 @@ class ClusterBatchSampler(Sampler[list[int]]):
         ratio = self.num_samples / self.cluster_size(epoch)
         return 2 ** max(0, math.ceil(math.log2(ratio))) if ratio > 1 else 1
 
+    @property
+    def first_clustering(self) -> float:
+        """When the queries are first clustered, in epochs (``start_epoch``, else ``min(curriculum_epochs)``; inf: never)."""
+        if self.start_epoch is not None:
+            return self.start_epoch
+        return float(self.curriculum_epochs[0]) if self.curriculum_epochs else math.inf
+
     def needs_refresh(self, epoch: Optional[int] = None) -> bool:
         """Whether the queries should be (re)clustered at the start of ``epoch``.
 
-        True from ``min(curriculum_epochs)`` on every ``refresh_interval`` epochs, and whenever the current
-        assignment was made for another cluster size (size doubled, or no clustering yet, e.g. after a resume);
-        False if the assignment was already made at this epoch.
+        True from the first clustering on every ``refresh_interval`` epochs (counted from the first epoch start at or
+        after it), and whenever the current assignment was made for another cluster size (size doubled, or no
+        clustering yet, e.g. after a resume); False if the assignment was already made at this epoch.
         """
         epoch = self.epoch if epoch is None else int(epoch)
-        if not self.curriculum_epochs or epoch < self.curriculum_epochs[0] or self.clustered_epoch == epoch:
+        if epoch < self.first_clustering or self.clustered_epoch == epoch:
             return False
-        periodic = (epoch - self.curriculum_epochs[0]) % self.refresh_interval == 0
+        periodic = (epoch - math.ceil(self.first_clustering)) % self.refresh_interval == 0
         return periodic or self.assigned_cluster_size != self.cluster_size(epoch)
+
+    def clustering_due_within(self, epoch: float) -> bool:
+        """Whether training at (fractional) ``epoch`` has reached a ``start_epoch`` that falls within an epoch and the
+        queries are not clustered yet: the caller then runs :meth:`cluster_within_epoch` between two steps."""
+        start = self.start_epoch
+        return start is not None and start != int(start) and self.assignment is None and epoch + 1e-9 >= start
+
+    def cluster_within_epoch(self, embeddings: Union[ArrayLike, EmbeddingMemoryBank]) -> np.ndarray:
+        """The first clustering, between two steps of the current epoch: cluster the embeddings and re-order the
+        queries the epoch has not served yet by cluster (the next batch yielded is cut from them); the batches
+        already served keep their queries, so every query is still seen once this epoch. The split point is kept
+        (:meth:`state_dict`), so a resumed run rebuilds the same order. Returns the cluster ids."""
+        if self.mode != "concat" or self.assignment is not None:
+            raise RuntimeError("cluster_within_epoch is the first clustering of a 'concat' sampler")
+        assign = self.update_clusters(embeddings, self.epoch)
+        self.split_batch = self._served
+        if self._order is not None:  # iterating: the rest of the epoch follows the clusters from the next batch on
+            self._order = self._padded(self.epoch_order(self.epoch))
+        return assign
 
     def update_clusters(self, embeddings: Union[ArrayLike, EmbeddingMemoryBank], epoch: Optional[int] = None) -> np.ndarray:
         """Cluster the ``(num_samples, d)`` embeddings (or a memory bank) for ``epoch``; stores and returns the ids."""
@@ -237,19 +277,38 @@ class ClusterBatchSampler(Sampler[list[int]]):
         self.assignment = assign
         self.assigned_cluster_size = self.cluster_size(epoch)
         self.clustered_epoch = epoch
+        self.split_batch = None
 
     # ----------------------------------------------------------------- batches
     def epoch_order(self, epoch: Optional[int] = None) -> np.ndarray:
-        """The epoch's global order: shuffled clusters, members shuffled inside each (seeded by ``seed + epoch``)."""
+        """The epoch's global order: shuffled clusters, members shuffled inside each (seeded by ``seed + epoch``).
+        In the epoch clustered within (:meth:`cluster_within_epoch`): the random order the epoch began with up to
+        the split, then the queries it had not served, grouped by cluster."""
         epoch = self.epoch if epoch is None else int(epoch)
         rng = np.random.default_rng(self.seed + epoch)
         if self.assignment is None:
             return rng.permutation(self.num_samples)
+        if self.split_batch is not None and self.clustered_epoch == epoch:
+            served = rng.permutation(self.num_samples)[: self.split_batch * self.global_batch_size]
+            rest = np.ones(self.num_samples, dtype=bool)
+            rest[served] = False
+            return np.concatenate([served, self._grouped(np.flatnonzero(rest), np.random.default_rng((self.seed, epoch, 1)))])
+        return self._grouped(np.arange(self.num_samples), rng)
+
+    def _grouped(self, ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """``ids`` ordered by shuffled cluster, members shuffled inside each."""
         num_c = int(self.assignment.max()) + 1
         cluster_pos = np.empty(num_c, dtype=np.int64)
         cluster_pos[rng.permutation(num_c)] = np.arange(num_c)
-        within = rng.random(self.num_samples)
-        return np.lexsort((within, cluster_pos[self.assignment]))
+        within = rng.random(ids.size)
+        return ids[np.lexsort((within, cluster_pos[self.assignment[ids]]))]
+
+    def _padded(self, order: np.ndarray) -> np.ndarray:
+        """With several replicas, ``order`` wrapped around to fill every rank's last batch."""
+        total = len(self) * self.global_batch_size
+        if self.num_replicas > 1 and total > order.size:
+            order = np.concatenate([order, np.resize(order, total - order.size)])
+        return order
 
     def num_leaves(self) -> int:
         """``one_per_batch``: batches per epoch, the number of leaves of the tree (the same at every epoch, so the
@@ -288,13 +347,14 @@ class ClusterBatchSampler(Sampler[list[int]]):
                     leaf = np.resize(leaf, per_rank * self.num_replicas)  # repeats the leaf's first members
                 yield leaf[self.rank * per_rank : (self.rank + 1) * per_rank].tolist()
             return
-        order = self.epoch_order(self.epoch)
-        num_batches, gbs = len(self), self.global_batch_size
-        if self.num_replicas > 1 and num_batches * gbs > order.size:
-            order = np.concatenate([order, np.resize(order, num_batches * gbs - order.size)])  # wrap around
-        for b in range(num_batches):
-            start = b * gbs + self.rank * self.batch_size
-            yield order[start : start + self.batch_size].tolist()
+        # read at every batch: cluster_within_epoch may re-order what the epoch has not served yet
+        self._order, self._served = self._padded(self.epoch_order(self.epoch)), 0
+        for b in range(len(self)):
+            start = b * self.global_batch_size + self.rank * self.batch_size
+            batch = self._order[start : start + self.batch_size].tolist()
+            self._served = b + 1
+            yield batch
+        self._order = None
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
@@ -306,6 +366,7 @@ class ClusterBatchSampler(Sampler[list[int]]):
             "assignment": None if self.assignment is None else torch.from_numpy(self.assignment.copy()),
             "assigned_cluster_size": self.assigned_cluster_size,
             "clustered_epoch": self.clustered_epoch,
+            "split_batch": self.split_batch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -320,3 +381,4 @@ class ClusterBatchSampler(Sampler[list[int]]):
         else:
             self.set_assignment(assign, int(state["clustered_epoch"]))
             self.assigned_cluster_size = state.get("assigned_cluster_size", self.assigned_cluster_size)
+            self.split_batch = state.get("split_batch")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,12 +12,13 @@ from typing import Optional
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
+from transformers import Trainer, TrainerState, TrainingArguments
 from transformers.trainer_utils import SaveStrategy, TrainOutput
 
 from ..data import XMCDataset
 from ..metrics import inverse_propensity
 from ..models.io_utils import progress_bar_disabled
+from .callbacks import XMCEpochCallback
 from .collator import (
     LabelTokens,
     PSLDataCollator,
@@ -30,7 +30,7 @@ from .collator import (
 from .evaluation import XMCEvaluator
 from .gradcache import cached_loss
 from .label_state import initialize_label_state
-from .negatives import MINING_PRECISIONS, mine_hard_negatives, mining_autocast
+from .negatives import MINING_PRECISIONS
 from .optim import (
     SparseAdamW,
     can_reduce_sparse_gradients,
@@ -74,6 +74,7 @@ class XMCTrainingArguments(TrainingArguments):
     cluster_init_size: int = field(default=4, metadata={"help": "Cluster size of the first clustering (doubles at each curriculum epoch)."})
     cluster_curriculum_epochs: list[int] = field(default_factory=lambda: [10, 25, 50, 75, 100, 125, 150, 200], metadata={"help": "Epochs at which the cluster size doubles; clustering starts at the first."})
     cluster_refresh_interval: int = field(default=5, metadata={"help": "Re-cluster every N epochs."})
+    cluster_start_epoch: Optional[float] = field(default=None, metadata={"help": "When the queries are first clustered, in epochs (default: the first of --cluster_curriculum_epochs); a fraction clusters within an epoch (0.05: a twentieth into the first; 'concat' mode), from the mining pass's query vectors when the shortlist is mined at that point."})
     cluster_batch_mode: str = field(default="concat", metadata={"help": "'concat' (NGAME, PRIME: shuffled clusters concatenated and cut into batches; clusters grow by the curriculum) or 'one_per_batch' (UniDEC: clusters of at most the global batch size, each batch one cluster; the curriculum does not apply)."})
     hard_negatives: int = field(default=0, metadata={"help": "Hard negatives per query drawn from a mined shortlist (0 = in-batch only; ignored with --label_pool all, where every label is a negative)."})
     hard_negative_top_k: int = field(default=100, metadata={"help": "Shortlist size per query (known positives removed)."})
@@ -113,6 +114,9 @@ class XMCTrainingArguments(TrainingArguments):
             raise ValueError(f"max_label_pool must be >= 0, got {self.max_label_pool}")
         if self.cluster_batch_mode not in ClusterBatchSampler.MODES:
             raise ValueError(f"cluster_batch_mode must be one of {ClusterBatchSampler.MODES}, got {self.cluster_batch_mode!r}")
+        start = self.cluster_start_epoch
+        if start is not None and (start < 0 or (start != int(start) and self.cluster_batch_mode != "concat")):
+            raise ValueError(f"--cluster_start_epoch must be >= 0 (whole epochs with --cluster_batch_mode {self.cluster_batch_mode}), got {start}")
         if self.positive_sampling not in ("uniform", "propensity"):
             raise ValueError(f"positive_sampling must be 'uniform' or 'propensity', got {self.positive_sampling!r}")
         if self.mining_precision not in MINING_PRECISIONS:
@@ -313,6 +317,7 @@ class XMCTrainer(Trainer):
                     num_replicas=xmc_args.world_size,
                     rank=xmc_args.process_index,
                     mode=xmc_args.cluster_batch_mode,
+                    start_epoch=xmc_args.cluster_start_epoch,
                 )
             self.add_callback(XMCEpochCallback(self))
 
@@ -736,153 +741,3 @@ class XMCTrainer(Trainer):
         )
         self.accelerator.unwrap_model(self.model).model_card = card
         card.save(self.args.output_dir)
-
-
-class XMCEpochCallback(TrainerCallback):
-    """Start-of-epoch work of :class:`XMCTrainer` (collator epoch, NGAME re-clustering, hard-negative refresh), and
-    the checkpointing of what that work produced, so a resumed run continues with the same batches."""
-
-    # the checkpoint's own state, with no pickle: tensors in safetensors, the rest in JSON
-    STATE_FILE = "xmc_training_state.safetensors"
-    STATE_META_FILE = "xmc_training_state.json"
-    LEGACY_STATE_FILE = "xmc_training_state.pt"  # written by hf_xmc before; read with weights_only=True only
-
-    def __init__(self, trainer: XMCTrainer):
-        self.trainer = trainer
-        self.mined_epoch: Optional[float] = None  # the schedule point the shortlist was mined for (a resumed run does not re-mine)
-
-    def mining_due(self, args, epoch: float) -> Optional[float]:
-        """The point of the mining schedule (``--hard_negative_start_epoch`` + j ``--hard_negative_refresh_interval``,
-        in epochs) that training at ``epoch`` has reached and whose shortlist is not mined yet; None when none is."""
-        if not getattr(args, "hard_negatives", 0):
-            return None
-        start, every = float(args.hard_negative_start_epoch), float(args.hard_negative_refresh_interval)
-        if epoch + 1e-9 < start:
-            return None
-        point = start + math.floor((epoch - start) / every + 1e-9) * every
-        if self.mined_epoch is not None and self.mined_epoch >= point - 1e-9:
-            return None
-        return point
-
-    def mine(self, args, point: float) -> None:
-        """Mine the shortlist of every training query with the current weights (its filter pairs excluded)."""
-        trainer = self.trainer
-        data = trainer.xmc_train_data
-        with mining_autocast(trainer.model, args.mining_precision):
-            shortlist = mine_hard_negatives(trainer.model, data.texts, data.targets, top_k=args.hard_negative_top_k,
-                                            show_progress_bar=not args.disable_tqdm, exclude=data.filter_matrix)
-        trainer.data_collator.set_shortlist(shortlist)
-        trainer.model.invalidate_label_index()
-        self.mined_epoch = point
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        # a schedule point within an epoch (fractional start or interval): mined between two steps; the batch of this
-        # step is already built, so the shortlist serves from the next one
-        point = self.mining_due(args, float(state.epoch or 0))
-        if point is not None and point != int(point) and hasattr(self.trainer.data_collator, "set_shortlist"):
-            logger.info("epoch %.3f: mining the hard-negative shortlist", float(state.epoch or 0))
-            self.mine(args, point)
-        return control
-
-    def on_epoch_begin(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        epoch = int(state.epoch or 0)
-        collator = trainer.data_collator
-        if hasattr(collator, "set_epoch"):
-            collator.set_epoch(epoch)
-        sampler = trainer.cluster_sampler
-        if sampler is not None:
-            sampler.set_epoch(epoch)
-            if sampler.needs_refresh(epoch):  # False when a resumed epoch was already clustered
-                sampler.update_clusters(self._query_embeddings())
-                logger.info("epoch %d: clustered %d queries into clusters of %d", epoch, sampler.num_samples, sampler.cluster_size(epoch))
-        point = self.mining_due(args, float(epoch))
-        if point is not None and point == epoch and hasattr(collator, "set_shortlist"):  # due right at this epoch's start
-            self.mine(args, point)
-        return control
-
-    @classmethod
-    def write_state(cls, directory: str, state: dict) -> None:
-        """:meth:`state_dict` as ``xmc_training_state.safetensors`` (the tensors: cluster assignment, memory bank,
-        shortlist) + ``xmc_training_state.json`` (epochs, seed, sizes), each written atomically: nothing a resume
-        reads is a pickle. Memory: one CPU copy of the shortlist (``4 K`` bytes per training point)."""
-        from safetensors.torch import save_file
-
-        from ..models.io_utils import atomic_write, write_json
-
-        tensors: dict[str, torch.Tensor] = {}
-        meta = {"mined_epoch": state["mined_epoch"], "sampler": None, "memory_bank": state["memory_bank"] is not None, "shortlist": state["shortlist"] is not None}
-        if state["sampler"] is not None:
-            meta["sampler"] = {k: v for k, v in state["sampler"].items() if k != "assignment"}
-            if state["sampler"]["assignment"] is not None:
-                tensors["sampler.assignment"] = state["sampler"]["assignment"]
-        if state["memory_bank"] is not None:
-            tensors.update({f"memory_bank.{k}": v for k, v in state["memory_bank"].items()})
-        if state["shortlist"] is not None:
-            tensors["shortlist"] = torch.as_tensor(state["shortlist"])
-        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        atomic_write(os.path.join(directory, cls.STATE_FILE), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-        atomic_write(os.path.join(directory, cls.STATE_META_FILE), lambda p: write_json(p, meta))
-
-    @classmethod
-    def read_state(cls, directory: str) -> Optional[dict]:
-        """What :meth:`write_state` wrote in a checkpoint directory, as :meth:`state_dict` returns it; None without
-        it. A checkpoint of an older hf_xmc holds ``xmc_training_state.pt``: it is read with ``weights_only=True`` (no
-        code runs), and refused with a one-line message when that cannot read it."""
-        import json
-
-        from safetensors.torch import load_file
-
-        meta_path, tensor_path = os.path.join(directory, cls.STATE_META_FILE), os.path.join(directory, cls.STATE_FILE)
-        if os.path.exists(meta_path) and os.path.exists(tensor_path):
-            with open(meta_path, encoding="utf-8") as f:
-                meta = json.load(f)
-            tensors = load_file(tensor_path)
-            sampler = None
-            if meta["sampler"] is not None:
-                sampler = {**meta["sampler"], "assignment": tensors.get("sampler.assignment")}
-            bank = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("memory_bank.")} if meta["memory_bank"] else None
-            shortlist = tensors["shortlist"].numpy() if meta["shortlist"] else None
-            return {"mined_epoch": meta["mined_epoch"], "sampler": sampler, "memory_bank": bank, "shortlist": shortlist}
-        legacy = os.path.join(directory, cls.LEGACY_STATE_FILE)
-        if not os.path.exists(legacy):
-            return None
-        try:
-            return torch.load(legacy, weights_only=True)
-        except Exception as err:  # a pickle of arbitrary objects: never unpickled
-            raise ValueError(
-                f"{legacy}: not loaded, it is a pickle that torch.load(weights_only=True) refuses ({type(err).__name__}); "
-                "resume from a checkpoint written by this version, or start the run again"
-            ) from None
-
-    def state_dict(self) -> dict:
-        """Sampler (assignment and the epoch it was made for), memory bank, shortlist and its epoch."""
-        trainer = self.trainer
-        return {
-            "mined_epoch": self.mined_epoch,
-            "sampler": trainer.cluster_sampler.state_dict() if trainer.cluster_sampler is not None else None,
-            "memory_bank": trainer.memory_bank.state_dict() if trainer.memory_bank is not None else None,
-            "shortlist": getattr(trainer.data_collator, "shortlist", None),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        trainer = self.trainer
-        self.mined_epoch = state["mined_epoch"]
-        if state["sampler"] is not None and trainer.cluster_sampler is not None:
-            trainer.cluster_sampler.load_state_dict(state["sampler"])
-        if state["memory_bank"] is not None:
-            bank = state["memory_bank"]
-            trainer.memory_bank = EmbeddingMemoryBank(len(trainer.xmc_train_data), bank["embeddings"].shape[1])
-            trainer.memory_bank.load_state_dict(bank)
-        if state["shortlist"] is not None and hasattr(trainer.data_collator, "set_shortlist"):
-            trainer.data_collator.set_shortlist(state["shortlist"])
-
-    def _query_embeddings(self) -> torch.Tensor:
-        """The memory bank when every query has an embedding in it, else a fresh encoding pass."""
-        bank = self.trainer.memory_bank
-        if bank is not None and bool(bank.filled.all()):
-            return bank.embeddings
-        model, args = self.trainer.model, self.trainer.args
-        with mining_autocast(model, args.mining_precision):
-            return model.encode_queries(self.trainer.xmc_train_data.texts, show_progress_bar=not args.disable_tqdm)
