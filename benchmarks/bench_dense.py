@@ -30,7 +30,7 @@ sys.path.insert(0, REPO)
 
 from benchmarks.bench_validation import BUDGETS, SHOWN, data_setup, pick  # noqa: E402
 from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
-from benchmarks.sweep_defaults import minilm, run_training_script  # noqa: E402
+from benchmarks.sweep_defaults import DATA_FLAGS, minilm, run_training_script  # noqa: E402
 
 DATASETS = ("wordnet", "debtags", "reuters")
 METHODS = ("dexml", "prime", "unidec", "siamesexml")
@@ -48,9 +48,10 @@ RECIPES: dict[str, list[str]] = {
     "hard_negatives_refreshed": [*MINED, "--hard_negative_refresh_interval", "0.15"],
     # two mined negatives per query instead of one
     "two_negatives": [*MINED, "--hard_negatives", "2", "--hard_negative_refresh_interval", "1"],
-    # the default's negatives + NGAME cluster batching (clusters of 16 similar queries, from the second epoch, re-clustered every epoch)
-    "clustered": [*MINED, "--hard_negative_refresh_interval", "1", "--cluster_batching", "true", "--cluster_init_size", "8",
-                  "--cluster_curriculum_epochs", "1", "--cluster_refresh_interval", "1"],
+    # the default's negatives + NGAME cluster batching: clusters of 16 similar queries (4 per batch), first made from
+    # the first mining pass's query vectors (a twentieth of an epoch in), re-made from the memory bank every epoch start
+    "clustered": [*MINED, "--hard_negative_refresh_interval", "1", "--cluster_batching", "true", "--cluster_start_epoch", "0.05",
+                  "--cluster_init_size", "16", "--cluster_curriculum_epochs", "100", "--cluster_refresh_interval", "1"],
 }
 #: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget): a hard-negative
 #: step encodes 64 more labels (~1.5x an in-batch step) and a mining pass ~150K texts (~2.7 min in bfloat16), so 440
@@ -58,6 +59,8 @@ RECIPES: dict[str, list[str]] = {
 RECIPE_BUDGETS: dict[tuple[str, str], list[str]] = {
     ("wordnet", "hard_negatives"): ["--max_steps", "440"],
     ("wordnet", "hard_negatives_refreshed"): ["--max_steps", "380"],  # a second mining pass costs ~60 hard-negative steps
+    ("wordnet", "two_negatives"): ["--max_steps", "330"],  # 128 labels more per step instead of 64 (~1.33x a one-negative step)
+    ("wordnet", "clustered"): ["--max_steps", "440"],  # the clustering itself takes seconds (from the mining pass's vectors)
 }
 TRAIN_FILTERS = {"wordnet": "filter_labels_train.txt"}
 
@@ -97,28 +100,51 @@ def references(dataset: str) -> list[tuple[str, dict]]:
 SCRIPT_DEFAULTS = {"dexml": "hard_negatives"}
 
 
-def budget(flags: list[str]) -> str:
-    """The row's training budget from its flags (the last occurrence wins, as on the command line)."""
-    for flag, unit in (("--max_steps", "steps"), ("--num_train_epochs", "epochs")):
-        last = max((i for i, f in enumerate(flags) if f == flag), default=None)
-        if last is not None:
-            return f"{flags[last + 1]} {unit}"
-    return "script's epochs"
+def budget(dataset: str, flags: list[str]) -> str:
+    """The row's training budget: its flags after the dataset's (``DATA_FLAGS``; the last occurrence wins, as on the
+    command line), steps before epochs (``--max_steps`` overrides the epochs)."""
+    flags = [*DATA_FLAGS.get(dataset, []), *flags]
+
+    def last(*names: tuple[str, str]) -> str:
+        for flag, unit in names:
+            at = max((i for i, f in enumerate(flags) if f == flag), default=None)
+            if at is not None:
+                value = flags[at + 1]
+                return f"{value} {unit.rstrip('s') if float(value) == 1 else unit}"
+        return ""
+
+    main = last(("--max_steps", "steps"), ("--num_train_epochs", "epochs")) or "script's epochs"
+    stage2 = last(("--classifier_max_steps", "classifier steps"), ("--classifier_epochs", "classifier epochs"))  # SiameseXML
+    return f"{main} + {stage2}" if stage2 else main
+
+
+def validation_rows(rows: list[dict]) -> list[dict]:
+    """The other methods' rows of ``validation_fusion.json`` (their scripts' defaults, the same step budgets, the same
+    channel), as rows of this table (recipe ``defaults``), for every (dataset, method) this benchmark has not run."""
+    path = result_path("validation_fusion.json")
+    if not os.path.exists(path):
+        return []
+    ran = {(r["dataset"], r["method"]) for r in rows}
+    return [{**r, "recipe": "defaults", "fused": r["fused_now"]} for r in read_json(path)
+            if r["method"] in METHODS and r["method"] != "dexml" and (r["dataset"], r["method"]) not in ran]
 
 
 def table(rows: list[dict]) -> str:
     header = ["dataset", "model", "recipe", "budget", "ranking", *SHOWN, "wall min"]
     cells = []
+    rows = rows + validation_rows(rows)
+    recipes = [*RECIPES, "defaults"]
     for dataset in DATASETS:
-        ours = sorted((r for r in rows if r["dataset"] == dataset), key=lambda r: (METHODS.index(r["method"]), list(RECIPES).index(r["recipe"])))
+        ours = sorted((r for r in rows if r["dataset"] == dataset), key=lambda r: (METHODS.index(r["method"]), recipes.index(r["recipe"])))
         if not ours:
             continue
         for name, metrics in references(dataset):
             cells.append([dataset, name, "", "", "", *(f"{metrics[m]:.2f}" if m in metrics else "" for m in SHOWN), ""])
         for r in ours:
             recipe = r["recipe"] + (" (default)" if SCRIPT_DEFAULTS.get(r["method"]) == r["recipe"] else "")
+            recipe = "script's defaults (validation_fusion.json)" if r["recipe"] == "defaults" else recipe
             for ranking in ("dense", "fused"):
-                cells.append([dataset, r["method"], recipe, budget(r["flags"]), ranking, *(f"{r[ranking][m]:.2f}" for m in SHOWN),
+                cells.append([dataset, r["method"], recipe, budget(dataset, r["flags"]), ranking, *(f"{r[ranking][m]:.2f}" for m in SHOWN),
                               f"{r['wall_seconds'] / 60:.1f}"])
     return markdown_table(header, cells, "lllll" + "r" * (len(SHOWN) + 1)) + "\n"
 

@@ -120,6 +120,13 @@ def minilm() -> str:
     return minilm_path()
 
 
+#: the training budget and shapes of the real datasets' runs (before any row's own flags, which win)
+DATA_FLAGS = {
+    "debtags": ["--num_train_epochs", "0.5", "--per_device_train_batch_size", "64", "--max_seq_length", "32"],
+    "reuters": ["--num_train_epochs", "1", "--per_device_train_batch_size", "32", "--max_seq_length", "32"],
+}
+
+
 def prepare(name: str, work: str) -> tuple[str, str, list[str]]:
     """Return (data directory, encoder, extra script arguments) for a dataset name."""
     if name == "tiny":
@@ -129,12 +136,12 @@ def prepare(name: str, work: str) -> tuple[str, str, list[str]]:
     if name == "debtags":
         from hf_xmc.data import DEBTAGS_DIR
 
-        return str(DEBTAGS_DIR), minilm(), ["--num_train_epochs", "0.5", "--per_device_train_batch_size", "64", "--max_seq_length", "32"]
+        return str(DEBTAGS_DIR), minilm(), list(DATA_FLAGS["debtags"])
     if name == "reuters":
         data = os.path.join(REPO, "outputs", "reuters")
         if not os.path.exists(os.path.join(data, "lbl.json.gz")):
             subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "make_reuters.py"), "--out", data], check=True)
-        return data, minilm(), ["--num_train_epochs", "1", "--per_device_train_batch_size", "32", "--max_seq_length", "32"]
+        return data, minilm(), list(DATA_FLAGS["reuters"])
     raise SystemExit(f"unknown dataset {name}")
 
 
