@@ -14,7 +14,8 @@ one process per loop (each loop in a fresh subprocess, one after the other, so a
   temperature 0.05) on (query, one positive label text) pairs;
 * each recipe (``dexml``, ``prime``, ``unidec``, ``siamesexml``) through its own ``main`` with the training-script
   contract arguments: the XMCTrainer with the recipe's collator, sampler, callbacks and loss (DEXML with
-  ``--hard_negatives 0``: the bare loop's in-batch pool, so the row measures the machinery, not a larger pool).
+  ``--hard_negatives 0 --cluster_batching false``: the bare loop's in-batch pool and random batches, so the row
+  measures the machinery, not a larger pool).
 
 A step's time is the wall time between consecutive ``on_step_end`` events (data loading and collation included); the
 table gives the mean over ``--steps`` steps after ``--warmup`` steps (the first steps pay for lazy initialisation, the
@@ -171,8 +172,8 @@ def worker_recipe(method: str, encoder: str, steps: int, warmup: int, work: str)
     trainer_module.XMCTrainer.__init__ = init_with_timer
     extra = ["--per_device_train_batch_size", str(BATCH), "--max_seq_length", str(SEQ), "--num_train_epochs", "1",
              "--seed", "0", "--report_to", "none"]
-    if method == "dexml":  # the bare loop's in-batch pool (DEXML's default adds a mined negative per query)
-        extra += ["--hard_negatives", "0"]
+    if method == "dexml":  # the bare loop's in-batch pool and random batches (DEXML's default mines negatives and clusters)
+        extra += ["--hard_negatives", "0", "--cluster_batching", "false"]
     argv = training_command(method, str(DEBTAGS_DIR), encoder, work, extra)[0][2:]  # the script's arguments
     try:
         importlib.import_module(f"hf_xmc.training.recipes.{method}").main(argv)

@@ -4,7 +4,7 @@
 
 1. loads the bundled Debtags split (Debian package titles -> Debtags tags, each tag with a text);
 2. scores the untrained encoder (zero-shot: query vs label-text embeddings) on the test split;
-3. trains DEXML (DecoupledSoftmax, in-batch negatives) or, with ``--method prime``, PRIME (label prototypes,
+3. trains DEXML (DecoupledSoftmax, in-batch negatives plus the hard negatives of ``train_dexml.py``'s defaults) or, with ``--method prime``, PRIME (label prototypes,
    dynamic-margin triplet loss, 2 propensity-sampled positives per query) or, with ``--method unidec``, UniDEC (DE and
    classifier heads, pick-some-labels pools) with :class:`~hf_xmc.training.XMCTrainer`;
 4. prints zero-shot and trained test metrics side by side, saves the model with its label index;
@@ -30,6 +30,7 @@ from .data import XCData, load_debtags  # noqa: E402
 from .models import DEXMLModel, PRIMEModel, UniDECModel  # noqa: E402
 from .models.io_utils import write_json_atomic  # noqa: E402
 from .training import XMCEvaluator, XMCTrainingArguments  # noqa: E402
+from .training.recipes.dexml import DEXMLTrainingArguments  # noqa: E402
 from .training.script_utils import train_and_evaluate  # noqa: E402
 
 SHOWN_METRICS = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@3", "PSP@5", "R@10", "R@100")
@@ -99,8 +100,10 @@ def run(args: argparse.Namespace) -> dict:
         sampling = {"label_pool": "psl", "max_label_pool": 256, "positive_sampling": "propensity", "num_positives": 3, "lr_scheduler_type": "cosine"}
         print("\n[2/3] training UniDEC (DE + classifier heads, pick-some-labels pools), then evaluating it")
     else:
-        print("\n[2/3] training DEXML (DecoupledSoftmax, in-batch negatives), then evaluating it")
-    training_args = XMCTrainingArguments(
+        print("\n[2/3] training DEXML (DecoupledSoftmax, in-batch and mined hard negatives), then evaluating it")
+    # DEXML: the negatives of train_dexml.py's defaults (DEXMLTrainingArguments), so the quickstart's figure is the script's
+    arguments_class = DEXMLTrainingArguments if args.method == "dexml" else XMCTrainingArguments
+    training_args = arguments_class(
         output_dir=args.output_dir,
         num_train_epochs=args.num_train_epochs,
         per_device_train_batch_size=args.per_device_train_batch_size,

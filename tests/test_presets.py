@@ -53,10 +53,14 @@ def test_paper_values_of_the_issue_dataset(tmp_path):
     m, d, t = parse("dexml", "--preset", "lf-amazontitles-1.3m", tmp_path=tmp_path)
     assert (t.per_device_train_batch_size, t.learning_rate, m.temperature, m.normalize) == (8192, 8e-4, 1.0, False)
     assert t.label_pool == "all" and t.gradient_cache_chunk_size == 1024 and m.pooling == "cls"
-    assert t.hard_negatives == 0  # every label is a negative already: DEXML's default mined negative is dropped
-    assert XMCTrainingArguments(output_dir=str(tmp_path), label_pool="all", hard_negatives=2).hard_negatives == 0  # any recipe
+    # every label is a negative already: DEXML's default mined negative and cluster batching are dropped
+    assert t.hard_negatives == 0 and not t.cluster_batching
+    every = XMCTrainingArguments(output_dir=str(tmp_path), label_pool="all", hard_negatives=2, cluster_batching=True)  # any recipe
+    assert every.hard_negatives == 0 and not every.cluster_batching
     m, d, t = parse("dexml", "--model_name_or_path", "local/encoder", tmp_path=tmp_path)  # the recipe's own defaults
     assert (t.label_pool, t.hard_negatives, t.hard_negative_top_k, t.hard_negative_start_epoch, t.hard_negative_refresh_interval) == ("in_batch", 1, 100, 0.05, 1.0)
+    assert (t.cluster_batching, t.cluster_min_labels, t.cluster_start_epoch, t.cluster_init_size, t.cluster_curriculum_epochs,
+            t.cluster_refresh_interval) == (True, 10_000, 0.05, 16, [], 1)
 
 
 def test_explicit_flags_beat_the_preset(tmp_path):

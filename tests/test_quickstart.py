@@ -26,6 +26,8 @@ def test_quickstart_end_to_end(tiny_encoder_dir, tmp_path, capsys):
     assert printed.count("(* = a true tag of the package)") == 1
     assert len(re.findall(r"^    [* ] +-?\d+\.\d{3}  \S", printed, flags=re.M)) == 10
     assert (out / "label_index.json").exists() and (out / "modeling_dexml.py").exists()
+    # DEXML trains with train_dexml.py's negatives (its hard negatives), which the card lists
+    assert re.search(r"\| hard_negatives \| [1-9]", (out / "README.md").read_text())
 
 
 @pytest.mark.parametrize("method,name", [("prime", "PRIME"), ("unidec", "UniDEC")])

@@ -153,6 +153,10 @@ def test_clustering_within_the_first_epoch_reuses_the_mining_pass(tiny_encoder_d
     assert encoded == [1] and alone.cluster_sampler.assignment is not None and alone.data_collator.shortlist is None
     with pytest.raises(ValueError, match="cluster_start_epoch"):
         XMCTrainingArguments(output_dir=str(tmp_path), cluster_start_epoch=0.5, cluster_batch_mode="one_per_batch")
+    # --cluster_min_labels above the task's label count: random batches, and the arguments say so
+    small = make_trainer(tiny_encoder_dir, data, tmp_path / "c", cluster_min_labels=data.train.targets.shape[1] + 1, **flags)
+    assert small.cluster_sampler is None and not small.args.cluster_batching
+    assert make_trainer(tiny_encoder_dir, data, tmp_path / "d", cluster_min_labels=data.train.targets.shape[1], **flags).cluster_sampler is not None
 
 
 def test_mining_precision_picks_bfloat16_where_the_hardware_runs_it(tiny_encoder_dir, monkeypatch):

@@ -40,7 +40,7 @@ CARD_TRAINING_ARGS = (
     "learning_rate", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "seed",
     "lr_scheduler_type", "warmup_steps", "weight_decay", "label_pool", "max_label_pool", "positive_sampling",
     "num_positives", "hard_negatives", "hard_negative_top_k", "hard_negative_start_epoch", "cluster_batching",
-    "gradient_cache_chunk_size", "bf16", "fp16",
+    "cluster_start_epoch", "gradient_cache_chunk_size", "bf16", "fp16",
 )
 TEMPLATES_ENV = "HF_XMC_MODEL_CARDS"
 REPO_ID_PLACEHOLDER = "<your-username>"  # the loading example's repo owner until the card knows where it is pushed
@@ -298,6 +298,8 @@ def _training_rows(training_args, train_metrics: Optional[Mapping[str, float]]) 
                 continue
             if key.startswith("hard_negative_") and not getattr(training_args, "hard_negatives", 0):
                 continue  # mining settings of a run without hard negatives
+            if key == "cluster_start_epoch" and not getattr(training_args, "cluster_batching", False):
+                continue
             if key == "max_label_pool" and getattr(training_args, "label_pool", None) != "psl":
                 continue
             if key in ("label_pool", "positive_sampling") or value != 0:

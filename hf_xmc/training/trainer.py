@@ -74,6 +74,7 @@ class XMCTrainingArguments(TrainingArguments):
     cluster_init_size: int = field(default=4, metadata={"help": "Cluster size of the first clustering (doubles at each curriculum epoch)."})
     cluster_curriculum_epochs: list[int] = field(default_factory=lambda: [10, 25, 50, 75, 100, 125, 150, 200], metadata={"help": "Epochs at which the cluster size doubles; clustering starts at the first."})
     cluster_refresh_interval: int = field(default=5, metadata={"help": "Re-cluster every N epochs."})
+    cluster_min_labels: int = field(default=0, metadata={"help": "Cluster batching only on a label space of at least this many labels (0: any); on a smaller one similar queries share most of their labels, so a batch of them holds fewer distinct negatives, and batches stay random."})
     cluster_start_epoch: Optional[float] = field(default=None, metadata={"help": "When the queries are first clustered, in epochs (default: the first of --cluster_curriculum_epochs); a fraction clusters within an epoch (0.05: a twentieth into the first; 'concat' mode), from the mining pass's query vectors when the shortlist is mined at that point."})
     cluster_batch_mode: str = field(default="concat", metadata={"help": "'concat' (NGAME, PRIME: shuffled clusters concatenated and cut into batches; clusters grow by the curriculum) or 'one_per_batch' (UniDEC: clusters of at most the global batch size, each batch one cluster; the curriculum does not apply)."})
     hard_negatives: int = field(default=0, metadata={"help": "Hard negatives per query drawn from a mined shortlist (0 = in-batch only; ignored with --label_pool all, where every label is a negative)."})
@@ -127,7 +128,7 @@ class XMCTrainingArguments(TrainingArguments):
                      "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_train_epochs", "learning_rate", "hard_negatives", "hard_negative_start_epoch", "gradient_cache_chunk_size", "weight_decay", "warmup_steps"):
+        for name in ("num_train_epochs", "learning_rate", "hard_negatives", "hard_negative_start_epoch", "gradient_cache_chunk_size", "weight_decay", "warmup_steps", "cluster_min_labels"):
             if getattr(self, name, 0) < 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if self.peft not in (None, "lora"):
@@ -150,9 +151,11 @@ class XMCTrainingArguments(TrainingArguments):
             raise ValueError(f"--score_calibration takes 'auto', 'isotonic', 'platt' or 'none', got {self.score_calibration!r}")
         if self.load_best_model_at_end and self.metric_for_best_model is None:
             self.metric_for_best_model = "P@1"  # the validation split's P@1 (transformers' default, the loss, is not computed)
-        if self.label_pool == "all" and self.hard_negatives:  # every label is a negative of every step: nothing to mine
-            logger.info("--label_pool all: no hard-negative shortlist is mined (--hard_negatives %d ignored)", self.hard_negatives)
-            self.hard_negatives = 0
+        if self.label_pool == "all" and (self.hard_negatives or self.cluster_batching):
+            # every label is a negative of every step: nothing to mine, and which queries share a batch changes no pool
+            logger.info("--label_pool all: no hard-negative shortlist (--hard_negatives %d) and no cluster batching (--cluster_batching %s)",
+                        self.hard_negatives, self.cluster_batching)
+            self.hard_negatives, self.cluster_batching = 0, False
         if self.hard_negatives > self.hard_negative_top_k:
             raise ValueError(f"--hard_negatives {self.hard_negatives} exceeds the shortlist they are drawn from (--hard_negative_top_k {self.hard_negative_top_k})")
         super().__post_init__()
@@ -305,6 +308,10 @@ class XMCTrainer(Trainer):
         self.memory_bank: Optional[EmbeddingMemoryBank] = None
         self._label_tokens: Optional[LabelTokens] = None  # label_pool="all": this process's label shard, tokenised once
         if xmc_args is not None and train_dataset is not None:
+            num_labels = self.xmc_train_data.targets.shape[1] if self.xmc_train_data is not None else 0
+            if xmc_args.cluster_batching and num_labels < xmc_args.cluster_min_labels:
+                logger.info("%d labels, fewer than --cluster_min_labels %d: random batches (no cluster batching)", num_labels, xmc_args.cluster_min_labels)
+                xmc_args.cluster_batching = False  # the card and the saved arguments say what ran
             if xmc_args.cluster_batching and self.xmc_train_data is not None:
                 self.cluster_sampler = ClusterBatchSampler(
                     num_samples=len(train_dataset),
