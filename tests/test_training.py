@@ -193,14 +193,16 @@ def test_train_script_under_accelerate_two_processes(tiny_task, tiny_encoder_dir
     out = tmp_path / "out"
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29531"]
-    engine = ["--cluster_batching", "true", "--cluster_init_size", "8", "--cluster_curriculum_epochs", "1",
+    # DEXML's clustering (first a twentieth into the first epoch: clusters of 8, of 16 from epoch 1) on 40 labels
+    engine = ["--cluster_batching", "true", "--cluster_min_labels", "0", "--cluster_init_size", "8", "--cluster_curriculum_epochs", "1",
               "--cluster_refresh_interval", "1", "--hard_negatives", "2", "--hard_negative_start_epoch", "1",
               "--hard_negative_top_k", "10", "--gradient_cache_chunk_size", "8"]
     proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(out), epochs="2") + engine, launcher=launcher)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert "Total train batch size (w. parallel, distributed & accumulation) = 64" in log  # 2 processes x 32
-    assert "clustered 480 queries into clusters of 16" in log and "mined a shortlist of 10 hard negatives" in log
+    assert "clustered 480 queries into clusters of 8" in log and "clustered 480 queries into clusters of 16" in log
+    assert "mined a shortlist of 10 hard negatives" in log
     results = json.load(open(out / "eval_results.json"))
     assert all(0 <= results[k] <= 100 for k in CONTRACT_KEYS)
     assert results["test_P@1"] > 20

@@ -170,8 +170,8 @@ def test_no_validation_query_reaches_training(tiny_task, tiny_encoder_dir, tmp_p
     """Through the recipe with cluster batching, hard negatives (memory bank, shortlists) and the lexical channel: every
     query a batch, a clustering, a shortlist, the memory bank or the ranker sees is a training query, never a validation
     one; the fusion weights and the calibration are tuned on exactly the validation queries."""
+    from hf_xmc.training import callbacks, lexical, samplers, trainer
     from hf_xmc.training import collator as collator_module
-    from hf_xmc.training import lexical, samplers, trainer
     from hf_xmc.training.recipes import dexml
 
     seen = {"batches": set(), "mined": set(), "clustered": [], "bank": [], "ranker": [], "tuned": [], "calibrated": []}
@@ -181,7 +181,7 @@ def test_no_validation_query_reaches_training(tiny_task, tiny_encoder_dir, tmp_p
         seen["batches"].update(self.texts[f["index"]] for f in features)
         return call(self, features)
 
-    mine = trainer.mine_hard_negatives
+    mine = callbacks.mine_hard_negatives
 
     def record_mining(model, texts, *args, **kwargs):
         seen["mined"].update(texts)
@@ -189,9 +189,9 @@ def test_no_validation_query_reaches_training(tiny_task, tiny_encoder_dir, tmp_p
 
     update = samplers.ClusterBatchSampler.update_clusters
 
-    def record_clusters(self, embeddings):
+    def record_clusters(self, embeddings, *args, **kwargs):
         seen["clustered"].append(len(embeddings))
-        return update(self, embeddings)
+        return update(self, embeddings, *args, **kwargs)
 
     bank_init = samplers.EmbeddingMemoryBank.__init__
 
@@ -220,7 +220,7 @@ def test_no_validation_query_reaches_training(tiny_task, tiny_encoder_dir, tmp_p
         return fit(model, evaluator, *args, **kwargs)
 
     monkeypatch.setattr(collator_module.XMCDataCollator, "__call__", record_batch)
-    monkeypatch.setattr(trainer, "mine_hard_negatives", record_mining)
+    monkeypatch.setattr(callbacks, "mine_hard_negatives", record_mining)
     monkeypatch.setattr(samplers.ClusterBatchSampler, "update_clusters", record_clusters)
     monkeypatch.setattr(trainer, "EmbeddingMemoryBank", type("Bank", (samplers.EmbeddingMemoryBank,), {"__init__": record_bank}))
     monkeypatch.setattr(lexical, "train_omikuji", record_ranker)
@@ -229,7 +229,7 @@ def test_no_validation_query_reaches_training(tiny_task, tiny_encoder_dir, tmp_p
     data, task_dir = tiny_task
     out = tmp_path / "run"
     dexml.main(contract_args(task_dir, tiny_encoder_dir, str(out), epochs="3") + [
-        "--cluster_batching", "true", "--cluster_curriculum_epochs", "1", "--cluster_refresh_interval", "1",
+        "--cluster_batching", "true", "--cluster_min_labels", "0", "--cluster_curriculum_epochs", "1", "--cluster_refresh_interval", "1",
         "--hard_negatives", "2", "--hard_negative_start_epoch", "1", "--hard_negative_refresh_interval", "1",
         "--lexical_channel", "omikuji", "--save_strategy", "no",
     ])
