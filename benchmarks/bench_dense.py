@@ -12,7 +12,9 @@ an epoch, Reuters one), ``--lexical_channel omikuji`` (so the fused ranking is m
 weights tuned on the validation split) and the training filter file where the dataset has one; the recipe's flags
 come last and win (a recipe may change the step budget, so that two recipes cost the same wall time). *Dense* is the
 trained model alone (``test_dense_*``), *fused* what the script saves and reports (``test_*``). The references are
-read from committed results: the best tree peer by P@1 (``peers_wordnet.json``, ``debtags.json``) and the untrained
+read from committed results: the best tree peer by P@1 (``peers_wordnet.json``, ``debtags.json``, ``peers_reuters.json``:
+``python benchmarks/peers.py --dataset outputs/reuters --only omikuji omikuji_bonsai napkinxc zeroshot --out
+benchmarks/results/peers_reuters.json``) and the untrained
 all-MiniLM-L6-v2 with and without the channel (the ``zeroshot`` rows of ``validation_fusion.json``). Wall minutes are
 the whole script on the machine it ran on (``load_1min`` says how busy it was); rows already in ``--out`` are kept
 (``--rerun`` runs them again).
@@ -83,7 +85,7 @@ def run_row(dataset: str, method: str, recipe: str, work: str) -> dict:
 def references(dataset: str) -> list[tuple[str, dict]]:
     """The best tree peer by P@1 and the untrained encoder (dense, + channel) of ``dataset`` from committed results."""
     refs = []
-    peers_file = {"wordnet": "peers_wordnet.json", "debtags": "debtags.json"}.get(dataset)
+    peers_file = {"wordnet": "peers_wordnet.json", "debtags": "debtags.json", "reuters": "peers_reuters.json"}.get(dataset)
     if peers_file and os.path.exists(result_path(peers_file)):
         rows = [r for r in read_json(result_path(peers_file))["rows"] if "hf_xmc" not in r["method"] and "zero-shot" not in r["method"]]
         if rows:
