@@ -101,21 +101,21 @@ def test_hard_negatives_enter_the_pool(tiny_encoder_dir, tiny_task, tmp_path):
 
 
 def test_fractional_mining_schedule_mines_within_epochs(tiny_encoder_dir, tiny_task, tmp_path, monkeypatch):
-    from hf_xmc.training import callbacks as trainer_module
+    from hf_xmc.training import callbacks as callbacks_module
 
     data = tiny_task[0]
     steps_per_epoch = -(-len(data.train) // 32)
     trainer = make_trainer(tiny_encoder_dir, data, tmp_path, num_train_epochs=2, hard_negatives=2, hard_negative_top_k=10,
                            hard_negative_start_epoch=0.5, hard_negative_refresh_interval=0.5, mining_precision="bfloat16")
     mined_at, precisions = [], []
-    real = trainer_module.mine_hard_negatives
+    real = callbacks_module.mine_hard_negatives
 
     def recording(model, *args, **kwargs):
         mined_at.append((trainer.state.global_step, model.training))
         precisions.append(model.encoding_autocast_dtype)
         return real(model, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "mine_hard_negatives", recording)
+    monkeypatch.setattr(callbacks_module, "mine_hard_negatives", recording)
     trainer.train()
     # schedule points 0.5, 1.0 and 1.5 epochs: mid-epoch ones before the first step past them, 1.0 at the epoch start
     expected = [int(np.ceil(0.5 * steps_per_epoch)), steps_per_epoch, int(np.ceil(1.5 * steps_per_epoch))]
