@@ -133,13 +133,25 @@ def test_fractional_mining_schedule_mines_within_epochs(tiny_encoder_dir, tiny_t
 def test_clustering_within_the_first_epoch_reuses_the_mining_pass(tiny_encoder_dir, tiny_task, tmp_path, monkeypatch):
     # --cluster_start_epoch 0.5 with the shortlist mined at the same point: one encoding pass serves both, and the
     # second half of the epoch is cut from clusters; without mining at that point the queries are encoded for it
-    from hf_xmc.training.callbacks import XMCEpochCallback
-
     data = tiny_task[0]
     steps_per_epoch = -(-len(data.train) // 32)
-    encoded = []
-    real = XMCEpochCallback._query_embeddings
-    monkeypatch.setattr(XMCEpochCallback, "_query_embeddings", lambda self: encoded.append(1) or real(self))
+    encoded, mining = [], []  # encoding passes over every training query outside the mining pass
+    encode, search_vectors = DEXMLModel.encode_queries, DEXMLModel.query_search_vectors
+
+    def counting_encode(self, texts, *args, **kwargs):
+        if not mining and len(texts) == len(data.train):
+            encoded.append(1)
+        return encode(self, texts, *args, **kwargs)
+
+    def mining_vectors(self, *args, **kwargs):
+        mining.append(1)
+        try:
+            return search_vectors(self, *args, **kwargs)
+        finally:
+            mining.pop()
+
+    monkeypatch.setattr(DEXMLModel, "encode_queries", counting_encode)
+    monkeypatch.setattr(DEXMLModel, "query_search_vectors", mining_vectors)
     flags = dict(num_train_epochs=1, cluster_batching=True, cluster_init_size=8, cluster_curriculum_epochs=[5], cluster_start_epoch=0.5)
     trainer = make_trainer(tiny_encoder_dir, data, tmp_path / "a", hard_negatives=2, hard_negative_top_k=10, hard_negative_start_epoch=0.5, **flags)
     trainer.train()

@@ -46,21 +46,21 @@ class XMCEpochCallback(TrainerCallback):
             return None
         return point
 
-    def mine(self, args, point: float, keep_query_vectors: bool = False) -> Optional[torch.Tensor]:
+    def mine(self, args, point: float, fill_memory_bank: bool = False) -> None:
         """Mine the shortlist of every training query with the current weights (its filter pairs excluded).
-        ``keep_query_vectors``: also return the pass's query vectors (``(n, d)`` float32, 4 d bytes per query; in the
-        hard-negative search space, which is every model's clustering space), for a clustering at the same point."""
+        ``fill_memory_bank``: the pass's query vectors (in the hard-negative search space, which is every model's
+        clustering space) also overwrite the memory bank's rows, for a clustering at the same point: no second
+        encoding pass and no memory beyond the bank's own."""
         trainer = self.trainer
         data = trainer.xmc_train_data
-        kept: list[torch.Tensor] = []
+        bank = trainer.memory_bank if fill_memory_bank else None
         with mining_autocast(trainer.model, args.mining_precision):
             shortlist = mine_hard_negatives(trainer.model, data.texts, data.targets, top_k=args.hard_negative_top_k,
                                             show_progress_bar=not args.disable_tqdm, exclude=data.filter_matrix,
-                                            query_sink=(lambda rows, vectors: kept.append(vectors.float().cpu())) if keep_query_vectors else None)
+                                            query_sink=bank.update if bank is not None else None)
         trainer.data_collator.set_shortlist(shortlist)
         trainer.model.invalidate_label_index()
         self.mined_epoch = point
-        return torch.cat(kept) if kept else None
 
     def on_step_begin(self, args, state, control, **kwargs):
         # a schedule point within an epoch (fractional start or interval): mined / clustered between two steps; the
@@ -69,12 +69,11 @@ class XMCEpochCallback(TrainerCallback):
         sampler = self.trainer.cluster_sampler
         cluster_now = sampler is not None and sampler.clustering_due_within(epoch)
         point = self.mining_due(args, epoch)
-        vectors = None
         if point is not None and point != int(point) and hasattr(self.trainer.data_collator, "set_shortlist"):
             logger.info("epoch %.3f: mining the hard-negative shortlist", epoch)
-            vectors = self.mine(args, point, keep_query_vectors=cluster_now)
-        if cluster_now:
-            sampler.cluster_within_epoch(vectors if vectors is not None else self._query_embeddings())
+            self.mine(args, point, fill_memory_bank=cluster_now)
+        if cluster_now:  # from the bank when the mining pass just filled it, else a fresh encoding pass
+            sampler.cluster_within_epoch(self._query_embeddings())
             logger.info("epoch %.3f: clustered %d queries into clusters of %d", epoch, sampler.num_samples, sampler.cluster_size())
         return control
 
