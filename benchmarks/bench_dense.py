@@ -54,6 +54,11 @@ RECIPES: dict[str, list[str]] = {
     # the first mining pass's query vectors (a twentieth of an epoch in), re-made from the memory bank every epoch start
     "clustered": [*MINED, "--hard_negative_refresh_interval", "1", "--cluster_batching", "true", "--cluster_start_epoch", "0.05",
                   "--cluster_init_size", "16", "--cluster_curriculum_epochs", "100", "--cluster_refresh_interval", "1"],
+    # a method's own hard negatives and cluster batching (UniDEC: 6 per query from a DE-head top 30, clusters of 8),
+    # started a twentieth of an epoch in instead of at the second epoch, which a short budget never reaches
+    "early_start": ["--hard_negative_start_epoch", "0.05", "--cluster_start_epoch", "0.05"],
+    # the same without cluster batching (the method's own hard negatives only, from a twentieth of an epoch)
+    "early_negatives": ["--hard_negative_start_epoch", "0.05", "--cluster_batching", "false"],
 }
 #: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget): a hard-negative
 #: step encodes 64 more labels (~1.5x an in-batch step) and a mining pass ~150K texts (~2.7 min in bfloat16), so 440
