@@ -26,7 +26,6 @@ configuration for that dataset into the defaults, encoder included; flags given 
 win over it.
 """
 
-import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -39,8 +38,6 @@ from hf_xmc.training.script_utils import (
     parse_script_args,
     train_and_evaluate,
 )
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
