@@ -59,6 +59,9 @@ RECIPES: dict[str, list[str]] = {
     "early_start": ["--hard_negative_start_epoch", "0.05", "--cluster_start_epoch", "0.05"],
     # the same without cluster batching (the method's own hard negatives only, from a twentieth of an epoch)
     "early_negatives": ["--hard_negative_start_epoch", "0.05", "--cluster_batching", "false"],
+    # a method's own cluster batching (PRIME: clusters of 8) from a twentieth of an epoch, from an encoding pass
+    # over the training queries there (PRIME mines no shortlist)
+    "early_clusters": ["--cluster_start_epoch", "0.05"],
 }
 #: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget): a hard-negative
 #: step encodes 64 more labels (~1.5x an in-batch step) and a mining pass ~150K texts (~2.7 min in bfloat16), so 440
