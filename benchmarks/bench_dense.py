@@ -130,21 +130,19 @@ def budget(dataset: str, flags: list[str]) -> str:
 
 
 def validation_rows(rows: list[dict]) -> list[dict]:
-    """The other methods' rows of ``validation_fusion.json`` (their scripts' defaults, the same step budgets, the same
-    channel), as rows of this table (recipe ``defaults``), for every (dataset, method) this benchmark has not run."""
+    """The other methods' rows of ``validation_fusion.json`` (their scripts' defaults at the commit that ran them, the
+    same step budgets, the same channel), as rows of this table (recipe ``defaults``), beside what this benchmark ran."""
     path = result_path("validation_fusion.json")
     if not os.path.exists(path):
         return []
-    ran = {(r["dataset"], r["method"]) for r in rows}
-    return [{**r, "recipe": "defaults", "fused": r["fused_now"]} for r in read_json(path)
-            if r["method"] in METHODS and r["method"] != "dexml" and (r["dataset"], r["method"]) not in ran]
+    return [{**r, "recipe": "defaults", "fused": r["fused_now"]} for r in read_json(path) if r["method"] in METHODS and r["method"] != "dexml"]
 
 
 def table(rows: list[dict]) -> str:
     header = ["dataset", "model", "recipe", "budget", "ranking", *SHOWN, "wall min"]
     cells = []
     rows = rows + validation_rows(rows)
-    recipes = [*RECIPES, "defaults"]
+    recipes = ["defaults", *RECIPES]
     for dataset in DATASETS:
         ours = sorted((r for r in rows if r["dataset"] == dataset), key=lambda r: (METHODS.index(r["method"]), recipes.index(r["recipe"])))
         if not ours:
@@ -153,7 +151,9 @@ def table(rows: list[dict]) -> str:
             cells.append([dataset, name, "", "", "", *(f"{metrics[m]:.2f}" if m in metrics else "" for m in SHOWN), ""])
         for r in ours:
             recipe = r["recipe"] + (" (default)" if SCRIPT_DEFAULTS.get((r["method"], dataset)) == r["recipe"] else "")
-            recipe = "script's defaults (validation_fusion.json)" if r["recipe"] == "defaults" else recipe
+            if r["recipe"] == "defaults":  # the defaults of validation_fusion.json's commit, unless a recipe here is the default now
+                before = (r["method"], dataset) in SCRIPT_DEFAULTS
+                recipe = f"script's defaults{' before' if before else ''} (validation_fusion.json)"
             for ranking in ("dense", "fused"):
                 cells.append([dataset, r["method"], recipe, budget(dataset, r["flags"]), ranking, *(f"{r[ranking][m]:.2f}" for m in SHOWN),
                               f"{r['wall_seconds'] / 60:.1f}"])
