@@ -62,6 +62,9 @@ RECIPES: dict[str, list[str]] = {
     # a method's own cluster batching (PRIME: clusters of 8) from a twentieth of an epoch, from an encoding pass
     # over the training queries there (PRIME mines no shortlist)
     "early_clusters": ["--cluster_start_epoch", "0.05"],
+    # UniDEC's classifier vectors Psi_l started from the label's text through the classifier head instead of xavier
+    # noise: at a third of an epoch most of WordNet-XMC's 53K labels get few updates
+    "label_text_init": ["--classifier_init", "label_text"],
 }
 #: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget): a hard-negative
 #: step encodes 64 more labels (~1.5x an in-batch step) and a mining pass ~150K texts (~2.7 min in bfloat16), so 440
