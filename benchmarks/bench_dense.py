@@ -110,8 +110,10 @@ def references(dataset: str) -> list[tuple[str, dict]]:
 
 
 #: the recipe each training script runs without flags (its defaults), per method and dataset: DEXML clusters its
-#: batches from --cluster_min_labels 10,000 labels on (WordNet-XMC), not on Debtags' 597 or Reuters' 90
-SCRIPT_DEFAULTS = {("dexml", "wordnet"): "clustered", ("dexml", "debtags"): "hard_negatives", ("dexml", "reuters"): "hard_negatives"}
+#: batches from --cluster_min_labels 10,000 labels on (WordNet-XMC), not on Debtags' 597 or Reuters' 90; UniDEC starts
+#: its classifier from the label texts from 10,000 labels on (--classifier_init auto)
+SCRIPT_DEFAULTS = {("dexml", "wordnet"): "clustered", ("dexml", "debtags"): "hard_negatives", ("dexml", "reuters"): "hard_negatives",
+                   ("unidec", "wordnet"): "label_text_init"}
 
 
 def budget(dataset: str, flags: list[str]) -> str:

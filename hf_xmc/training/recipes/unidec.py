@@ -19,7 +19,8 @@ propensity, 6 hard negatives from a DE-head shortlist of 30 (mined from the seco
 batch's other positives, a pool capped at 256 labels per process; learning rates encoder / heads / classifier =
 lr / 2 lr / 1e-3, cosine schedule with warm-up; NGAME cluster batching from the second epoch; query->label terms only
 (--de_query_to_label_weight 0.5 --clf_query_to_label_weight 0.5 adds the paper's symmetric label->query terms, which
-lost on both datasets at this budget, see README). --use_classifier false trains DePSL (the DE-only ablation). Every TrainingArguments flag and every engine flag of XMCTrainingArguments works.
+lost on both datasets at this budget, see README). The classifier vectors start from the label texts on label spaces of 10,000+
+labels (--classifier_init auto; xavier, the official code's, below: see LABEL_TEXT_INIT_MIN_LABELS). --use_classifier false trains DePSL (the DE-only ablation). Every TrainingArguments flag and every engine flag of XMCTrainingArguments works.
 
 --preset lf-amazontitles-1.3m (or another dataset of hf_xmc.training.presets; --preset list names them) turns the paper's
 configuration for that dataset into the defaults, encoder included; flags given explicitly, or keys of a .json config,
@@ -58,7 +59,7 @@ class UniDECModelArguments:
     clf_query_to_label_weight: float = field(default=1.0, metadata={"help": "lambda_C (paper 0.5)."})
     de_weight: float = field(default=0.5, metadata={"help": "lambda: weight of the DE loss against the classifier loss."})
     search_mode: str = field(default="concat", metadata={"help": "Saved index: concat (DE + classifier) | de | classifier."})
-    classifier_init: str = field(default="xavier", metadata={"help": "xavier (official code) | label_text (Psi_l from the label's text; for very short training)."})
+    classifier_init: str = field(default="auto", metadata={"help": "auto (label_text on label spaces of 10,000+ labels, xavier below) | xavier (official code) | label_text (Psi_l from the label's text: a label seen a few times in a short run starts from its text, not from noise)."})
     head_learning_rate_multiplier: float = field(default=2.0, metadata={"help": "Head learning rate / encoder learning rate."})
     classifier_learning_rate: Optional[float] = field(default=1e-3, metadata={"help": "Learning rate of the classifier vectors."})
     index_kind: str = field(default="exact", metadata={"help": "Label index saved with the model: exact | ivf | hnsw | torch (ivf or hnsw for fast CPU search at a million labels)."})
@@ -87,11 +88,26 @@ class UniDECTrainingArguments(XMCTrainingArguments):
     cluster_refresh_interval: int = field(default=1, metadata={"help": "Re-cluster every N epochs."})
 
 
+#: ``--classifier_init auto`` starts the classifier vectors from the label texts on label spaces of at least this many
+#: labels: on WordNet-XMC (53K labels, a third of an epoch) most labels get a few updates, and xavier vectors left the
+#: tail at noise (dense PSP@5 38.4 -> 51.5, fused P@1 44.3 -> 47.6 from the text); with 597 or 90 labels every
+#: label is trained many times and xavier won P@1 (Debtags, one epoch: 91.3 against 89.4). See docs/benchmarks.md.
+LABEL_TEXT_INIT_MIN_LABELS = 10_000
+
+
+def resolve_classifier_init(classifier_init: str, num_labels: int) -> str:
+    """``auto`` -> ``label_text`` from :data:`LABEL_TEXT_INIT_MIN_LABELS` labels on, else ``xavier``; other values as given."""
+    if classifier_init != "auto":
+        return classifier_init
+    return "label_text" if num_labels >= LABEL_TEXT_INIT_MIN_LABELS else "xavier"
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     """Parse the recipe's arguments (``argv``, default ``sys.argv[1:]``; or one ``.json`` file), train, evaluate
     on the test file, save the model to ``--output_dir`` and write ``eval_results.json``; returns the metrics."""
     model_args, data_args, training_args = parse_script_args(UniDECModelArguments, UniDECTrainingArguments, argv, method="unidec")
     data = load_data(data_args, training_args)
+    model_args.classifier_init = resolve_classifier_init(model_args.classifier_init, len(data.label_texts))
     model = UniDECModel.from_encoder_pretrained(
         model_args.model_name_or_path,
         label_space_size=len(data.label_texts),
