@@ -121,7 +121,7 @@ def worker_bare(encoder: str, steps: int, warmup: int, bf16: bool = False) -> li
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             q = embed([data.train.texts[i] for i in rows])
             lab = embed([data.label_texts[j] for j in pool])
-            loss = decoupled_softmax_loss(q.float() @ lab.float().T / TEMPERATURE, mask)
+            loss = decoupled_softmax_loss(q @ lab.T / TEMPERATURE, mask)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -273,9 +273,9 @@ def main(argv: list[str] | None = None) -> dict:
             kind, bf16 = args.worker.removesuffix(BF16_SUFFIX), args.worker.endswith(BF16_SUFFIX)
             if kind == "bare":
                 result = worker_bare(args.encoder, args.steps, args.warmup, bf16)
-            elif args.worker == "sentence-transformers":
+            elif kind == "sentence-transformers":
                 result = worker_sentence_transformers(args.encoder, args.steps, args.warmup, work)
-            elif args.worker == "encode":
+            elif kind == "encode":
                 result = worker_encode(args.encoder)
             else:
                 result = worker_recipe(kind, args.encoder, args.steps, args.warmup, work, bf16)
