@@ -65,15 +65,23 @@ RECIPES: dict[str, list[str]] = {
     # UniDEC's classifier vectors Psi_l started from the label's text through the classifier head instead of xavier
     # noise: at a third of an epoch most of WordNet-XMC's 53K labels get few updates
     "label_text_init": ["--classifier_init", "label_text"],
+    # the script's defaults with the training steps under bfloat16 autocast (--bf16 true; the mining passes are bf16
+    # already where the CPU has AMX): on WordNet-XMC with the steps that fit the float32 row's wall time
+    "bf16": ["--bf16", "true"],
 }
 #: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget): a hard-negative
 #: step encodes 64 more labels (~1.5x an in-batch step) and a mining pass ~150K texts (~2.7 min in bfloat16), so 440
 #: steps take about the wall time of the in-batch recipe's 800
-RECIPE_BUDGETS: dict[tuple[str, str], list[str]] = {
+RECIPE_BUDGETS: dict[tuple[str, ...], list[str]] = {
     ("wordnet", "hard_negatives"): ["--max_steps", "440"],
     ("wordnet", "hard_negatives_refreshed"): ["--max_steps", "380"],  # a second mining pass costs ~60 hard-negative steps
     ("wordnet", "two_negatives"): ["--max_steps", "330"],  # 128 labels more per step instead of 64 (~1.33x a one-negative step)
     ("wordnet", "clustered"): ["--max_steps", "440"],  # the clustering itself takes seconds (from the mining pass's vectors)
+    # a bf16 step against a float32 one in bench_throughput.py's quiet run (throughput_bf16.json): DEXML 1.26x, UniDEC
+    # 1.35x, PRIME 1.28x, SiameseXML Module I 2.13x; per method (dataset, recipe, method) before (dataset, recipe)
+    ("wordnet", "bf16", "dexml"): ["--max_steps", "555"],  # the clustered default's 440 x 1.26
+    ("wordnet", "bf16", "unidec"): ["--max_steps", "740"],  # 550 x 1.35
+    ("wordnet", "bf16", "prime"): ["--max_steps", "830"],  # 650 x 1.28
 }
 TRAIN_FILTERS = {"wordnet": "filter_labels_train.txt"}
 
@@ -83,7 +91,8 @@ def run_row(dataset: str, method: str, recipe: str, work: str) -> dict:
     data_dir, data_flags = data_setup(dataset, work)
     if dataset in TRAIN_FILTERS:
         data_flags = [*data_flags, "--train_filter_file", os.path.join(data_dir, TRAIN_FILTERS[dataset])]
-    flags = [*BUDGETS.get((dataset, method), []), *RECIPES[recipe], *RECIPE_BUDGETS.get((dataset, recipe), [])]
+    flags = [*BUDGETS.get((dataset, method), []), *RECIPES[recipe],
+             *RECIPE_BUDGETS.get((dataset, recipe, method), RECIPE_BUDGETS.get((dataset, recipe), []))]
     out = os.path.join(work, f"{dataset}-{method}-{recipe}")
     results, wall = run_training_script(method, data_dir, minilm(), out, [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", *flags])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
