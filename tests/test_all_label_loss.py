@@ -128,11 +128,12 @@ def tiny_model(encoder_dir, **kwargs):
 
 
 def all_label_args(output_dir, **kwargs):
-    """One plain SGD step per call, no warm-up, decay or clipping: parameter changes are -lr * gradient."""
+    """One plain SGD step per call, no warm-up, decay or clipping: parameter changes are -lr * gradient. Float32
+    (bf16=False): the steps are compared with float32 arithmetic done another way (one process, unchunked)."""
     defaults = dict(
         per_device_train_batch_size=8, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=0.0, save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
-        label_pool="all", gradient_cache_chunk_size=7, dataloader_num_workers=0,
+        label_pool="all", gradient_cache_chunk_size=7, dataloader_num_workers=0, bf16=False,
     )
     defaults.update(kwargs)
     return XMCTrainingArguments(output_dir=str(output_dir), **defaults)

@@ -24,11 +24,13 @@ def make_trainer(encoder_dir, data, out_dir, seed=0, **kwargs):
 
 def test_gradient_cache_trains_like_the_plain_loss(tiny_encoder_dir, tiny_task, tmp_path):
     # 4 optimiser steps with gradient accumulation 2. Dropout off here: chunked encoding draws dropout masks in
-    # another order than one full-batch pass (tests/test_gradcache.py checks the replay of masks chunk by chunk)
+    # another order than one full-batch pass (tests/test_gradcache.py checks the replay of masks chunk by chunk).
+    # Float32 (bf16=False): under bf16 autocast a chunk and the whole batch round differently
     data = tiny_task[0]
-    plain = make_trainer(tiny_encoder_dir, data, tmp_path / "a", encoder_dropout=0.0, max_steps=4, gradient_accumulation_steps=2)
+    same = dict(encoder_dropout=0.0, max_steps=4, gradient_accumulation_steps=2, bf16=False)
+    plain = make_trainer(tiny_encoder_dir, data, tmp_path / "a", **same)
     plain.train()
-    cached = make_trainer(tiny_encoder_dir, data, tmp_path / "b", encoder_dropout=0.0, max_steps=4, gradient_accumulation_steps=2, gradient_cache_chunk_size=5)
+    cached = make_trainer(tiny_encoder_dir, data, tmp_path / "b", gradient_cache_chunk_size=5, **same)
     cached.train()
     moved = 0
     for (name, a), (_, b) in zip(plain.model.named_parameters(), cached.model.named_parameters()):
@@ -196,6 +198,47 @@ def test_mining_precision_picks_bfloat16_where_the_hardware_runs_it(tiny_encoder
     with pytest.raises(RuntimeError), model.encoding_autocast(torch.bfloat16):
         raise RuntimeError("inside")
     assert model.encoding_autocast_dtype is None and torch.equal(model.encode_queries(texts), full)
+
+
+def test_bf16_default_follows_the_hardware_and_the_steps_run_under_autocast(tiny_encoder_dir, tiny_task, tmp_path, monkeypatch):
+    from hf_xmc.training import negatives
+    from hf_xmc.training.recipes.dexml import DEXMLModelArguments, DEXMLTrainingArguments
+    from hf_xmc.training.script_utils import parse_script_args
+
+    for amx in (True, False):  # auto (None): on where the CPU runs bfloat16 in hardware, off elsewhere
+        monkeypatch.setattr(negatives, "cpu_has_amx_bf16", lambda amx=amx: amx)
+        assert XMCTrainingArguments(output_dir="unused").bf16 is amx
+        assert XMCTrainingArguments(output_dir="unused", bf16=False).bf16 is False  # an explicit choice wins
+        assert XMCTrainingArguments(output_dir="unused", bf16=True).bf16 is True
+        assert XMCTrainingArguments(output_dir="unused", bf16="auto").bf16 is amx  # "auto" from a JSON config
+    monkeypatch.setattr(negatives, "cpu_has_amx_bf16", lambda: True)
+    _, task_dir = tiny_task
+    contract = ["--model_name_or_path", tiny_encoder_dir, "--train_file", f"{task_dir}/trn.json.gz", "--test_file", f"{task_dir}/tst.json.gz",
+                "--label_file", f"{task_dir}/lbl.json.gz", "--output_dir", str(tmp_path / "args")]
+    for flags, expected in (([], True), (["--bf16", "false"], False), (["--bf16"], True), (["--bf16", "true"], True), (["--bf16", "auto"], True)):
+        assert parse_script_args(DEXMLModelArguments, DEXMLTrainingArguments, contract + flags, method="dexml")[2].bf16 is expected, flags
+
+    # what the flag does: the training step's encoder layers run under bfloat16 autocast, and not without it
+    seen = {}
+    for bf16 in (True, False):
+        trainer = make_trainer(tiny_encoder_dir, tiny_task[0], tmp_path / f"bf16-{bf16}", max_steps=1, bf16=bf16)
+        layer = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Linear))
+
+        def record(*_, _bf16=bf16) -> None:  # returns None: the layer's output stays as it is
+            seen.setdefault(_bf16, (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+
+        layer.register_forward_hook(record)
+        trainer.train()
+    assert seen[True] == (True, torch.bfloat16) and seen[False][0] is False
+    # after the run the model encodes in float32 again (what it saves, evaluates and predicts with)
+    seen.clear()
+    trainer = make_trainer(tiny_encoder_dir, tiny_task[0], tmp_path / "after", max_steps=1, bf16=True)
+    trainer.train()
+    next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Linear)).register_forward_hook(record)
+    trainer.model.encode_queries(["a query"])
+    tokens = trainer.model.tokenize(["a query"], max_length=16)
+    trainer.model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
+    assert seen[False][0] is False
 
 
 def test_propensity_sampling_prefers_tail_labels(tiny_encoder_dir, tiny_task, tmp_path):

@@ -47,9 +47,15 @@ def mining_autocast_dtype(precision: str, device: torch.device) -> Optional[torc
         return None
     if precision == "bfloat16":
         return torch.bfloat16
+    return torch.bfloat16 if runs_bf16_natively(device) else None
+
+
+def runs_bf16_natively(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices in hardware: a CUDA GPU with bf16 (Ampere on), a CPU with AMX
+    (:func:`cpu_has_amx_bf16`); False elsewhere (MPS, older GPUs and CPUs, where bfloat16 is emulated or slow)."""
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    return torch.bfloat16 if device.type == "cpu" and cpu_has_amx_bf16() else None
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and cpu_has_amx_bf16()
 
 
 def mining_autocast(model, precision: str):

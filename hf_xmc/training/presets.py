@@ -16,8 +16,9 @@ method's table says which. Common to all presets:
 * Batch sizes and UniDEC's label pool are the paper's *global* values, split over the processes of the run
   (``WORLD_SIZE``, set by ``accelerate launch``): 2 processes on LF-AmazonTitles-1.3M run PRIME with
   ``--per_device_train_batch_size 1600``.
-* Mixed precision is left to the command line (``--bf16 true`` or ``--fp16 true`` on a GPU; the official codes train
-  with fp16 autocast), since it depends on the device.
+* Mixed precision follows the device, not the preset: ``--bf16`` defaults to auto (bfloat16 autocast on a GPU with
+  bf16 or a CPU with AMX, float32 elsewhere); ``--fp16 true`` is what the official codes train with on a GPU,
+  ``--bf16 false`` keeps float32.
 * The filter file of the dataset (``filter_labels_test.txt``) is not named by the preset: pass
   ``--test_filter_file``, as the published numbers remove those pairs.
 * Propensity constants are the Extreme Classification Repository's per dataset family (``official_code_facts.md``

@@ -167,12 +167,23 @@ class XMCArgumentParser(HfArgumentParser):
             for f in group_fields:
                 f.type = hints[f.name]
                 self._parse_dataclass_field(group, f)
+                if f.default is None and f.type == (bool | None):  # an auto switch (--bf16): true, false or auto (None)
+                    action = next(a for a in group._group_actions if f"--{f.name}" in a.option_strings)
+                    action.nargs, action.const, action.type = "?", True, _bool_or_auto  # the bare flag means true, as for a bool
+                    action.metavar, action.default = "{true,false,auto}", "auto"  # argparse converts the string default
                 if f.default is True:  # HfArgumentParser's --no_<name> copies the help of --<name>: say what it does
                     negation = next((a for a in group._group_actions if f"--no_{f.name}" in a.option_strings), None)
                     if negation is not None:
                         what = (negation.help or "").strip().rstrip(".")
                         negation.help = f"Switch --{f.name} off (it is on by default{': ' + what if what else ''})."
                         negation.default = argparse.SUPPRESS  # its "(default: False)" read as the opposite; --<name> sets the default
+
+
+def _bool_or_auto(value: str) -> Optional[bool]:
+    """An auto switch's value: ``auto`` is None (the default, resolved from the device), else a bool as transformers reads it."""
+    from transformers.hf_argparser import string_to_bool
+
+    return None if value.strip().lower() == "auto" else string_to_bool(value)
 
 
 def parse_script_args(model_arguments: type, training_arguments: type, argv: Optional[list[str]] = None, method: Optional[str] = None) -> tuple:

@@ -30,7 +30,7 @@ from .collator import (
 from .evaluation import XMCEvaluator
 from .gradcache import cached_loss
 from .label_state import initialize_label_state
-from .negatives import MINING_PRECISIONS
+from .negatives import MINING_PRECISIONS, runs_bf16_natively
 from .optim import (
     SparseAdamW,
     can_reduce_sparse_gradients,
@@ -52,8 +52,9 @@ class XMCTrainingArguments(TrainingArguments):
     """``TrainingArguments`` with defaults that suit XMC training.
 
     Differences from transformers: no external loggers by default, raw collator columns kept, 10% linear
-    warm-up, weight decay 0.01 (DEXML), a checkpoint per epoch (last two kept), and CPU training whenever no
-    GPU is visible (so ``accelerate launch --num_processes 2`` joins processes over gloo on CPU machines).
+    warm-up, weight decay 0.01 (DEXML), a checkpoint per epoch (last two kept), CPU training whenever no
+    GPU is visible (so ``accelerate launch --num_processes 2`` joins processes over gloo on CPU machines), and
+    ``bf16`` on by default where the device runs bfloat16 natively (``None`` = auto, resolved here).
     """
 
     report_to: None | str | list[str] = field(default="none", metadata={"help": "Integrations to report to ('none' by default)."})
@@ -66,6 +67,7 @@ class XMCTrainingArguments(TrainingArguments):
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Train into an output directory that already holds a finished model (transformers' old flag)."}
     )
+    bf16: Optional[bool] = field(default=None, metadata={"help": "bfloat16 mixed precision (autocast) for the training steps. Default auto: on where the device multiplies bfloat16 in hardware (a GPU with bf16, a CPU with AMX: a step 1.26-2.1x faster there), off elsewhere; --bf16 false keeps float32."})
 
     # --- how batches and label pools are built (hf_xmc) ---
     positive_sampling: str = field(default="uniform", metadata={"help": "Positive sampling: 'uniform' or 'propensity' (by inverse propensity, favours tail labels)."})
@@ -109,6 +111,8 @@ class XMCTrainingArguments(TrainingArguments):
     def __post_init__(self):
         if not _accelerator_present():
             self.use_cpu = True
+        if self.bf16 is None or self.bf16 == "auto":  # auto: bf16 steps where the hardware runs them natively, float32 elsewhere
+            self.bf16 = not self.fp16 and runs_bf16_natively(torch.device("cpu" if self.use_cpu else "cuda"))
         if self.label_pool not in ("in_batch", "psl", "all"):
             raise ValueError(f"label_pool must be 'in_batch', 'psl' or 'all', got {self.label_pool!r}")
         if self.max_label_pool < 0:
