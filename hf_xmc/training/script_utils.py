@@ -167,7 +167,7 @@ class XMCArgumentParser(HfArgumentParser):
             for f in group_fields:
                 f.type = hints[f.name]
                 self._parse_dataclass_field(group, f)
-                if f.default is None and f.type == (bool | None):  # an auto switch (--bf16): true, false or auto (None)
+                if f.name in getattr(dtype, "AUTO_SWITCHES", ()):  # --bf16: true, false or auto (None)
                     action = next(a for a in group._group_actions if f"--{f.name}" in a.option_strings)
                     action.nargs, action.const, action.type = "?", True, _bool_or_auto  # the bare flag means true, as for a bool
                     action.metavar, action.default = "{true,false,auto}", "auto"  # argparse converts the string default

@@ -8,7 +8,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from torch.utils.data import DataLoader
@@ -67,6 +67,8 @@ class XMCTrainingArguments(TrainingArguments):
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Train into an output directory that already holds a finished model (transformers' old flag)."}
     )
+    #: fields whose None default means auto (resolved in __post_init__): the script parser takes true, false or auto
+    AUTO_SWITCHES: ClassVar[tuple[str, ...]] = ("bf16",)
     bf16: Optional[bool] = field(default=None, metadata={"help": "bfloat16 mixed precision (autocast) for the training steps. Default auto: on where the device multiplies bfloat16 in hardware (a GPU with bf16, a CPU with AMX: a step 1.26-2.1x faster there), off elsewhere; --bf16 false keeps float32."})
 
     # --- how batches and label pools are built (hf_xmc) ---
