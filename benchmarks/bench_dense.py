@@ -68,6 +68,13 @@ RECIPES: dict[str, list[str]] = {
     # the script's defaults with the training steps under bfloat16 autocast (--bf16 true; the mining passes are bf16
     # already where the CPU has AMX): on WordNet-XMC with the steps that fit the float32 row's wall time
     "bf16": ["--bf16", "true"],
+    # DEXML's default negatives and batches (the ``clustered`` recipe: one mined negative per query from its top 100, a
+    # twentieth of an epoch in, clusters of 16 from there) on another method, in bf16: UniDEC's own (6 from a DE-head top
+    # 30, clusters of 8 from the second epoch) never start within a short budget and, started early, did not pay
+    "dexml_mining": ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negative_start_epoch", "0.05",
+                     "--hard_negative_refresh_interval", "1", "--cluster_batching", "true", "--cluster_start_epoch", "0.05",
+                     "--cluster_init_size", "16", "--cluster_curriculum_epochs", "100", "--cluster_refresh_interval", "1",
+                     "--bf16", "true"],
 }
 #: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget): a hard-negative
 #: step encodes 64 more labels (~1.5x an in-batch step) and a mining pass ~150K texts (~2.7 min in bfloat16), so 440
@@ -82,6 +89,9 @@ RECIPE_BUDGETS: dict[tuple[str, ...], list[str]] = {
     ("wordnet", "bf16", "dexml"): ["--max_steps", "555"],  # the clustered default's 440 x 1.26
     ("wordnet", "bf16", "unidec"): ["--max_steps", "740"],  # 550 x 1.35
     ("wordnet", "bf16", "prime"): ["--max_steps", "830"],  # 650 x 1.28
+    # UniDEC's pool (capped at 256) full from the first mining on (the default's 740 reach negatives only after an
+    # epoch, ~570 steps), and one mining pass more: ~15% more per step and ~3 minutes
+    ("wordnet", "dexml_mining", "unidec"): ["--max_steps", "620"],
 }
 TRAIN_FILTERS = {"wordnet": "filter_labels_train.txt"}
 

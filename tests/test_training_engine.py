@@ -232,15 +232,28 @@ def test_bf16_default_follows_the_hardware_and_the_steps_run_under_autocast(tiny
         layer.register_forward_hook(record)
         trainer.train()
     assert seen[True] == (True, torch.bfloat16) and seen[False][0] is False
-    # after the run the model encodes in float32 again (what it evaluates and predicts with; its forward keeps
-    # accelerate's autocast wrapper, which the training loop uses)
+    # after the run the model is float32 again, called directly or through encode (what it evaluates, predicts and is
+    # saved with), and a second trainer on the same model (a method's next module) runs under its own precision
     trainer = make_trainer(tiny_encoder_dir, tiny_task[0], tmp_path / "after", max_steps=1, bf16=True)
     trainer.train()
     after = []
     layer = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Linear))
-    layer.register_forward_hook(lambda *_: after.append(torch.is_autocast_enabled("cpu")))  # returns None: output kept
+    hook = layer.register_forward_hook(lambda *_: after.append(torch.is_autocast_enabled("cpu")))  # returns None: output kept
     trainer.model.encode_queries(["a query"])
-    assert after and not any(after)
+    batch = trainer.model.tokenizer(["a query"], return_tensors="pt")
+    trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert len(after) == 2 and not any(after)
+    hook.remove()
+    data = tiny_task[0]
+    for bf16 in (False, True):
+        args = XMCTrainingArguments(output_dir=str(tmp_path / f"second-{bf16}"), max_steps=1, per_device_train_batch_size=32,
+                                    save_strategy="no", disable_tqdm=True, bf16=bf16)
+        second = XMCTrainer(model=trainer.model, args=args, train_dataset=data.train, label_texts=data.label_texts)
+        during = []
+        hook = layer.register_forward_hook(lambda *_: during.append(torch.is_autocast_enabled("cpu")))
+        second.train()
+        hook.remove()
+        assert during and all(d is bf16 for d in during), bf16
 
 
 def test_propensity_sampling_prefers_tail_labels(tiny_encoder_dir, tiny_task, tmp_path):

@@ -358,7 +358,19 @@ class XMCTrainer(Trainer):
             # a fresh PRIME-style model: free-vector clusters and centroids come from the initial encoder
             data = self.xmc_train_data
             initialize_label_state(self.model, data.texts, data.targets, seed=self.args.seed, show_progress_bar=not self.args.disable_tqdm)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            self._release_model()
+
+    def _release_model(self) -> None:
+        """Hand the model back as it came: accelerate wraps its ``forward`` in the run's autocast (bf16 / fp16) and
+        marks it prepared, so that without this the trained model would go on encoding under bfloat16 when called
+        directly, and a second trainer on it (SiameseXML's Module II, MUFIN's Module IV) would skip its own
+        preparation and train under the first run's precision."""
+        model = self.accelerator.unwrap_model(self.model_wrapped, keep_fp32_wrapper=False)
+        for module in {id(m): m for m in (model, self.model)}.values():
+            module.__dict__.pop("_is_accelerate_prepared", None)
 
     def _epoch_callback(self) -> Optional[XMCEpochCallback]:
         """The trainer's :class:`XMCEpochCallback` (its checkpointed state), or None."""
