@@ -75,6 +75,11 @@ RECIPES: dict[str, list[str]] = {
                      "--hard_negative_refresh_interval", "1", "--cluster_batching", "true", "--cluster_start_epoch", "0.05",
                      "--cluster_init_size", "16", "--cluster_curriculum_epochs", "100", "--cluster_refresh_interval", "1",
                      "--bf16", "true"],
+    # the script's own budget where bench_validation.py cut it (SiameseXML on Debtags and Reuters: 2 epochs of Module I
+    # and 10 of Module IV instead of 0.25 + 2 and 0.5 + 5), bf16
+    "script_budget": ["--bf16", "true"],
+    # the default (bf16) with the steps that fill the 40 wall minutes on 2 cores instead of the float32 row's 31
+    "forty_minutes": ["--bf16", "true"],
 }
 #: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget): a hard-negative
 #: step encodes 64 more labels (~1.5x an in-batch step) and a mining pass ~150K texts (~2.7 min in bfloat16), so 440
@@ -92,6 +97,11 @@ RECIPE_BUDGETS: dict[tuple[str, ...], list[str]] = {
     # UniDEC's pool (capped at 256) full from the first mining on (the default's 740 reach negatives only after an
     # epoch, ~570 steps), and one mining pass more: ~15% more per step and ~3 minutes
     ("wordnet", "dexml_mining", "unidec"): ["--max_steps", "620"],
+    # 555 bf16 steps took 1,304 s of training (2.06 s a step + one ~160 s mining pass) in 1,718 s of wall time; 800
+    # steps cross the first epoch (570 steps): a second mining pass and re-clustering
+    ("wordnet", "forty_minutes", "dexml"): ["--max_steps", "800"],
+    ("debtags", "script_budget", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
+    ("reuters", "script_budget", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
 }
 TRAIN_FILTERS = {"wordnet": "filter_labels_train.txt"}
 
