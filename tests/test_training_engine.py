@@ -250,7 +250,7 @@ def test_bf16_default_follows_the_hardware_and_the_steps_run_under_autocast(tiny
                                     save_strategy="no", disable_tqdm=True, bf16=bf16)
         second = XMCTrainer(model=trainer.model, args=args, train_dataset=data.train, label_texts=data.label_texts)
         during = []
-        hook = layer.register_forward_hook(lambda *_: during.append(torch.is_autocast_enabled("cpu")))
+        hook = layer.register_forward_hook(lambda *_, during=during: during.append(torch.is_autocast_enabled("cpu")))
         second.train()
         hook.remove()
         assert during and all(d is bf16 for d in during), bf16

@@ -39,6 +39,10 @@ class XMCConfig(PreTrainedConfig):
         label_embeddings_dtype (`str`, *optional*, defaults to `"float32"`):
             Precision of the saved label vectors, on disk and in memory: `"float32"` or `"float16"` (half the bytes;
             search widens fp16 vectors to fp32 one chunk at a time, the faiss indexes store fp16 codes).
+        label_codes (`str`, *optional*, defaults to `"float"`):
+            What the label index scans: `"float"` (the label vectors), `"int8"` (a byte per dimension) or `"binary"`
+            (a bit per dimension, the dimension a multiple of 8); the coded kinds rescore their best candidates exactly
+            from the label vectors, which stay on disk (`label_codes.py`). `save_pretrained(label_precision=)` sets it.
         propensity_a / propensity_b (`float`, *optional*):
             Constants of the inverse-propensity model used for PSP@k (pyxclib: 0.55/1.5 by default,
             0.6/2.6 Amazon, 0.5/0.4 Wikipedia).
@@ -74,6 +78,7 @@ class XMCConfig(PreTrainedConfig):
     index_kind: str = "exact"
     ivf_nprobe: int = 64
     label_embeddings_dtype: str = "float32"
+    label_codes: str = "float"
     propensity_a: float = 0.55
     propensity_b: float = 1.5
     encoder_base_model: str | None = None
@@ -95,8 +100,16 @@ class XMCConfig(PreTrainedConfig):
             raise ValueError(f"ivf_nprobe must be >= 1, got {self.ivf_nprobe}")
         if self.label_embeddings_dtype not in LABEL_EMBEDDINGS_DTYPES:
             raise ValueError(f"label_embeddings_dtype must be one of {LABEL_EMBEDDINGS_DTYPES}, got {self.label_embeddings_dtype!r}")
+        from .label_codes import LABEL_CODES
+
+        if self.label_codes not in LABEL_CODES:
+            raise ValueError(f"label_codes must be one of {LABEL_CODES}, got {self.label_codes!r}")
         if not 0.0 <= self.embedding_dropout < 1.0:
             raise ValueError(f"embedding_dropout must be in [0, 1), got {self.embedding_dropout}")
+
+    def index_params(self, kind: str | None = None) -> dict:
+        """The :class:`LabelIndex` arguments this config asks for (``kind`` overrides ``index_kind``)."""
+        return {"kind": kind or self.index_kind, "ivf_nprobe": self.ivf_nprobe, "codes": self.label_codes}
 
     def sequence_length_fault(self) -> str | None:
         """Why ``max_seq_length`` / ``label_max_seq_length`` cannot run on the encoder (more tokens than its position

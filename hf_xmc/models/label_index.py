@@ -29,6 +29,8 @@ Memory model (``L`` labels of ``d`` dims; ``s`` = 4 bytes per value for fp32 vec
   1,040 B in fp16 (1.35x). Searching never touches the vectors, so a loaded index costs only this;
 * ``ivf``: faiss's own copy, ``L * (d * s + 8)`` bytes + ``nlist * d * 4`` centroids (1.005x the vectors);
   building also holds a training sample of ``min(L, 40 nlist) x d x 4`` bytes.
+* ``codes="int8"`` / ``"binary"`` (any kind): faiss holds ``d`` / ``d / 8`` bytes a label (+ the kind's ids or graph)
+  instead of ``d * s``, and a search reads ``rescore_factor * k`` rows of the vectors a query (``label_codes.py``).
 
 This file is part of the remote-code bundle of every hf_xmc model: it imports only numpy, torch and
 (optionally) faiss.
@@ -48,6 +50,16 @@ import numpy as np
 import torch
 
 from .io_utils import atomic_write, file_sha256, write_json
+from .label_codes import (
+    DEFAULT_RESCORE_FACTOR,
+    build_code_index,
+    check_codes,
+    is_binary_index,
+    query_codes,
+    read_code_index,
+    rescore,
+    write_code_index,
+)
 
 try:  # faiss is optional: the torch backend covers exact search without it
     import faiss
@@ -65,7 +77,7 @@ SCORE_BLOCK_VALUES = 1 << 24
 IVF_TRAIN_POINTS_PER_LIST = 40
 # parameters that shape the faiss index: a saved file built with other values is rebuilt
 BUILD_PARAMS = ("hnsw_m", "hnsw_ef_construction", "ivf_nlist")
-SEARCH_PARAMS = ("hnsw_ef_search", "ivf_nprobe")
+SEARCH_PARAMS = ("hnsw_ef_search", "ivf_nprobe", "rescore_factor")
 # label vectors searched in a faiss file read back, to check that it indexes the stored vectors (:meth:`LabelIndex.mismatch`)
 VERIFY_SAMPLE = 48
 VERIFY_DEPTH = 4
@@ -136,6 +148,9 @@ class LabelIndex:
             labels find 96% of the exact top-100 (benchmarks/bench_index.py).
         chunk_size: most label rows scored at once by the chunked exact search (it also keeps the score block within
             ``SCORE_BLOCK_VALUES``) and added to faiss at once.
+        codes: ``"float"`` (search the vectors), ``"int8"`` or ``"binary"``: search a faiss index of compact codes and
+            rescore its best ``rescore_factor * k`` candidates exactly from the vectors (``label_codes.py``).
+        rescore_factor: candidates per result of a coded search (``None``: ``DEFAULT_RESCORE_FACTOR`` of the codes).
 
     Example:
         >>> index = LabelIndex(np.random.randn(1000, 32).astype("float32"), kind="exact")
@@ -153,19 +168,26 @@ class LabelIndex:
         ivf_nlist: Optional[int] = None,
         ivf_nprobe: int = 64,
         chunk_size: int = 65536,
+        codes: str = "float",
+        rescore_factor: Optional[int] = None,
         _faiss_index=None,
     ):
         if kind not in INDEX_KINDS:
             raise ValueError(f"unknown index kind {kind!r}; choose one of {INDEX_KINDS}")
         self.blocks = as_label_blocks(embeddings)
-        if kind in ("hnsw", "ivf") and faiss is None:
-            logger.warning("faiss is not installed: LabelIndex(kind=%r) falls back to exact torch search", kind)
-            kind = "torch"
+        check_codes(codes, self.dim)
+        if (kind in ("hnsw", "ivf") or codes != "float") and faiss is None:
+            logger.warning("faiss is not installed: LabelIndex(kind=%r, codes=%r) falls back to exact torch search", kind, codes)
+            kind, codes = "torch", "float"
         self.kind = kind
+        self.codes = codes
+        self.rescore_factor = int(rescore_factor or DEFAULT_RESCORE_FACTOR[codes])
         self.hnsw_m = hnsw_m
         self.hnsw_ef_construction = hnsw_ef_construction
         self.hnsw_ef_search = hnsw_ef_search
         self.ivf_nlist = (ivf_nlist or default_ivf_nlist(self.num_labels)) if kind == "ivf" else ivf_nlist
+        if codes == "binary" and kind == "ivf":
+            self.ivf_nlist = min(self.ivf_nlist, self.num_labels)  # faiss's binary k-means needs a point per list
         self.ivf_nprobe = ivf_nprobe
         self.chunk_size = chunk_size
         if use_gpu is None:
@@ -193,7 +215,12 @@ class LabelIndex:
         return self.blocks[0].dtype
 
     def _uses_faiss(self) -> bool:
-        return self.kind in ("hnsw", "ivf") or (self.kind == "exact" and self.use_gpu and faiss_gpu_available())
+        return self.keeps_file(self.kind, self.codes) or (self.kind == "exact" and self.use_gpu and faiss_gpu_available())
+
+    @staticmethod
+    def keeps_file(kind: str, codes: str = "float") -> bool:
+        """Whether an index of this kind and codes holds a faiss index that :meth:`save` writes (HNSW, IVF, codes)."""
+        return kind in ("hnsw", "ivf") or codes != "float"
 
     def _chunks(self, rows: int, blocks: Optional[Sequence[torch.Tensor]] = None) -> Iterator[tuple[int, torch.Tensor]]:
         """``(first label id, float32 rows)`` over the label vectors, ``rows`` at a time; fp32 blocks are sliced in
@@ -206,6 +233,10 @@ class LabelIndex:
 
     def _build_faiss(self):
         d, fp16 = self.dim, self.dtype == torch.float16
+        if self.codes != "float":
+            chunks = (chunk.numpy() for _, chunk in self._chunks(self.chunk_size))
+            return build_code_index(self.codes, self.kind, d, chunks, self._training_sample, hnsw_m=self.hnsw_m,
+                                    hnsw_ef_construction=self.hnsw_ef_construction, ivf_nlist=self.ivf_nlist)
         if self.kind == "hnsw":
             if fp16:  # fp16 codes: faiss holds the vectors at the precision they are stored in
                 index = faiss.IndexHNSWSQ(d, faiss.ScalarQuantizer.QT_fp16, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
@@ -226,9 +257,10 @@ class LabelIndex:
             index.add(chunk.numpy())
         return index
 
-    def _training_sample(self) -> np.ndarray:
-        """Up to ``IVF_TRAIN_POINTS_PER_LIST * nlist`` label vectors (fixed seed, float32) to train the IVF lists on."""
-        n = min(self.num_labels, IVF_TRAIN_POINTS_PER_LIST * self.ivf_nlist)
+    def _training_sample(self, rows: int = 0) -> np.ndarray:
+        """``rows`` label vectors (0: ``IVF_TRAIN_POINTS_PER_LIST * nlist``, to train the IVF lists on), at most all,
+        drawn with a fixed seed, float32."""
+        n = min(self.num_labels, rows or IVF_TRAIN_POINTS_PER_LIST * self.ivf_nlist)
         rows = np.sort(np.random.default_rng(0).choice(self.num_labels, n, replace=False))
         return self._gather(rows).float().numpy()
 
@@ -267,7 +299,9 @@ class LabelIndex:
         kk = min(k, self.num_labels)
         for start in range(0, n, batch_size):
             q = queries[start : start + batch_size]
-            if self._index is not None:
+            if self.codes != "float":
+                s, i = self._search_codes(q, kk)
+            elif self._index is not None:
                 s, i = self._faiss_search_index().search(q, kk)
                 s = np.where(i < 0, -np.inf, s)  # HNSW / IVF may return fewer than k hits
             else:
@@ -275,6 +309,12 @@ class LabelIndex:
             scores[start : start + len(q), :kk] = s
             ids[start : start + len(q), :kk] = i
         return scores, ids
+
+    def _search_codes(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The codes' ``rescore_factor * k`` best candidates, ranked again by their exact inner product."""
+        depth = min(self.num_labels, max(k, self.rescore_factor * k))
+        _, candidates = self._faiss_search_index().search(query_codes(queries, self.codes), depth)
+        return rescore(queries, candidates, self._gather, k)
 
     def _exact_search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Chunked ``queries @ labels.T`` with a running top-k: the score block never exceeds ``SCORE_BLOCK_VALUES``."""
@@ -310,7 +350,7 @@ class LabelIndex:
         self.blocks.append(block.to(self.dtype))
         if self._index is not None:
             for _, chunk in self._chunks(self.chunk_size, [self.blocks[-1]]):
-                self._index.add(chunk.numpy())
+                self._index.add(query_codes(chunk.numpy(), self.codes))
         self._torch_labels = None
 
     def select(self, rows: np.ndarray | torch.Tensor) -> LabelIndex:
@@ -322,9 +362,10 @@ class LabelIndex:
             raise ValueError(f"rows must be increasing label ids in [0, {self.num_labels})")
         kept = self._gather(rows)
         params = dict(kind=self.kind, use_gpu=self.use_gpu, hnsw_m=self.hnsw_m, hnsw_ef_construction=self.hnsw_ef_construction,
-                      hnsw_ef_search=self.hnsw_ef_search, ivf_nlist=self.ivf_nlist, ivf_nprobe=self.ivf_nprobe, chunk_size=self.chunk_size)
+                      hnsw_ef_search=self.hnsw_ef_search, ivf_nlist=self.ivf_nlist, ivf_nprobe=self.ivf_nprobe, chunk_size=self.chunk_size,
+                      codes=self.codes, rescore_factor=self.rescore_factor)
         reuse = None
-        if self.kind == "ivf" and self._index is not None:
+        if self.kind == "ivf" and self.codes == "float" and self._index is not None:
             reuse = faiss.clone_index(self._index)
             reuse.reset()  # the trained coarse quantizer stays
             for start in range(0, kept.shape[0], self.chunk_size):
@@ -344,14 +385,19 @@ class LabelIndex:
             return None
         if int(index.ntotal) != self.num_labels or int(index.d) != self.dim:
             return f"it holds {int(index.ntotal)} vectors of width {int(index.d)}, the label store {self.num_labels} of width {self.dim}"
-        if faiss is not None and getattr(index, "metric_type", faiss.METRIC_INNER_PRODUCT) != faiss.METRIC_INNER_PRODUCT:
+        if is_binary_index(index) != (self.codes == "binary"):
+            return f"it holds {'binary' if is_binary_index(index) else 'float or int8'} codes, the index searches {self.codes} ones"
+        if not is_binary_index(index) and getattr(index, "metric_type", faiss.METRIC_INNER_PRODUCT) != faiss.METRIC_INNER_PRODUCT:
             return "it does not rank by inner product"
         n = self.num_labels
         spread = np.linspace(0, n - 1, min(n, sample // 2)).astype(np.int64)
         drawn = np.random.default_rng(0).choice(n, min(n, sample - sample // 2), replace=False)
         rows = np.unique(np.concatenate([spread, drawn]))
         queries = self._gather(rows).float()
-        scores, ids = self._faiss_search_index().search(queries.numpy(), min(n, VERIFY_DEPTH))
+        if self.codes != "float":  # the coded search as it serves: candidates from the codes, scores from the vectors
+            scores, ids = self._search_codes(queries.numpy(), min(n, VERIFY_DEPTH))
+        else:
+            scores, ids = self._faiss_search_index().search(queries.numpy(), min(n, VERIFY_DEPTH))
         if ids.min() < -1 or ids.max() >= n:
             return f"it returns label id {int(ids.max()) if ids.max() >= n else int(ids.min())}, outside [0, {n})"
         found = ids.clip(min=0)
@@ -386,17 +432,19 @@ class LabelIndex:
             "hnsw_ef_search": self.hnsw_ef_search,
             "ivf_nlist": self.ivf_nlist,
             "ivf_nprobe": self.ivf_nprobe,
+            "codes": self.codes,
+            "rescore_factor": self.rescore_factor,
             "faiss_version": getattr(faiss, "__version__", None) if faiss is not None else None,
         }
 
     def save(self, directory: str) -> None:
-        """Write the faiss index (``hnsw`` / ``ivf``; exact search needs none) and its metadata atomically into
-        ``directory``; a faiss file left there by an earlier save of another kind is removed."""
+        """Write the faiss index (``hnsw`` / ``ivf`` / codes; exact float search needs none) and its metadata atomically
+        into ``directory``; a faiss file left there by an earlier save of another kind is removed."""
         os.makedirs(directory, exist_ok=True)
         index_path = os.path.join(directory, INDEX_FILE)
         meta = self.metadata()
-        if self.kind in ("hnsw", "ivf"):
-            atomic_write(index_path, lambda p: faiss.write_index(self._index, p))
+        if self.keeps_file(self.kind, self.codes):
+            atomic_write(index_path, lambda p: write_code_index(self._index, p))
             meta["sha256"] = file_sha256(index_path)  # a file that does not match is never handed to faiss
         elif os.path.exists(index_path):
             os.remove(index_path)
@@ -410,6 +458,7 @@ class LabelIndex:
         index_path: Optional[str] = None,
         kind: Optional[str] = None,
         use_gpu: Optional[bool] = None,
+        codes: Optional[str] = None,
         **params,
     ) -> LabelIndex:
         """Restore an index for ``embeddings`` from saved files, rebuilding it when they are stale.
@@ -424,6 +473,7 @@ class LabelIndex:
         """
         meta = _read_index_meta(meta_path)
         kind = kind or meta.get("kind", "exact")
+        codes = codes or meta.get("codes", "float")
         if kind not in INDEX_KINDS:
             logger.warning("%s: unknown index kind %r; searching exactly", meta_path, kind)
             kind = "exact"
@@ -434,16 +484,19 @@ class LabelIndex:
             and meta.get("num_labels") == sum(b.shape[0] for b in blocks)
             and meta.get("dim") == blocks[0].shape[1]
             and meta.get("dtype", "float32") == str(blocks[0].dtype).replace("torch.", "")
+            and meta.get("codes", "float") == codes
             and meta.get("fingerprint", fingerprint) == fingerprint  # files from before fingerprints: checked by search below
         )
         # a parameter that is no positive integer (a hand-edited or damaged file) is left at its default
         restored = {k: meta[k] for k in (*BUILD_PARAMS, *SEARCH_PARAMS) if type(meta.get(k)) is int and meta[k] > 0}
         if meta.get("num_labels") != sum(b.shape[0] for b in blocks):
             restored.pop("ivf_nlist", None)  # sized for another label count
+        if meta.get("codes", "float") != codes:
+            restored.pop("rescore_factor", None)  # chosen for other codes
         params = {**restored, **params}
         saved = None
         if (
-            kind in ("hnsw", "ivf")
+            cls.keeps_file(kind, codes)
             and same_store
             and faiss is not None
             and index_path
@@ -455,15 +508,15 @@ class LabelIndex:
                 logger.warning("%s does not match the sha256 recorded in %s; rebuilding the label index", index_path, INDEX_META_FILE)
             else:
                 try:
-                    saved = faiss.read_index(index_path)
+                    saved = read_code_index(index_path, codes)
                 except RuntimeError as err:  # a corrupt cache is rebuilt, never trusted
                     logger.warning("could not read %s (%s); rebuilding the label index", index_path, err)
-        index = cls(blocks, kind=kind, use_gpu=use_gpu, _faiss_index=saved, **params)
+        index = cls(blocks, kind=kind, use_gpu=use_gpu, codes=codes, _faiss_index=saved, **params)
         if saved is not None:
             fault = index.mismatch()
             if fault:
                 logger.warning("%s does not index the label vectors it is stored with (%s); rebuilding the label index from them", index_path, fault)
-                return cls(blocks, kind=kind, use_gpu=use_gpu, **params)
+                return cls(blocks, kind=kind, use_gpu=use_gpu, codes=codes, **params)
         index.restored_from_file = saved is not None
         return index
 
@@ -478,10 +531,11 @@ class LabelIndex:
         if directory is None:
             return cls(embeddings, kind=kind, **params)
         meta_path, index_path = os.path.join(directory, INDEX_META_FILE), os.path.join(directory, INDEX_FILE)
+        params.setdefault("codes", "float")
         index = cls.load(embeddings, meta_path=meta_path, index_path=index_path, kind=kind, **params)
         if index.restored_from_file:
             logger.info("%s: the search index is read back, not built again", directory)
-        elif index.kind in ("hnsw", "ivf"):
+        elif cls.keeps_file(index.kind, index.codes):
             index.save(directory)
         return index
 

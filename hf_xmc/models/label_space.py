@@ -17,6 +17,35 @@ class LabelSpaceMixin:
     and the lexical channel); a method with per-label tables overrides :meth:`_grow_label_state` and
     :meth:`_select_label_state`."""
 
+    #: ``save_pretrained(label_precision=)``: the store's precision (float32, float16) or compact search codes
+    LABEL_PRECISIONS = ("float32", "float16", "int8", "binary")
+
+    def set_label_precision(self, precision: str) -> None:
+        """How the label vectors are kept and searched. ``"float32"`` / ``"float16"``: the store's precision
+        (``config.label_embeddings_dtype``), searched as it is; ``"int8"`` / ``"binary"``: the index scans compact codes
+        and rescores its best candidates from the store, which keeps its precision (``config.label_codes``, see
+        ``label_codes.py``). An index that is current is rebuilt over the stored vectors (no encoding); a stale one is
+        dropped and built on first use. Memory: the codes (``d`` or ``d / 8`` bytes a label), or the converted store."""
+        if precision not in self.LABEL_PRECISIONS:
+            raise ValueError(f"label_precision must be one of {self.LABEL_PRECISIONS}, got {precision!r}")
+        config = self.config
+        floats = precision in ("float32", "float16")
+        dtype, codes = (precision, "float") if floats else (config.label_embeddings_dtype, precision)
+        if (dtype, codes) == (config.label_embeddings_dtype, config.label_codes):
+            return
+        current = self.label_index is not None and self.label_index_is_current()
+        config.label_embeddings_dtype, config.label_codes = dtype, codes
+        self.label_index = None
+        if current:
+            self._reindex_labels()
+
+    def _reindex_labels(self) -> None:
+        """The label index again over the stored label vectors, in ``config``'s precision and codes."""
+        blocks = self.label_embedding_blocks
+        if blocks is not None:
+            self.label_embedding_blocks = [b.to(getattr(torch, self.config.label_embeddings_dtype)) for b in blocks]
+            self.ensure_label_index()
+
     def add_labels(
         self,
         texts: Sequence[str],

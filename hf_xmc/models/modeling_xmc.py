@@ -434,7 +434,7 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         self._require_labels()
         vectors = self.label_search_vectors(batch_size=batch_size, show_progress_bar=show_progress_bar)
         self.label_embeddings = vectors.to(getattr(torch, self.config.label_embeddings_dtype))
-        self.label_index = LabelIndex.cached(self.label_embedding_blocks, cache_dir, kind=kind or self.config.index_kind, ivf_nprobe=self.config.ivf_nprobe)
+        self.label_index = LabelIndex.cached(self.label_embedding_blocks, cache_dir, **self.config.index_params(kind))
         return self.label_index
 
     @property
@@ -510,7 +510,7 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         """The label index: built over the stored label vectors, or over freshly encoded labels, on first use."""
         if self.label_index is None:
             if self.label_embedding_blocks is not None:
-                self.label_index = LabelIndex(self.label_embedding_blocks, kind=self.config.index_kind, ivf_nprobe=self.config.ivf_nprobe)
+                self.label_index = LabelIndex(self.label_embedding_blocks, **self.config.index_params())
             else:
                 self.build_label_index()
         return self.label_index
@@ -649,11 +649,13 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         *args,
         is_main_process: bool = True,
         label_shard_size: int | str = LABEL_SHARD_SIZE,
+        label_precision: Optional[str] = None,
         **kwargs,
     ) -> None:
         """Save weights and config (``PreTrainedModel.save_pretrained``) plus tokenizer, labels, label vectors and index
         (the files of :meth:`model_files`). The label vectors are written in ``config.label_embeddings_dtype``, in
-        shards of at most ``label_shard_size`` bytes (:func:`save_label_store`). The config names the XMC pipeline
+        shards of at most ``label_shard_size`` bytes (:func:`save_label_store`). ``label_precision`` (float32, float16,
+        int8, binary) changes the model's store or search codes first (:meth:`set_label_precision`). The config names the XMC pipeline
         (``config.custom_pipelines``), whose file travels with the remote code, so ``pipeline(model=dir,
         trust_remote_code=True)`` works on the saved directory.
 
@@ -665,6 +667,8 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
             # a Trainer checkpoint: Trainer resumes by load_state_dict, which expects the module's own parameter names,
             # not the original checkpoint names that save_pretrained converts some back to (ViT's in MUFIN)
             kwargs.setdefault("save_original_format", False)
+        if label_precision is not None:
+            self.set_label_precision(label_precision)
         if not is_main_process:
             super().save_pretrained(save_directory, *args, is_main_process=False, **kwargs)
             return
@@ -838,7 +842,8 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
                     + (f" ({per_label} vectors per label expected)" if per_label != 1 else "")
                 )
             self.label_embedding_blocks = blocks
-            self.label_index = LabelIndex.load(blocks, meta_path=fetch(INDEX_META_FILE), index_path=self._saved_index_path(fetch), kind=self.config.index_kind)
+            self.label_index = LabelIndex.load(blocks, meta_path=fetch(INDEX_META_FILE), index_path=self._saved_index_path(fetch),
+                                               kind=self.config.index_kind, codes=self.config.label_codes)
         if self.config.score_calibration:
             try:
                 ScoreCalibration.from_dict(self.config.score_calibration)
@@ -861,7 +866,7 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
     def _saved_index_path(self, fetch: Callable[[str], Optional[str]]) -> Optional[str]:
         """The saved faiss index to read back (``from_pretrained(use_saved_index=)``), or None: the index is then built
         from the label vectors. A Hub repo's faiss file is not even downloaded unless asked for."""
-        if not getattr(self, "_use_saved_index", True) or self.config.index_kind not in ("hnsw", "ivf"):
+        if not getattr(self, "_use_saved_index", True) or not LabelIndex.keeps_file(self.config.index_kind, self.config.label_codes):
             return None
         return fetch(INDEX_FILE)
 

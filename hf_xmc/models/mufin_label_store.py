@@ -207,6 +207,11 @@ class MUFINLabelStoreMixin:
         self.label_index = None
         return self.build_shortlist_index(kind)
 
+    def _reindex_labels(self) -> None:
+        """The shortlist index again over the cached label bags and centroids (``set_label_precision``)."""
+        if self.label_vectors is not None:
+            self.build_shortlist_index()
+
     def _require_label_store(self) -> None:
         self._require_labels()
         if self.label_vectors is None:
@@ -247,7 +252,7 @@ class MUFINLabelStoreMixin:
         if self.label_vectors is None:
             raise ValueError("no label bags are cached: call build_label_index(label_texts, label_images=...) first")
         vectors, self.shortlist_row_labels = self.shortlist_vectors()
-        self.label_index = LabelIndex(vectors, kind=kind or self.config.index_kind, ivf_nprobe=self.config.ivf_nprobe)
+        self.label_index = LabelIndex(vectors, **self.config.index_params(kind))
         return self.label_index
 
     def _require_shortlist_index(self) -> LabelIndex:
@@ -352,7 +357,8 @@ class MUFINLabelStoreMixin:
         if bags_path is not None:
             vectors, self.shortlist_row_labels = self.shortlist_vectors()
             # the saved faiss file is reused when it matches these rows and the installed faiss, else rebuilt
-            self.label_index = LabelIndex.load(vectors, meta_path=fetch(INDEX_META_FILE), index_path=self._saved_index_path(fetch), kind=self.config.index_kind)
+            self.label_index = LabelIndex.load(vectors, meta_path=fetch(INDEX_META_FILE), index_path=self._saved_index_path(fetch),
+                                               kind=self.config.index_kind, codes=self.config.label_codes)
 
 
 __all__ = ["LABEL_BAGS_FILE", "LABEL_CENTROIDS_FILE", "LABEL_IMAGES_FILE", "MUFINLabelStoreMixin", "label_centroids_from_embeddings"]
