@@ -176,12 +176,21 @@ def test_bench_index_runs_small(tmp_path):
 
     out = tmp_path / "index_scale.json"
     # in process: the subprocess per phase only isolates peak-memory figures, which this smoke test does not check
-    report = main(["--num_labels", "3000", "--dim", "32", "--hnsw_max_labels", "1000", "--only", "ivf fp16", "hnsw", "--out", str(out), "--in_process"])
+    report = main(["--num_labels", "3000", "--dim", "32", "--hnsw_max_labels", "1000", "--only", "ivf fp16", "exact int8", "exact binary", "hnsw",
+                   "--out", str(out), "--in_process"])
     rows = {r["name"]: r for r in report["results"]}
     assert list(rows) == [
         "exact", "ivf fp16 nprobe=16", "ivf fp16 nprobe=64", "ivf fp16 nprobe=256",  # exact first: the ground truth
+        "exact int8 factor=1", "exact int8 factor=2", "exact int8 factor=4",
+        "exact binary factor=4", "exact binary factor=10", "exact binary factor=20",
         "exact @1,000", "hnsw ef_search=128", "hnsw ef_search=512",
     ]
+    # the codes: a byte / a bit a dimension on disk, recall growing with the candidates rescored from the store
+    assert rows["exact int8 factor=1"]["index_bytes"] < 3000 * 32 + 5000 < rows["exact"]["store_bytes"] / 3
+    assert rows["exact binary factor=4"]["index_bytes"] < 3000 * 4 + 5000
+    for codes, factors in (("int8", (1, 2, 4)), ("binary", (4, 10, 20))):
+        found = [rows[f"exact {codes} factor={f}"]["recall@100"] for f in factors]
+        assert found == sorted(found) and found[-1] > (0.97 if codes == "int8" else 0.6), (codes, found)
     assert rows["exact"]["recall@100"] == 1.0 and rows["exact"]["index_bytes"] < 1000  # metadata only
     assert rows["ivf fp16 nprobe=256"]["recall@100"] > 0.98  # 75 lists: all probed, fp16 rounding aside
     assert rows["hnsw ef_search=512"]["recall@100"] > 0.98 and rows["hnsw ef_search=512"]["num_labels"] == 1000
