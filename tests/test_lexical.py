@@ -122,6 +122,35 @@ def test_fit_tunes_weights_and_the_channel_beats_the_random_dense_model(lexical_
     assert p1_fused > p1_dense + 20, (p1_fused, p1_dense)
 
 
+def test_ranker_queries_in_threads_rank_as_one_after_the_other(lexical_model, tiny_task):
+    import threading
+
+    _, channel = lexical_model
+    queries = channel.features.transform(tiny_task[0].test.texts)
+    seen = set()
+    predict = channel.ranker.predict
+
+    class Recording:  # the omikuji model, recording which thread ran each query
+        def predict(self, *args, **kwargs):
+            seen.add(threading.current_thread().name)
+            return predict(*args, **kwargs)
+
+    original, channel.ranker = channel.ranker, Recording()
+    try:
+        channel.ranker_threads = 1
+        one_by_one = channel.rank_with_ranker(queries, 20)
+        assert seen == {threading.current_thread().name}
+        seen.clear()
+        channel.ranker_threads = 3
+        threaded = channel.rank_with_ranker(queries, 20)
+        assert seen and all(name.startswith("omikuji") for name in seen)  # the pool's threads walked the forest
+    finally:
+        channel.ranker, channel.ranker_threads = original, lc.RANKER_THREADS
+    np.testing.assert_array_equal(threaded[0], one_by_one[0])
+    np.testing.assert_array_equal(threaded[1], one_by_one[1])
+    assert (one_by_one[0] >= 0).any()
+
+
 def test_weights_tuned_on_held_out_queries(tiny_encoder_dir, tiny_task, monkeypatch):
     """Both weights tuned: on the planted task the words predict the labels and the random encoder does not, so the
     chosen pair puts weight on the lexical scores and beats the dense ranking on the held-out queries."""

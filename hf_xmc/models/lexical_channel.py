@@ -51,6 +51,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
@@ -71,6 +72,17 @@ LEXICAL_FORMAT = "hf_xmc.lexical_channel.v1"
 TOKEN_PATTERN = re.compile(r"(?u)\b\w\w+\b")
 # queries fused at a time: bounds the (chunk, ranker_depth, dense_depth) match tensor and the text-score pairs
 FUSE_CHUNK = 512
+# ranker queries in flight at once (omikuji's predict releases the GIL: each thread walks one query's forest); the
+# channel's ``ranker_threads`` attribute changes it, 1 walks them one after the other in this thread
+RANKER_THREADS = max(1, min(8, os.cpu_count() or 1))
+_RANKER_POOLS: dict[int, ThreadPoolExecutor] = {}  # by size, shared by every channel of the process, made on first use
+
+
+def ranker_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's pool of ``threads`` ranker threads (kept: a served model starts no threads per request)."""
+    if threads not in _RANKER_POOLS:
+        _RANKER_POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="omikuji")
+    return _RANKER_POOLS[threads]
 # fusion settings and their defaults (config.lexical_channel holds the fitted model's values)
 DEFAULT_SETTINGS = {
     "dense_weight": 1.0,  # 0: the channel alone ranks the candidates (the dense score breaks no ties then)
@@ -250,6 +262,7 @@ class LexicalChannel:
             raise ValueError(f"unknown lexical channel settings {sorted(unknown)}; known: {sorted(DEFAULT_SETTINGS)}")
         self.settings = {**DEFAULT_SETTINGS, **(settings or {})}
         self.tuning: Optional[dict] = None  # set by the fit when it tuned the weights: the grid's scores
+        self.ranker_threads = RANKER_THREADS
 
     @property
     def num_labels(self) -> int:
@@ -268,11 +281,18 @@ class LexicalChannel:
         if self.ranker is None or depth == 0:
             return ids, scores
         beam = int(self.settings["beam_size"])
-        for i in range(n):
+        rows = [i for i in range(n) if queries.indptr[i + 1] > queries.indptr[i]]
+
+        def predict(i: int) -> list:
             terms, values = queries.row(i)
-            if len(terms) == 0:
-                continue
-            hits = self.ranker.predict(list(zip(terms.tolist(), values.tolist())), beam_size=beam, top_k=depth)
+            return self.ranker.predict(list(zip(terms.tolist(), values.tolist())), beam_size=beam, top_k=depth)
+
+        threads = min(int(self.ranker_threads), len(rows))
+        if threads > 1:
+            found = ranker_pool(int(self.ranker_threads)).map(predict, rows)
+        else:
+            found = map(predict, rows)
+        for i, hits in zip(rows, found):
             if not hits:
                 continue
             labels = np.fromiter((label for label, _ in hits), dtype=np.int64, count=len(hits))
