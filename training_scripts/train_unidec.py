@@ -14,9 +14,10 @@ over the concatenated [DE ; classifier] label vectors) and OUT/eval_results.json
 test_R@10/100, train_runtime, test_samples_per_second).
 
 Defaults follow the paper's recipe at a short budget: per query 3 positives drawn with replacement by inverse
-propensity, 6 hard negatives from a DE-head shortlist of 30 (mined from the second epoch, re-mined every epoch), the
-batch's other positives, a pool capped at 256 labels per process; learning rates encoder / heads / classifier =
-lr / 2 lr / 1e-3, cosine schedule with warm-up; NGAME cluster batching from the second epoch; query->label terms only
+propensity, the batch's other positives, a pool capped at 256 labels per process; learning rates encoder / heads /
+classifier = lr / 2 lr / 1e-3, cosine schedule with warm-up. Negatives and batches are DEXML's: one hard negative per
+query from its DE-head top 100, mined a twentieth of an epoch in and every epoch after, and NGAME cluster batching
+(clusters of 16) on label spaces of 10,000+ labels; query->label terms only
 (--de_query_to_label_weight 0.5 --clf_query_to_label_weight 0.5 adds the paper's symmetric label->query terms, which
 lost on both datasets at this budget, see README). --use_classifier false trains DePSL (the DE-only ablation). Every TrainingArguments flag and every engine flag of XMCTrainingArguments works.
 """

@@ -151,6 +151,8 @@ UNIDEC_COMMON: dict[str, Any] = {
     "cluster_batching": True,  # 3.5: each batch a cluster of similar queries (DE space)
     "cluster_batch_mode": "one_per_batch",  # 3.5, official_code_facts 4: one cluster per batch, leaf ~ batch size
     "cluster_curriculum_epochs": [5],  # official_code_facts 4: clustering starts at epoch 5 (no curriculum)
+    "cluster_start_epoch": None,  # ibid.: at the curriculum's first epoch (the recipe's default starts a twentieth in)
+    "cluster_min_labels": 0,  # every paper dataset has 131K+ labels; the recipe's gate is for small label spaces
     "cluster_refresh_interval": 5,  # 4, Alg. 1: re-cluster every tau = 5 epochs
 }
 UNIDEC_PRESETS: dict[str, dict[str, Any]] = {  # unidec.md section 4 table (Tables 1, 2); token budgets: 2.1 [our default]
