@@ -233,9 +233,10 @@ def prediction_records(model, texts: Sequence[Optional[str]], k: Optional[int], 
     """``{"text", "labels": [{"id", "uid", "text", "score"[, "probability"]}, ...]}`` per query (``"image"`` too when
     given), best label first (``model.predict`` top-``k``, or with ``threshold`` the labels whose calibrated probability
     reaches it; empty slots are dropped)."""
-    uids, names = model.label_uids, model.label_texts
+    from .serving import label_records
+
     if k is not None:
-        k = min(k, len(names))  # no (queries, k) arrays wider than the label count (--k 1000000000)
+        k = min(k, len(model.label_texts))  # no (queries, k) arrays wider than the label count (--k 1000000000)
     for start in range(0, len(texts), PREDICT_CHUNK):
         chunk = list(texts[start : start + PREDICT_CHUNK])
         extra = {}
@@ -246,9 +247,7 @@ def prediction_records(model, texts: Sequence[Optional[str]], k: Optional[int], 
         pred = model.predict(chunk if any(t is not None for t in chunk) else None, k=k, batch_size=batch_size, **extra)
         probabilities = pred.probabilities.tolist() if pred.probabilities is not None else [None] * len(chunk)
         for i, (text, ids, scores, probs) in enumerate(zip(chunk, pred.label_ids.tolist(), pred.scores.tolist(), probabilities)):
-            labels = [{"id": j, "uid": uids[j], "text": names[j], "score": s, **({"probability": probs[c]} if probs is not None else {})}
-                      for c, (j, s) in enumerate(zip(ids, scores)) if j >= 0]
-            record = {"text": text, "labels": labels}
+            record = {"text": text, "labels": label_records(model, ids, scores, probs)}
             if images is not None:
                 record["image"] = images[start + i]
             yield record
@@ -418,6 +417,25 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------- parser
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Load the model and serve it until interrupted (``hf_xmc.serving``)."""
+    for flag in ("port", "max_batch", "max_texts", "max_chars", "max_k"):
+        _require_positive(getattr(args, flag), f"--{flag}")
+    _check_device(args.device)
+    try:
+        import fastapi  # noqa: F401 - both checked before the model loads
+        import uvicorn  # noqa: F401
+
+        from .serving import ServingLimits, serve
+    except ImportError as err:
+        raise UserError(f"serving needs fastapi and uvicorn (pip install 'hf_xmc[serving]'): {_first_line(err)}") from None
+    model = load_model(args.model)
+    _pick_device(model, args.device)
+    limits = ServingLimits(max_texts=args.max_texts, max_chars=args.max_chars, max_k=args.max_k)
+    serve(model, host=args.host, port=args.port, limits=limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hf-xmc`` argument parser (one subparser per command)."""
     from . import __version__
@@ -429,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Extreme multi-label classification models: train, evaluate, predict, push.",
                                      allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,predict,add-labels,push}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,predict,add-labels,push,serve}")
 
     methods = ",".join(sorted(RECIPES))
     p = sub.add_parser(
@@ -501,6 +519,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="Hub token (default: the logged-in one)")
     p.add_argument("--dry_run", action="store_true", help="print the files the push would upload, one per line, and upload nothing")
     p.set_defaults(func=cmd_push)
+
+    p = sub.add_parser("serve", allow_abbrev=False, help="an HTTP endpoint for a model (POST /predict, GET /health, GET /labels/{uid})",
+                       description="Serve a model directory or Hub repo id over HTTP (FastAPI + uvicorn); concurrent requests "
+                       "are batched into one predict call (docs/serving.md).")
+    p.add_argument("model", help="model directory or Hub repo id")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--max_batch", type=int, default=64, help="most texts one predict call serves")
+    p.add_argument("--max_wait_ms", type=float, default=2.0, help="how long a batch waits for more requests after its first")
+    p.add_argument("--max_texts", type=int, default=64, help="most texts a request may send (more: 413)")
+    p.add_argument("--max_chars", type=int, default=2000, help="most characters a text may have (more: 413)")
+    p.add_argument("--max_k", type=int, default=100, help="largest k a request may ask for (more: 422)")
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 
