@@ -217,6 +217,10 @@ class UniDECModel(UniDECPreTrainedModel):
         the dual encoder's query side, ``embed(..., head="de")``."""
         return [{"type": "Dense", "linear": self.de_head[0], "activation": "torch.nn.modules.activation.Tanh"}, {"type": "Normalize"}]
 
+    def query_embed_kwargs(self) -> dict:
+        """The exported query encoder (``export_onnx``) gives the vectors of ``search_mode``, as :meth:`query_search_vectors`."""
+        return {"head": self.search_mode}
+
     def query_search_vectors(self, texts, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
         """Query vectors for ``search_mode``: ``Phi_D(x)``, ``N(Phi_C(x))`` or both concatenated (one encoder pass)."""
         return self.encode_texts(texts, self.config.max_seq_length, batch_size, show_progress_bar, desc="Encoding queries", head=self.search_mode)

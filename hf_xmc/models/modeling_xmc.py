@@ -79,6 +79,7 @@ from .model_files import (
     file_name,
     read_labels,
 )
+from .onnx_encoder import ONNX_ENCODER_FILE, ONNX_ENCODER_META, OnnxExportMixin
 from .training_hooks import XMCTrainingHooks
 
 logger = logging.get_logger(__name__)
@@ -124,7 +125,7 @@ class XMCModelOutput(ModelOutput):
     loss_terms: Optional[dict[str, torch.Tensor]] = None
 
 
-class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin, PreTrainedModel):
+class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin, OnnxExportMixin, PreTrainedModel):
     """Base class of the hf_xmc models: encoder, pooling, label store, label index and ``predict``.
 
     Subclasses define their training objective (a dual encoder its ``pool_loss``, which :meth:`forward` calls; the
@@ -516,27 +517,28 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         return self.label_index
 
     def predict(self, texts: Sequence[str] | str, k: Optional[int] = None, batch_size: int = 128, show_progress_bar: Optional[bool] = None,
-                threshold: Optional[float] = None) -> XMCPrediction:
+                threshold: Optional[float] = None, backend: str = "torch") -> XMCPrediction:
         """Rank the model's labels for each text and return the top ``k`` (ids, scores, label texts and, for a calibrated
         model, probabilities). ``threshold``: keep only the labels whose calibrated probability is at least it, among
-        the top ``k`` (default 5, or :data:`THRESHOLD_DEPTH` with a threshold); slots left empty hold ``-1``."""
+        the top ``k`` (default 5, or :data:`THRESHOLD_DEPTH` with a threshold); slots left empty hold ``-1``. ``backend="onnx"``
+        encodes the queries with the exported query encoder (:meth:`export_onnx`, ``onnx_encoder.py``)."""
         if isinstance(texts, str):
             texts = [texts]
         k = self._prediction_depth(k, threshold)
         self._require_labels()
         if len(texts) == 0:  # as pipeline([]) gives []: an empty prediction, not an error
             return self._prediction(np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32), threshold)
-        scores, ids = self.rank(texts, k, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        scores, ids = self.rank(texts, k, batch_size=batch_size, show_progress_bar=show_progress_bar, backend=backend)
         return self._prediction(ids, scores, threshold)
 
     def rank(self, texts: Sequence[str], k: int, batch_size: int = 128, show_progress_bar: Optional[bool] = None, return_dense: bool = False,
-             images: Optional[Sequence] = None):
+             images: Optional[Sequence] = None, backend: str = "torch"):
         """The one ranking :meth:`predict` and the evaluator share: the top-``k`` ``(scores, ids)`` arrays of the
         queries (the dense search, fused with the lexical channel when the model has one); with ``return_dense``,
         ``(scores, ids, dense_scores, dense_ids)`` (:meth:`search_texts`). ``images``: for a model that takes them."""
         if images is not None:
             raise ValueError(f"{type(self).__name__} ranks texts only: it takes no images")
-        queries = self.query_search_vectors(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        queries = self.query_vectors_with(backend, texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
         return self.search_texts(texts, queries, k, return_dense=return_dense)
 
     # ------------------------------------------------------------------ calibrated scores (calibration.py)
@@ -640,7 +642,7 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         files = dict.fromkeys(TOKENIZER_FILES, False)
         files.update({"tokenizer_config.json": True, LABELS_FILE: True, LABEL_EMBEDDINGS_FILE: True, LABEL_EMBEDDINGS_INDEX_FILE: False})
         files.update({INDEX_FILE: False, INDEX_META_FILE: False, ADAPTER_CONFIG_FILE: False, ADAPTER_WEIGHTS_FILE: False, LEXICAL_FILE: False})
-        files.update(dict.fromkeys((MODEL_CARD_FILE, *MODEL_CARD_ASSETS), False))
+        files.update(dict.fromkeys((MODEL_CARD_FILE, *MODEL_CARD_ASSETS, ONNX_ENCODER_FILE, ONNX_ENCODER_META), False))
         return files
 
     def save_pretrained(
@@ -717,6 +719,7 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
                 self.label_index.save(save_directory)
         if self.lexical_channel is not None:
             self.lexical_channel.save(os.path.join(save_directory, LEXICAL_FILE))
+        self._save_onnx_encoder(save_directory)
         if self.model_card is not None:
             self.model_card.save(save_directory)
 
@@ -857,6 +860,7 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
             if self.label_texts is not None and channel.num_labels != len(self.label_texts):
                 raise ModelFileError(f"{lexical_path}: scores {channel.num_labels} labels but {LABELS_FILE} lists {len(self.label_texts)}")
             self.lexical_channel = channel
+        self._load_onnx_encoder(fetch)
         card_path = fetch(MODEL_CARD_FILE)
         if card_path is not None:
             files = {MODEL_CARD_FILE: card_path}

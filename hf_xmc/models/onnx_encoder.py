@@ -1,0 +1,162 @@
+"""An exported query encoder: the model's query side (tokens -> search vectors) as ONNX, run by onnxruntime.
+
+``model.export_onnx()`` writes ``query_encoder.onnx`` (torch's dynamo exporter; with ``quantize=True`` onnxruntime's
+dynamic int8 quantization of the weights) and ``query_encoder.json`` (sequence length, output width, quantized or
+not, a fingerprint of the weights it was exported from) beside the model; ``save_pretrained`` carries both, and
+``predict(texts, backend="onnx")`` encodes the queries with it (tokenised by the model's own tokenizer, the search,
+the lexical channel and the calibration as with torch). A file exported from other weights is refused, never used.
+
+Memory: the ONNX file holds the encoder's weights again (float32, or int8 weights: about a quarter), loaded once by
+onnxruntime; per call one batch of activations. Remote-code file: onnxruntime and onnx are imported only when used.
+"""
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from .io_utils import atomic_write, write_json
+
+ONNX_ENCODER_FILE = "query_encoder.onnx"
+ONNX_ENCODER_META = "query_encoder.json"
+QUERY_BACKENDS = ("torch", "onnx")
+
+
+class _QueryVectors(nn.Module):
+    """``model.embed`` of the query side as a module of two tensors (what the exporter traces)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids, attention_mask, **self.model.query_embed_kwargs())
+
+
+class OnnxQueryEncoder:
+    """An onnxruntime session over an exported query encoder, with the metadata it was exported with."""
+
+    def __init__(self, path: str, meta: dict):
+        try:
+            import onnxruntime
+        except ImportError as err:
+            raise ImportError("predict(backend='onnx') needs onnxruntime (pip install onnxruntime)") from err
+        options = onnxruntime.SessionOptions()
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        self.path, self.meta = path, meta
+
+    def encode(self, model, texts: Sequence[str], batch_size: int = 128) -> torch.Tensor:
+        """``(n, dim)`` float32 query vectors, batch by batch, longest texts first (as ``encode_texts``)."""
+        order = np.argsort(np.fromiter((-len(t) for t in texts), dtype=np.int64, count=len(texts)), kind="stable")
+        out = np.empty((len(texts), int(self.meta["dim"])), dtype=np.float32)
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            batch = model.tokenize([texts[i] for i in idx], int(self.meta["max_seq_length"]))
+            feeds = {"input_ids": batch["input_ids"].numpy(), "attention_mask": batch["attention_mask"].numpy()}
+            out[idx] = self.session.run(None, feeds)[0]
+        return torch.from_numpy(out)
+
+
+def read_onnx_meta(path: Optional[str]) -> Optional[dict]:
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+class OnnxExportMixin:
+    """``export_onnx`` and ``predict(backend="onnx")`` of ``XMCPreTrainedModel``."""
+
+    def query_embed_kwargs(self) -> dict:
+        """What ``embed`` takes besides the tokens to give the search-space query vector (UniDEC: its head)."""
+        return {}
+
+    def export_onnx(self, directory: Optional[str] = None, quantize: bool = False, opset: int = 18) -> str:
+        """Export the query encoder to ``directory/query_encoder.onnx`` (default: a temporary directory kept with the
+        model; ``save_pretrained`` copies it) and attach it for ``predict(backend="onnx")``. ``quantize``: int8
+        weights (onnxruntime's ``quantize_dynamic``). Returns the file's path. Needs ``onnx``, ``onnxscript``,
+        ``onnxruntime``."""
+        import tempfile
+
+        directory = directory or tempfile.mkdtemp(prefix="hf_xmc_onnx_")
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, ONNX_ENCODER_FILE)
+        was_training, device = self.training, self.device
+        self.eval()
+        try:
+            batch = self.tokenize(["an example query", "a second, longer example query text"], self.config.max_seq_length)
+            inputs = (batch["input_ids"].cpu(), batch["attention_mask"].cpu())
+            rows, length = torch.export.Dim("batch"), torch.export.Dim("sequence", max=max(2, self.config.max_seq_length))
+            module = _QueryVectors(self).to("cpu").eval()
+            with torch.no_grad():
+                dim = int(module(*inputs).shape[1])
+                program = torch.onnx.export(module, inputs, dynamo=True, opset_version=opset, input_names=["input_ids", "attention_mask"],
+                                            output_names=["query_vectors"],
+                                            dynamic_shapes={"input_ids": {0: rows, 1: length}, "attention_mask": {0: rows, 1: length}})
+        finally:
+            self.to(device)  # the export ran on CPU
+            self.train(was_training)
+
+        def write(tmp: str) -> None:
+            program.save(tmp, external_data=False)
+            if quantize:
+                from onnxruntime.quantization import QuantType, quantize_dynamic
+
+                quantize_dynamic(tmp, tmp, weight_type=QuantType.QInt8)
+
+        atomic_write(path, write)
+        meta = {"max_seq_length": self.config.max_seq_length, "dim": dim, "quantized": bool(quantize), "opset": opset,
+                "weights": list(self.weights_fingerprint())}
+        atomic_write(os.path.join(directory, ONNX_ENCODER_META), lambda p: write_json(p, meta))
+        self._onnx_encoder_files = (path, os.path.join(directory, ONNX_ENCODER_META))
+        self._onnx_encoder = None
+        return path
+
+    def onnx_query_encoder(self) -> OnnxQueryEncoder:
+        """The attached exported encoder (read on first use); ``ValueError`` when there is none or it was exported from
+        other weights."""
+        files = getattr(self, "_onnx_encoder_files", None)
+        if not files:
+            raise ValueError(f"{type(self).__name__} has no exported query encoder: call model.export_onnx() (or save one with it)")
+        meta = read_onnx_meta(files[1]) or {}
+        if not self._onnx_matches(meta):
+            raise ValueError(f"{files[0]}: exported from other weights or settings than the model's; export it again (model.export_onnx())")
+        if getattr(self, "_onnx_encoder", None) is None:
+            self._onnx_encoder = OnnxQueryEncoder(files[0], meta)
+        return self._onnx_encoder
+
+    def _onnx_matches(self, meta: dict) -> bool:
+        """Whether an export's metadata names these weights and this query length."""
+        weights, now = meta.get("weights", []), self.weights_fingerprint()
+        return len(weights) == len(now) and bool(np.allclose(weights, now, rtol=1e-5, atol=1e-6)) and meta.get("max_seq_length") == self.config.max_seq_length
+
+    def query_vectors_with(self, backend: str, texts: Sequence[str], batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
+        """The search-space query vectors of ``texts`` from ``backend`` (``torch``: ``query_search_vectors``)."""
+        if backend not in QUERY_BACKENDS:
+            raise ValueError(f"backend must be one of {QUERY_BACKENDS}, got {backend!r}")
+        if backend == "torch":
+            return self.query_search_vectors(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        return self.onnx_query_encoder().encode(self, list(texts), batch_size)
+
+    def _save_onnx_encoder(self, save_directory: str) -> None:
+        """Copy the attached exported encoder (when it matches the weights) into a directory being saved."""
+        files = getattr(self, "_onnx_encoder_files", None)
+        if not files or not all(os.path.exists(p) for p in files) or not self._onnx_matches(read_onnx_meta(files[1]) or {}):
+            return  # none, or exported from other weights: a later predict(backend="onnx") says so
+        import shutil
+
+        for source, name in zip(files, (ONNX_ENCODER_FILE, ONNX_ENCODER_META)):
+            target = os.path.join(save_directory, name)
+            if os.path.abspath(source) != os.path.abspath(target):
+                shutil.copyfile(source, target)
+
+    def _load_onnx_encoder(self, fetch) -> None:
+        """Attach a saved exported encoder (``fetch(name)``: its local path or None)."""
+        path, meta = fetch(ONNX_ENCODER_FILE), fetch(ONNX_ENCODER_META)
+        self._onnx_encoder_files = (path, meta) if path and meta else None
+        self._onnx_encoder = None
