@@ -150,7 +150,8 @@ def references(dataset: str) -> list[tuple[str, dict]]:
 #: (--classifier_init auto). A pair listed here without a bf16 row ran float32: its validation_fusion.json row is
 #: the defaults before
 SCRIPT_DEFAULTS = {(method, dataset): "bf16" for method in METHODS for dataset in DATASETS}
-SCRIPT_DEFAULTS.update({("dexml", "wordnet"): "forty_minutes", ("unidec", "wordnet"): "dexml_mining", ("unidec", "debtags"): "dexml_mining_gated", ("unidec", "reuters"): "dexml_mining_gated"})
+SCRIPT_DEFAULTS.update({("dexml", "wordnet"): "forty_minutes", ("unidec", "wordnet"): "dexml_mining", ("unidec", "debtags"): "dexml_mining_gated", ("unidec", "reuters"): "dexml_mining_gated",
+                        ("siamesexml", "reuters"): "script_budget"})
 
 
 def budget(dataset: str, flags: list[str]) -> str:
