@@ -217,7 +217,8 @@ def test_unidec_one_cluster_per_batch_under_accelerate_two_processes(tiny_task, 
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29532"]
     engine = ["--per_device_train_batch_size", "8", "--cluster_batching", "true", "--cluster_batch_mode", "one_per_batch",
-              "--cluster_curriculum_epochs", "1", "--cluster_refresh_interval", "1", "--hard_negatives", "0"]
+              "--cluster_curriculum_epochs", "1", "--cluster_start_epoch", "1", "--cluster_refresh_interval", "1", "--hard_negatives", "0",
+              "--cluster_min_labels", "0"]
     proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(out), epochs="2") + engine, launcher=launcher,
                       script="train_unidec.py")
     assert proc.returncode == 0, proc.stderr[-3000:]

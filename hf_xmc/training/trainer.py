@@ -123,7 +123,8 @@ class XMCTrainingArguments(TrainingArguments):
             raise ValueError(f"cluster_batch_mode must be one of {ClusterBatchSampler.MODES}, got {self.cluster_batch_mode!r}")
         start = self.cluster_start_epoch
         if start is not None and (start < 0 or (start != int(start) and self.cluster_batch_mode != "concat")):
-            raise ValueError(f"--cluster_start_epoch must be >= 0 (whole epochs with --cluster_batch_mode {self.cluster_batch_mode}), got {start}")
+            raise ValueError(f"--cluster_start_epoch must be >= 0 (whole epochs with --cluster_batch_mode {self.cluster_batch_mode}: "
+                             f"pass --cluster_start_epoch 1, or none to start at the curriculum's first epoch), got {start}")
         if self.positive_sampling not in ("uniform", "propensity"):
             raise ValueError(f"positive_sampling must be 'uniform' or 'propensity', got {self.positive_sampling!r}")
         if self.mining_precision not in MINING_PRECISIONS:

@@ -306,7 +306,8 @@ def test_train_unidec_under_accelerate_two_processes(tiny_task, tiny_encoder_dir
     out = tmp_path / "out"
     config = os.path.join(ROOT, "training_scripts", "accelerate", "multi_process.yaml")
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "2", "--main_process_port", "29547"]
-    proc = run_script(_script_args(task_dir, tiny_encoder_dir, str(out)), launcher=launcher, script="train_unidec.py")
+    # the defaults' mining and clustering (the clustering's 10,000-label gate lifted for the 40-label task)
+    proc = run_script(_script_args(task_dir, tiny_encoder_dir, str(out)) + ["--cluster_min_labels", "0"], launcher=launcher, script="train_unidec.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert "Total train batch size (w. parallel, distributed & accumulation) = 64" in log  # 2 processes x 32
