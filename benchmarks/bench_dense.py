@@ -38,6 +38,9 @@ DATASETS = ("wordnet", "debtags", "reuters")
 METHODS = ("dexml", "prime", "unidec", "siamesexml")
 #: one negative per query from its top 100 under the model's own index, first mined a twentieth of an epoch in
 MINED = ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negative_start_epoch", "0.05"]
+#: DEXML's default negatives and batches: MINED, mined again every epoch, clusters of 16 from the first mining pass
+DEXML_NEGATIVES = [*MINED, "--hard_negative_refresh_interval", "1", "--cluster_batching", "true", "--cluster_start_epoch", "0.05",
+                   "--cluster_init_size", "16", "--cluster_curriculum_epochs", "100", "--cluster_refresh_interval", "1"]
 #: named flag sets appended to a row's command (the script's defaults fill in the rest, at the commit that ran the row)
 RECIPES: dict[str, list[str]] = {
     # in-batch negatives only: the other queries' positives of the batch (train_dexml.py's default before the hard negatives)
@@ -52,8 +55,7 @@ RECIPES: dict[str, list[str]] = {
     "two_negatives": [*MINED, "--hard_negatives", "2", "--hard_negative_refresh_interval", "1", "--cluster_batching", "false"],
     # the default's negatives + NGAME cluster batching: clusters of 16 similar queries (4 per batch), first made from
     # the first mining pass's query vectors (a twentieth of an epoch in), re-made from the memory bank every epoch start
-    "clustered": [*MINED, "--hard_negative_refresh_interval", "1", "--cluster_batching", "true", "--cluster_start_epoch", "0.05",
-                  "--cluster_init_size", "16", "--cluster_curriculum_epochs", "100", "--cluster_refresh_interval", "1"],
+    "clustered": DEXML_NEGATIVES,
     # a method's own hard negatives and cluster batching (UniDEC: 6 per query from a DE-head top 30, clusters of 8),
     # started a twentieth of an epoch in instead of at the second epoch, which a short budget never reaches
     "early_start": ["--hard_negative_start_epoch", "0.05", "--cluster_start_epoch", "0.05"],
@@ -71,16 +73,10 @@ RECIPES: dict[str, list[str]] = {
     # DEXML's default negatives and batches (the ``clustered`` recipe: one mined negative per query from its top 100, a
     # twentieth of an epoch in, clusters of 16 from there) on another method, in bf16: UniDEC's own (6 from a DE-head top
     # 30, clusters of 8 from the second epoch) never start within a short budget and, started early, did not pay
-    "dexml_mining": ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negative_start_epoch", "0.05",
-                     "--hard_negative_refresh_interval", "1", "--cluster_batching", "true", "--cluster_start_epoch", "0.05",
-                     "--cluster_init_size", "16", "--cluster_curriculum_epochs", "100", "--cluster_refresh_interval", "1",
-                     "--bf16", "true"],
+    "dexml_mining": [*DEXML_NEGATIVES, "--bf16", "true"],
     # the same with DEXML's gate on cluster batching (only on label spaces of 10,000+ labels: it cost dense P@1 on
     # Debtags and Reuters); on WordNet-XMC's 53K labels it is dexml_mining itself
-    "dexml_mining_gated": ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negative_start_epoch", "0.05",
-                           "--hard_negative_refresh_interval", "1", "--cluster_batching", "true", "--cluster_start_epoch", "0.05",
-                           "--cluster_init_size", "16", "--cluster_curriculum_epochs", "100", "--cluster_refresh_interval", "1",
-                           "--cluster_min_labels", "10000", "--bf16", "true"],
+    "dexml_mining_gated": [*DEXML_NEGATIVES, "--cluster_min_labels", "10000", "--bf16", "true"],
     # the script's own budget where bench_validation.py cut it (SiameseXML on Debtags and Reuters: 2 epochs of Module I
     # and 10 of Module IV instead of 0.25 + 2 and 0.5 + 5), bf16
     "script_budget": ["--bf16", "true"],

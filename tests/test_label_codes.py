@@ -132,3 +132,14 @@ def test_label_precision_float16_converts_the_store_and_bad_values_are_refused(t
         model.set_label_precision("int4")
     with pytest.raises(ValueError, match="label_codes must be one of"):
         make_model(tiny_encoder_dir, tiny_task[0], label_codes="int4")
+
+
+def test_unknown_codes_in_a_saved_index_file_fall_back_to_searching_the_vectors(tmp_path, caplog):
+    labels, queries = clustered(500, 10, dim=32)
+    LabelIndex(labels, codes="int8").save(tmp_path)
+    meta_path = tmp_path / label_index_module.INDEX_META_FILE
+    meta = json.load(open(meta_path))
+    json.dump({**meta, "codes": "int4"}, open(meta_path, "w"))  # a hand-edited cache: never a reason to refuse
+    loaded = LabelIndex.load(labels, meta_path=str(meta_path), index_path=str(tmp_path / label_index_module.INDEX_FILE))
+    assert loaded.codes == "float" and "unknown label codes 'int4'" in caplog.text
+    np.testing.assert_array_equal(loaded.search(queries, 5)[1], exact_top(labels, queries, 5)[1])

@@ -56,9 +56,10 @@ def test_an_export_of_other_weights_is_refused_and_unidec_exports_its_search_hea
     with pytest.raises(ValueError, match="no exported query encoder"):
         model.predict(["a"], backend="onnx")
     model.export_onnx(tmp_path / "a")
+    model.predict(["a"], backend="onnx")  # the session is open and checked
     with torch.no_grad():
         next(model.parameters()).add_(0.01)
-    with pytest.raises(ValueError, match="exported from other weights"):
+    with pytest.raises(ValueError, match="exported from other weights"):  # checked again after the weights changed
         model.predict(["a"], backend="onnx")
     model.save_pretrained(tmp_path / "saved")
     assert not (tmp_path / "saved" / ONNX_ENCODER_FILE).exists()  # a stale export is not carried

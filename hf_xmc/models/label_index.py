@@ -52,6 +52,7 @@ import torch
 from .io_utils import atomic_write, file_sha256, write_json
 from .label_codes import (
     DEFAULT_RESCORE_FACTOR,
+    LABEL_CODES,
     build_code_index,
     check_codes,
     is_binary_index,
@@ -257,10 +258,10 @@ class LabelIndex:
             index.add(chunk.numpy())
         return index
 
-    def _training_sample(self, rows: int = 0) -> np.ndarray:
-        """``rows`` label vectors (0: ``IVF_TRAIN_POINTS_PER_LIST * nlist``, to train the IVF lists on), at most all,
+    def _training_sample(self, count: int = 0) -> np.ndarray:
+        """``count`` label vectors (0: ``IVF_TRAIN_POINTS_PER_LIST * nlist``, to train the IVF lists on), at most all,
         drawn with a fixed seed, float32."""
-        n = min(self.num_labels, rows or IVF_TRAIN_POINTS_PER_LIST * self.ivf_nlist)
+        n = min(self.num_labels, count or IVF_TRAIN_POINTS_PER_LIST * self.ivf_nlist)
         rows = np.sort(np.random.default_rng(0).choice(self.num_labels, n, replace=False))
         return self._gather(rows).float().numpy()
 
@@ -477,6 +478,9 @@ class LabelIndex:
         if kind not in INDEX_KINDS:
             logger.warning("%s: unknown index kind %r; searching exactly", meta_path, kind)
             kind = "exact"
+        if codes not in LABEL_CODES:
+            logger.warning("%s: unknown label codes %r; searching the vectors", meta_path, codes)
+            codes = "float"
         blocks = as_label_blocks(embeddings)
         fingerprint = vectors_fingerprint(blocks)
         same_store = (

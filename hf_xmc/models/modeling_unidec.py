@@ -223,7 +223,7 @@ class UniDECModel(UniDECPreTrainedModel):
 
     def query_search_vectors(self, texts, batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
         """Query vectors for ``search_mode``: ``Phi_D(x)``, ``N(Phi_C(x))`` or both concatenated (one encoder pass)."""
-        return self.encode_texts(texts, self.config.max_seq_length, batch_size, show_progress_bar, desc="Encoding queries", head=self.search_mode)
+        return self.encode_texts(texts, self.config.max_seq_length, batch_size, show_progress_bar, desc="Encoding queries", **self.query_embed_kwargs())
 
     # ------------------------------------------------------------------ training
     def parameter_learning_rates(self, base_lr: float) -> dict[str, float]:

@@ -119,16 +119,23 @@ class OnnxExportMixin:
 
     def onnx_query_encoder(self) -> OnnxQueryEncoder:
         """The attached exported encoder (read on first use); ``ValueError`` when there is none or it was exported from
-        other weights."""
+        other weights. The weights fingerprint (a pass over every weight, tens of milliseconds for a MiniLM) is taken
+        again only when a weight was written in place since the last check (torch's version counters, summed: an
+        optimiser step or an edit bumps them), not on every predict."""
         files = getattr(self, "_onnx_encoder_files", None)
         if not files:
             raise ValueError(f"{type(self).__name__} has no exported query encoder: call model.export_onnx() (or save one with it)")
+        version = sum(t._version for t in (*self.parameters(), *self.buffers()))
+        encoder = getattr(self, "_onnx_encoder", None)
+        if encoder is not None and getattr(self, "_onnx_checked_version", None) == version:
+            return encoder
         meta = read_onnx_meta(files[1]) or {}
         if not self._onnx_matches(meta):
             raise ValueError(f"{files[0]}: exported from other weights or settings than the model's; export it again (model.export_onnx())")
-        if getattr(self, "_onnx_encoder", None) is None:
-            self._onnx_encoder = OnnxQueryEncoder(files[0], meta)
-        return self._onnx_encoder
+        if encoder is None:
+            self._onnx_encoder = encoder = OnnxQueryEncoder(files[0], meta)
+        self._onnx_checked_version = version
+        return encoder
 
     def _onnx_matches(self, meta: dict) -> bool:
         """Whether an export's metadata names these weights and this query length."""
