@@ -9,7 +9,7 @@ import pytest
 
 from hf_xmc import cli
 from hf_xmc.training import XMCTrainingArguments
-from hf_xmc.training.presets import DATASETS, PRESETS, known_presets, preset_values
+from hf_xmc.training.presets import DATASETS, GPU_PRESETS, PRESETS, known_presets, preset_values
 from hf_xmc.training.script_utils import parse_script_args
 
 FILES = ["--train_file", "trn.json.gz", "--test_file", "tst.json.gz", "--label_file", "lbl.json.gz"]
@@ -18,7 +18,7 @@ FILES = ["--train_file", "trn.json.gz", "--test_file", "tst.json.gz", "--label_f
 def recipe_classes(method):
     """(model arguments, training arguments) dataclasses of ``method``'s recipe."""
     module = importlib.import_module(f"hf_xmc.training.recipes.{method}")
-    prefix = {"prime": "PRIME", "dexml": "DEXML", "unidec": "UniDEC"}[method]
+    prefix = {"prime": "PRIME", "dexml": "DEXML", "unidec": "UniDEC", "siamesexml": "SiameseXML"}[method]
     return getattr(module, f"{prefix}ModelArguments"), getattr(module, f"{prefix}TrainingArguments")
 
 
@@ -27,11 +27,13 @@ def parse(method, *argv, tmp_path):
     return parse_script_args(model_cls, train_cls, [*FILES, "--output_dir", str(tmp_path), *argv], method=method)
 
 
-@pytest.mark.parametrize("method", sorted(PRESETS))
+@pytest.mark.parametrize("method", sorted(set(PRESETS) | set(GPU_PRESETS)))
 def test_every_preset_parses_and_every_value_lands(method, tmp_path):
-    assert known_presets(method) and set(known_presets(method)) <= set(DATASETS)
+    assert known_presets(method) and set(known_presets(method)) <= set(DATASETS) | {"gpu"}
+    assert known_presets(method)[-1] == "gpu"  # every text method has the one-GPU budget, named last
     for name in known_presets(method):
-        parsed = parse(method, "--preset", name, tmp_path=tmp_path)
+        encoder = ["--model_name_or_path", "local/encoder"] if name == "gpu" else []  # a budget names no encoder
+        parsed = parse(method, "--preset", name, *encoder, tmp_path=tmp_path)
         fields = {f.name: getattr(obj, f.name) for obj in parsed for f in dataclasses.fields(obj)}
         for key, value in preset_values(method, name, world_size=1).items():
             got = fields[key]  # a KeyError here is a preset key that is no argument of the recipe
@@ -121,3 +123,17 @@ def test_global_batches_split_over_processes(monkeypatch):
     assert values["per_device_train_batch_size"] == 512 and values["gradient_cache_chunk_size"] == 1024  # eta is per GPU
     with pytest.raises(KeyError, match="known: lf-amazontitles-131k"):
         preset_values("dexml", "lf-amazon-131k")
+
+
+def test_gpu_preset_is_a_budget_on_the_recipes_defaults(tmp_path):
+    """``--preset gpu`` changes the batch and the step budget only: the recipe's negatives, batching and encoder (no
+    paper encoder is named) stay; the batch is per process, not split; explicit flags still win."""
+    assert preset_values("unidec", "gpu", world_size=4) == preset_values("unidec", "gpu", world_size=1)
+    m, d, t = parse("dexml", "--preset", "gpu", "--model_name_or_path", "local/encoder", tmp_path=tmp_path)
+    assert (t.per_device_train_batch_size, t.max_steps, t.learning_rate, d.eval_batch_size) == (512, 1200, 4e-4, 1024)
+    assert t.hard_negatives == 1 and t.cluster_batching and t.cluster_init_size == 16 and m.model_name_or_path == "local/encoder"
+    assert "model_name_or_path" not in preset_values("dexml", "gpu") and "propensity_a" not in preset_values("dexml", "gpu")
+    m, d, t = parse("siamesexml", "--preset", "gpu", "--model_name_or_path", "x", "--max_steps", "10", tmp_path=tmp_path)
+    assert (t.per_device_train_batch_size, t.max_steps, t.classifier_batch_size) == (512, 10, 1024)
+    m, d, t = parse("unidec", "--preset", "gpu", "--model_name_or_path", "x", tmp_path=tmp_path)
+    assert (t.max_label_pool, t.hard_negative_top_k, t.cluster_batch_mode) == (1536, 100, "concat")

@@ -1,4 +1,5 @@
-"""Paper configurations per dataset for the training recipes: ``--preset lf-amazontitles-1.3m``.
+"""Paper configurations per dataset for the training recipes: ``--preset lf-amazontitles-1.3m``; and one budget,
+``--preset gpu`` (the recipe's defaults sized to ~10 minutes of one GPU; see :data:`GPU_PRESETS`).
 
 A preset is what a method's paper gives for one Extreme Classification Repository dataset (and, where the paper is
 silent, the method's official code, as recorded in ``shared/specs/``), written as values of the recipe's own
@@ -35,7 +36,7 @@ import math
 import os
 from typing import Any, Optional
 
-__all__ = ["DATASETS", "PRESETS", "known_presets", "preset_values"]
+__all__ = ["DATASETS", "GPU_PRESETS", "PRESETS", "known_presets", "preset_values"]
 
 #: Dataset facts every method's preset shares: the name on the model card, the JSON fields read as text, the
 #: propensity constants of PSP@k (and of propensity sampling). Sources: official_code_facts.md section 1.
@@ -172,13 +173,35 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
     "unidec": (UNIDEC_COMMON, UNIDEC_PRESETS),
 }
 
+# ------------------------------------------------------------------------------------------------------ one GPU
+#: ``--preset gpu``: not a paper's configuration but a *budget*: the recipe's own defaults (its negatives, batching,
+#: schedule and encoder, which the 40-CPU-minute defaults were tuned with) with the batch a GPU fills and a step count
+#: sized to about 10 minutes of one H100 on a WordNet-XMC-sized task (36K training titles, 53K labels), any dataset.
+#: Steps, not epochs, bound it, so a larger training set does not take longer to train (its mining and evaluation
+#: passes, which encode every label and query, do). Sizing, from the one GPU figure the project has
+#: (``benchmarks/results/scale_gpu.json``: DEXML, all-MiniLM-L6-v2, bf16, ~4,400 texts a second through forward and
+#: backward on one H200, tokenisation included): a DEXML / UniDEC step of 512 queries encodes ~1,500 texts (query,
+#: positive, mined negative): ~0.35 s, so 1,200 steps are ~7 minutes, leaving ~3 for loading, the mining passes, the
+#: lexical channel and the evaluation; PRIME's two positives and SiameseXML's label-side batches cost ~1.3x more per
+#: step: 900. **Not measured on a GPU yet** (no session that built it had one): ``docs/benchmarks.md`` says so.
+#: Learning rates: DEXML's Table 7 value at batch 4,096 (4e-4); the others keep the recipe's (PRIME's and UniDEC's
+#: papers train larger batches at the same or a smaller rate). Mixed precision follows the device (``--bf16`` auto).
+GPU_PRESETS: dict[str, dict[str, Any]] = {
+    "dexml": {"per_device_train_batch_size": 512, "max_steps": 1200, "learning_rate": 4e-4, "eval_batch_size": 1024},
+    "unidec": {"per_device_train_batch_size": 512, "max_steps": 1200, "max_label_pool": 1536, "eval_batch_size": 1024},  # pool: ~3 per query (3.5)
+    "prime": {"per_device_train_batch_size": 512, "max_steps": 900, "classifier_batch_size": 2048, "eval_batch_size": 1024},  # (W): [C] 2048
+    "siamesexml": {"per_device_train_batch_size": 512, "max_steps": 900, "classifier_batch_size": 1024, "eval_batch_size": 1024},
+}
+GPU_PRESET = "gpu"
+
 #: Values that are global quantities in the papers, split over the processes of a run.
 PER_PROCESS_SPLIT = ("per_device_train_batch_size", "max_label_pool")
 
 
 def known_presets(method: str) -> list[str]:
-    """Names of ``method``'s presets, in table order (empty for a method without any)."""
-    return list(PRESETS[method][1]) if method in PRESETS else []
+    """Names of ``method``'s presets: the papers' datasets in table order, then ``gpu`` (empty for a method without
+    any)."""
+    return (list(PRESETS[method][1]) if method in PRESETS else []) + ([GPU_PRESET] if method in GPU_PRESETS else [])
 
 
 def preset_values(method: str, name: str, world_size: Optional[int] = None) -> dict[str, Any]:
@@ -188,6 +211,8 @@ def preset_values(method: str, name: str, world_size: Optional[int] = None) -> d
     if name not in known_presets(method):
         known = ", ".join(known_presets(method)) or "none"
         raise KeyError(f"unknown preset {name!r} for {method} (known: {known})")
+    if name == GPU_PRESET:  # a budget on the recipe's defaults: per process, nothing split
+        return dict(GPU_PRESETS[method])
     common, per_dataset = PRESETS[method]
     values = {**DATASETS[name], **common, **per_dataset[name]}
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)

@@ -22,6 +22,7 @@ points' votes (kept under OUT/module2 when the run saves checkpoints: a resumed 
 positives (at most 10) and their 3 x |P_i| hardest shortlist negatives ([P]; --classifier_negatives threshold: [C]'s
 mask), point-likelihood loss (c 0.75, d 3, 1/d). Prediction fuses 0.5 exp(5 (cos - 1)) + 0.5 sigmoid(shortlist similarity) over a 500-label shortlist.
 Every TrainingArguments flag works (it applies to Module I; Module IV takes its own epochs, rate and batch size).
+--preset gpu sizes these defaults to ~10 minutes of one GPU (batches of 512, a step bound; docs/training.md).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ labels (--classifier_init auto; xavier, the official code's, below: see LABEL_TE
 
 --preset lf-amazontitles-1.3m (or another dataset of hf_xmc.training.presets; --preset list names them) turns the paper's
 configuration for that dataset into the defaults, encoder included; flags given explicitly, or keys of a .json config,
-win over it.
+win over it. --preset gpu sizes these defaults to ~10 minutes of one GPU (batches of 512, a step bound; docs/training.md).
 """
 
 from dataclasses import dataclass, field
