@@ -432,7 +432,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     _pick_device(model, args.device)
     limits = ServingLimits(max_texts=args.max_texts, max_chars=args.max_chars, max_k=args.max_k)
-    serve(model, host=args.host, port=args.port, limits=limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms)
+    try:
+        serve(model, host=args.host, port=args.port, limits=limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, backend=args.backend)
+    except ValueError as err:  # --backend onnx without (a current) export
+        raise UserError(f"{args.model}: {_first_line(err)}") from None
     return 0
 
 
@@ -532,6 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_chars", type=int, default=2000, help="most characters a text may have (more: 413)")
     p.add_argument("--max_k", type=int, default=100, help="largest k a request may ask for (more: 422)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--backend", choices=["torch", "onnx"], default="torch",
+                   help="query encoder: torch, or the model's exported ONNX encoder (model.export_onnx(), saved beside it)")
     p.set_defaults(func=cmd_serve)
     return parser
 

@@ -14,7 +14,8 @@ Endpoints:
 Batching: every request joins one queue; a worker thread takes what has arrived, up to ``max_batch`` texts, waiting at
 most ``max_wait_ms`` after the first, and runs ``model.predict`` once for them (with the largest ``k`` asked, one call
 per distinct ``threshold``); each request gets its own rows, cut to its ``k``. The event loop only parses and answers,
-so requests keep arriving while a batch runs. Bounds: texts per request, characters per text and ``k`` are refused
+so requests keep arriving while a batch runs. ``--backend onnx`` encodes the queries with the model's exported encoder
+(``model.export_onnx``, saved beside the model). Bounds: texts per request, characters per text and ``k`` are refused
 with a 4xx and ``{"error": "<one line>"}``, as is a body that is not the JSON above.
 
 Memory: the model as ``from_pretrained`` loads it (its label store memory-mapped), one batch's ``predict`` (``max_batch
@@ -58,10 +59,10 @@ def label_records(model, ids: Sequence[int], scores: Sequence[float], probabilit
 class PredictionBatcher:
     """Runs ``model.predict`` in one worker thread over the requests queued meanwhile (module docstring)."""
 
-    def __init__(self, model, max_batch: int = 64, max_wait_ms: float = 2.0):
+    def __init__(self, model, max_batch: int = 64, max_wait_ms: float = 2.0, backend: str = "torch"):
         if max_batch < 1 or max_wait_ms < 0:
             raise ValueError(f"max_batch must be >= 1 and max_wait_ms >= 0, got {max_batch} and {max_wait_ms}")
-        self.model, self.max_batch, self.max_wait = model, max_batch, max_wait_ms / 1000
+        self.model, self.max_batch, self.max_wait, self.backend = model, max_batch, max_wait_ms / 1000, backend
         self.batches = self.queries = 0
         self._queue: queue.Queue[Optional[_Request]] = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="hf-xmc-batcher", daemon=True)
@@ -104,6 +105,8 @@ class PredictionBatcher:
         texts = [t for r in requests for t in r.texts]
         try:
             extra = {} if threshold is None else {"threshold": threshold}
+            if self.backend != "torch":
+                extra["backend"] = self.backend
             pred = self.model.predict(texts, k=min(max(r.k for r in requests), len(self.model.label_texts)), **extra)
         except Exception as err:  # every request of the call gets the fault; the worker goes on
             for r in requests:
@@ -118,9 +121,10 @@ class PredictionBatcher:
             row += len(r.texts)
 
 
-def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 64, max_wait_ms: float = 2.0):
+def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 64, max_wait_ms: float = 2.0, backend: str = "torch"):
     """The FastAPI application serving ``model`` (module docstring). ``app.state.batcher`` is its
-    :class:`PredictionBatcher`, closed when the application shuts down."""
+    :class:`PredictionBatcher`, closed when the application shuts down. ``backend="onnx"``: queries are encoded by the
+    model's exported encoder (``model.export_onnx``), checked here, before the first request."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -129,7 +133,9 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
     from pydantic import BaseModel, ConfigDict
 
     limits = limits or ServingLimits()
-    batcher = PredictionBatcher(model, max_batch=max_batch, max_wait_ms=max_wait_ms)
+    if backend != "torch":
+        model.query_vectors_with(backend, ["a first query"])  # no export, or a stale one: one clear error now
+    batcher = PredictionBatcher(model, max_batch=max_batch, max_wait_ms=max_wait_ms, backend=backend)
     label_ids = {uid: i for i, uid in enumerate(model.label_uids)}
 
     class PredictRequest(BaseModel):  # defined here, with no postponed annotations: FastAPI reads the body's type
@@ -195,8 +201,8 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
 
 
 def serve(model, host: str = "127.0.0.1", port: int = 8000, limits: Optional[ServingLimits] = None, max_batch: int = 64,
-          max_wait_ms: float = 2.0, log_level: str = "info") -> None:
+          max_wait_ms: float = 2.0, log_level: str = "info", backend: str = "torch") -> None:
     """Serve ``model`` with uvicorn until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(model, limits, max_batch, max_wait_ms), host=host, port=port, log_level=log_level)
+    uvicorn.run(create_app(model, limits, max_batch, max_wait_ms, backend=backend), host=host, port=port, log_level=log_level)

@@ -282,3 +282,20 @@ def test_a_hub_repo_faiss_file_is_read_only_when_asked_for(saved, tmp_path, monk
 
 
 MODEL_DIR_KINDS = len(MODEL_DIR_CASES) + len(REBUILT_CASES) + 1  # + a Hub repo's faiss file left unread
+
+
+def test_labels_file_read_whole_or_line_by_line_gives_the_same_rows_and_faults(tmp_path):
+    """labels.jsonl is parsed in one go when every line is a {uid, text} object; texts with line separators of other
+    kinds (U+2028, \\r) stay whole, and two objects on one line are the line's fault, not two labels."""
+    from hf_xmc.models.model_files import ModelFileError, read_labels
+
+    path = tmp_path / "labels.jsonl"
+    rows = [{"uid": "a", "text": "one\u2028two"}, {"uid": "b", "text": "x\ry"}, {"uid": "c", "text": "\u00e9t\u00e9"}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert read_labels(str(path)) == (["a", "b", "c"], ["one\u2028two", "x\ry", "\u00e9t\u00e9"])
+    path.write_text('{"uid": "a", "text": "t"}\n{"uid": "b", "text": "u"}, {"uid": "c", "text": "v"}\n', encoding="utf-8")
+    with pytest.raises(ModelFileError, match=r"labels.jsonl, line 2: malformed JSON"):
+        read_labels(str(path))
+    path.write_text('{"uid": "a", "text": "t"}\n\n{"uid": "b", "text": "u"}\n', encoding="utf-8")
+    with pytest.raises(ModelFileError, match=r"labels.jsonl, line 2: malformed JSON"):
+        read_labels(str(path))

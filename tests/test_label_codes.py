@@ -134,6 +134,29 @@ def test_label_precision_float16_converts_the_store_and_bad_values_are_refused(t
         make_model(tiny_encoder_dir, tiny_task[0], label_codes="int4")
 
 
+def test_precision_set_before_any_index_is_the_saved_store_and_its_codes_reload_without_a_rebuild(tiny_encoder_dir, tiny_task, tmp_path, caplog):
+    """float16 then int8 on a model whose index was never built: the store is float16 at once, so the codes are built
+    over the float16 vectors that are saved, and the reload reads label_index.faiss instead of training it again."""
+    model = make_model(tiny_encoder_dir, tiny_task[0])
+    model.label_index = None
+    model.set_label_precision("float16")
+    assert model.label_embeddings.dtype == torch.float16  # no index to rebuild, the store converted all the same
+    model.set_label_precision("int8")
+    model.ensure_label_index()
+    model.save_pretrained(tmp_path / "model")
+    assert json.load(open(tmp_path / "model" / label_index_module.INDEX_META_FILE))["dtype"] == "float16"
+    with caplog.at_level("WARNING"):
+        reloaded = AutoModel.from_pretrained(tmp_path / "model")
+    assert reloaded.label_index.codes == "int8" and reloaded.label_index.restored_from_file
+    assert "rebuilding" not in caplog.text
+    meta_path = tmp_path / "model" / label_index_module.INDEX_META_FILE
+    meta = json.load(open(meta_path))
+    json.dump({**meta, "dtype": "float32"}, open(meta_path, "w"))  # an index file of other vectors: rebuilt, and said so
+    with caplog.at_level("WARNING"):
+        reloaded = AutoModel.from_pretrained(tmp_path / "model")
+    assert not reloaded.label_index.restored_from_file and "describes other label vectors" in caplog.text
+
+
 def test_unknown_codes_in_a_saved_index_file_fall_back_to_searching_the_vectors(tmp_path, caplog):
     labels, queries = clustered(500, 10, dim=32)
     LabelIndex(labels, codes="int8").save(tmp_path)

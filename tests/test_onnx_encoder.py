@@ -8,17 +8,21 @@ from transformers import AutoModel
 
 from hf_xmc.models import UniDECModel
 from hf_xmc.models.onnx_encoder import ONNX_ENCODER_FILE, ONNX_ENCODER_META
+from hf_xmc.serving import PredictionBatcher, create_app
 from tests.models.test_modeling_common import predict_through_remote_code
 from tests.test_label_store import make_model
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
+pytest.importorskip("fastapi")
 
 
 def test_onnx_query_encoder_ranks_as_torch_and_travels_with_the_model(tiny_encoder_dir, tiny_task, tmp_path):
     data = tiny_task[0]
     texts = list(data.test.texts[:30])
     model = make_model(tiny_encoder_dir, data)
+    with pytest.raises(ValueError, match="has no exported query encoder"):  # hf-xmc serve --backend onnx, before any export
+        create_app(model, backend="onnx")
     path = model.export_onnx(tmp_path / "export")
     assert path.endswith(ONNX_ENCODER_FILE)
     onnx_vectors = model.query_vectors_with("onnx", texts)
@@ -33,6 +37,16 @@ def test_onnx_query_encoder_ranks_as_torch_and_travels_with_the_model(tiny_encod
     assert result["ids"] == torch_pred.label_ids[:4, :5].tolist()
     with pytest.raises(ValueError, match="backend must be one of"):
         model.predict(texts, backend="tensorrt")
+    batcher = PredictionBatcher(model, max_wait_ms=0, backend="onnx")  # what the server's worker runs
+    try:
+        served = batcher.submit(texts[:3], 5).result(timeout=60)
+        assert [[r["id"] for r in row] for row in served] == torch_pred.label_ids[:3, :5].tolist()
+        with torch.no_grad():
+            next(model.parameters()).add_(0.5)  # the export is stale now: the worker must encode with it, and refuse
+        with pytest.raises(ValueError, match="exported from other weights"):
+            batcher.submit(texts[:3], 5).result(timeout=60)
+    finally:
+        batcher.close()
 
 
 def test_int8_export_is_smaller_and_close(tiny_encoder_dir, tiny_task, tmp_path):

@@ -499,6 +499,9 @@ class LabelIndex:
             restored.pop("rescore_factor", None)  # chosen for other codes
         params = {**restored, **params}
         saved = None
+        if cls.keeps_file(kind, codes) and not same_store and index_path and os.path.exists(index_path):
+            logger.warning("%s describes other label vectors than the store's (%s); rebuilding the label index", meta_path,
+                           ", ".join(f"{key} {meta.get(key)!r}" for key in ("kind", "codes", "num_labels", "dim", "dtype")))
         if (
             cls.keeps_file(kind, codes)
             and same_store

@@ -36,6 +36,9 @@ class LabelSpaceMixin:
         current = self.label_index is not None and self.label_index_is_current()
         config.label_embeddings_dtype, config.label_codes = dtype, codes
         self.label_index = None
+        blocks = getattr(self, "label_embedding_blocks", None)
+        if blocks is not None:  # the store takes the precision now, index or not: an index built later is over what is saved
+            self.label_embedding_blocks = [b.to(getattr(torch, dtype)) for b in blocks]
         if current:
             self._reindex_labels()
 

