@@ -156,7 +156,7 @@ def references(dataset: str) -> list[tuple[str, dict]]:
 #: the defaults before
 SCRIPT_DEFAULTS = {(method, dataset): "bf16" for method in METHODS for dataset in DATASETS}
 SCRIPT_DEFAULTS.update({("dexml", "wordnet"): "forty_minutes", ("unidec", "wordnet"): "dexml_mining", ("unidec", "debtags"): "dexml_mining_gated", ("unidec", "reuters"): "dexml_mining_gated",
-                        ("siamesexml", "reuters"): "script_budget"})
+                        ("siamesexml", "reuters"): "script_budget", ("siamesexml", "debtags"): "script_budget"})
 
 
 def budget(dataset: str, flags: list[str]) -> str:
