@@ -302,7 +302,7 @@ def serve_and_measure(directory: str, backend: str, queries: list[str], requests
             server.kill()
 
 
-def run(scales: list[str], requests: int, max_wait_ms: float, out: str) -> list[dict]:
+def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: list[str] | None = None) -> list[dict]:
     rows = read_json(out) if os.path.exists(out) else []
     queries = titles("tst.json.gz", 4000)[0][2000:]  # not the recall queries
     for scale in scales:
@@ -315,6 +315,9 @@ def run(scales: list[str], requests: int, max_wait_ms: float, out: str) -> list[
                 key = store + ("-onnx-int8" if encoder == "onnx-int8" else "") + ("-channel" if channel else "")
                 entry = built[key]
                 name = f"{scale}-{store}-{encoder}{'-channel' if channel else ''}"
+                if only and name.split("-", 1)[1] not in only:
+                    continue
+                name += f"-wait{max_wait_ms:g}" if max_wait_ms != 2.0 else ""
                 row = {"row": name, "scale": scale, "labels": num_large() if scale == "1.3m" else 52_992, "store": store, "encoder": encoder,
                        "channel": channel, "recall@100": entry["recall@100"], "saved_gib": round(entry["saved_bytes"] / 1024**3, 3),
                        "index_build_s": entry["index_build_s"], "setup_s": round(build_s, 1), "onnx_agreement": entry["onnx_agreement"],
@@ -331,15 +334,15 @@ def run(scales: list[str], requests: int, max_wait_ms: float, out: str) -> list[
 
 
 def table(rows: list[dict]) -> str:
-    header = ["labels", "store", "encoder", "channel", "recall@100", "load s", "RSS GiB", "server peak GiB", "p50 ms", "p99 ms",
+    header = ["labels", "store", "encoder", "channel", "wait ms", "recall@100", "load s", "RSS GiB", "server peak GiB", "p50 ms", "p99 ms",
               "16 clients p50 / p99 ms", "16 clients q/s", "texts a batch"]
     cells = []
     for r in rows:
-        cells.append([f"{r['labels']:,}", r["store"], r["encoder"], "yes" if r["channel"] else "",
+        cells.append([f"{r['labels']:,}", r["store"], r["encoder"], "yes" if r["channel"] else "", f"{r['max_wait_ms']:g}",
                       f"{r['recall@100']:.4f}", f"{r['load_s']:.2f}", f"{r['rss_after_predict_gib']:.2f}", f"{r['server_peak_rss_gib']:.2f}",
                       f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['concurrent_p50_ms']:.0f} / {r['concurrent_p99_ms']:.0f}",
                       f"{r['qps']:.0f}", f"{r['texts_per_batch']:.1f}"])
-    return markdown_table(header, cells, "llll" + "r" * 9) + "\n"
+    return markdown_table(header, cells, "llll" + "r" * 10) + "\n"
 
 
 def main(argv=None) -> list[dict]:
@@ -349,13 +352,14 @@ def main(argv=None) -> list[dict]:
     ap = bench_parser(__doc__, result_path("serving.json"), docs_block="serving", table_only=True)
     ap.add_argument("--scales", nargs="+", default=["53k", "1.3m"], choices=list(ROWS))
     ap.add_argument("--requests", type=int, default=300, help="one-client requests measured per row")
-    ap.add_argument("--max_wait_ms", type=float, default=2.0, help="the server's --max_wait_ms")
+    ap.add_argument("--max_wait_ms", type=float, default=2.0, help="the server's --max_wait_ms (rows at another value than 2 are named -waitN)")
+    ap.add_argument("--rows", nargs="+", help="only these rows of each scale (e.g. float32-torch int8-onnx-channel)")
     args = ap.parse_args(argv)
     if not os.path.exists(os.path.join(WORDNET, "tst.json.gz")):
         raise SystemExit(f"{WORDNET}: build WordNet-XMC first (python benchmarks/make_wordnet.py)")
     rows = read_json(args.out) if os.path.exists(args.out) else []
     if not args.table_only:
-        rows = run(args.scales, args.requests, args.max_wait_ms, args.out)
+        rows = run(args.scales, args.requests, args.max_wait_ms, args.out, args.rows)
     publish(table(rows), "serving", args.update_docs)
     return rows
 

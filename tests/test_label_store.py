@@ -210,3 +210,20 @@ def test_config_ivf_nprobe_reaches_every_index_the_model_builds(tiny_encoder_dir
     model.save_pretrained(tmp_path / "model")
     reloaded = DEXMLModel.from_pretrained(tmp_path / "model")
     assert reloaded.config.ivf_nprobe == 5 and reloaded.label_index.ivf_nprobe == 5
+
+
+def test_weights_fingerprint_is_float64_exact_so_thread_counts_agree(tiny_encoder_dir, tiny_task):
+    """The fingerprint (which decides whether a label index or an ONNX export still matches the weights) sums in
+    float64: a float32 sum depends on the reduction order, so the same weights fingerprinted with another thread count
+    (or on another device) could look changed, and an export made there was refused as stale."""
+    model = make_model(tiny_encoder_dir, tiny_task[0])
+    tensors = [t.detach() for t in (*model.parameters(), *model.buffers())]
+    fingerprint = model.weights_fingerprint()
+    reference = [v for t in tensors for v in (t.numpy().astype(np.float64).sum(), np.linalg.norm(t.numpy().astype(np.float64).ravel()))]
+    np.testing.assert_allclose(fingerprint, reference, rtol=1e-12, atol=1e-12)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert model.label_index_is_current() and model.weights_fingerprint() == pytest.approx(fingerprint, rel=1e-12, abs=1e-12)
+    finally:
+        torch.set_num_threads(threads)

@@ -394,16 +394,20 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
 
     def weights_fingerprint(self) -> tuple[float, ...]:
         """The sum and norm of every parameter and buffer: what an optimiser step (even a sparse one) or a load
-        changes. Memory: none beyond one reduction at a time; time: one pass over the weights."""
-        tensors = [t.detach() for t in (*self.parameters(), *self.buffers())]
-        return tuple(v for t in tensors for v in (float(t.float().sum()), float(torch.linalg.vector_norm(t.float()))))
+        changes. Accumulated in float64: a float32 sum depends on the reduction order, so another thread count (or
+        device) gave a different fingerprint for the same weights (a MiniLM bias sum of -0.0436 moved by 2e-6 from 2
+        threads to 1, enough to refuse an ONNX export as stale). Memory: none beyond one reduction at a time (no float64
+        copy); time: one pass over the weights."""
+        tensors = [t.detach() if t.is_floating_point() else t.detach().double() for t in (*self.parameters(), *self.buffers())]
+        return tuple(v for t in tensors for v in (float(t.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(t, dtype=torch.float64))))
 
     def label_index_is_current(self, label_texts: Optional[Sequence[str]] = None) -> bool:
         """Whether the label index exists, was built with the current weights and (given ``label_texts``) over these
         labels: the evaluator then searches it as it is instead of encoding the labels again."""
         if self._label_index is None or (label_texts is not None and list(label_texts) != self.label_texts):
             return False
-        return self._label_index_weights == self.weights_fingerprint()
+        saved, now = self._label_index_weights, self.weights_fingerprint()
+        return len(saved) == len(now) and bool(np.allclose(saved, now, rtol=1e-9, atol=1e-12))  # float64 rounding only
 
     def _require_labels(self) -> list[str]:
         if not self.label_texts:
