@@ -355,3 +355,19 @@ def test_train_mufin_resumes_after_kill_to_the_same_metrics(task, tmp_path):
     results = run_killed_and_resumed(cmd, out, str(tmp_path / "reference"))
     assert_same_metrics(results)
     assert f"resuming from {out}/checkpoint-" in results["log"] and "the stage finished before; its weights are read back" in results["log"]
+
+
+def test_module_one_gets_its_own_step_budget(tmp_path):
+    """--siamese_max_steps bounds Module I and leaves --max_steps to Module IV; without it --max_steps bounds both
+    (the training-script contract's short runs stay short); 0 is refused."""
+    from hf_xmc.training.recipes.mufin import MUFINTrainingArguments, _stage_args
+
+    args = MUFINTrainingArguments(output_dir=str(tmp_path), max_steps=5, siamese_max_steps=40, use_cpu=True)
+    siamese, ranker = _stage_args(args, "siamese"), _stage_args(args, "ranker")
+    assert (siamese.max_steps, ranker.max_steps) == (40, 5) and siamese.output_dir == str(tmp_path / "module1")
+    args = MUFINTrainingArguments(output_dir=str(tmp_path), max_steps=5, use_cpu=True)
+    assert (_stage_args(args, "siamese").max_steps, _stage_args(args, "ranker").max_steps) == (5, 5)
+    args = MUFINTrainingArguments(output_dir=str(tmp_path), siamese_max_steps=-1, siamese_epochs=1.5, max_steps=5, use_cpu=True)
+    assert (_stage_args(args, "siamese").max_steps, _stage_args(args, "siamese").num_train_epochs) == (-1, 1.5)
+    with pytest.raises(ValueError, match="--siamese_max_steps must be -1"):
+        MUFINTrainingArguments(output_dir=str(tmp_path), siamese_max_steps=0, use_cpu=True)

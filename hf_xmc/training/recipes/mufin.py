@@ -93,6 +93,11 @@ class MUFINTrainingArguments(XMCTrainingArguments):
     learning_rate: float = field(default=3e-4, metadata={"help": "Module I learning rate (encoders and self-attention; code 2e-4)."})
     num_train_epochs: float = field(default=3.0, metadata={"help": "Module IV (fine-tuning) epochs."})
     siamese_epochs: float = field(default=2.0, metadata={"help": "Module I (siamese pre-training) epochs."})
+    siamese_max_steps: Optional[int] = field(
+        default=None,
+        metadata={"help": "Module I steps (-1: --siamese_epochs; default: --max_steps, which then bounds both modules). With it, "
+                  "--max_steps bounds Module IV only, so a budget can give the cheap Module I more steps than Module IV."},
+    )
     siamese_batch_over: str = field(
         default="items",
         metadata={
@@ -109,13 +114,21 @@ class MUFINTrainingArguments(XMCTrainingArguments):
     ranker_negatives: int = field(default=12, metadata={"help": "Module IV shortlist negatives per item (|T_i|)."})
     hard_negative_top_k: int = field(default=100, metadata={"help": "Module II shortlist size per training item (|R_i|)."})
 
+    def __post_init__(self):
+        if self.siamese_max_steps is not None and self.siamese_max_steps != -1 and self.siamese_max_steps < 1:
+            raise ValueError(f"--siamese_max_steps must be -1 (use --siamese_epochs) or at least 1, got {self.siamese_max_steps}")
+        super().__post_init__()
+
 
 def _stage_args(args: MUFINTrainingArguments, stage: str) -> MUFINTrainingArguments:
-    """Per-module copy of the arguments: Module I trains with ``learning_rate`` for ``siamese_epochs``, Module IV
-    with ``ranker_learning_rate`` for ``num_train_epochs``; the engine's own mining stays off (Module II mines)."""
+    """Per-module copy of the arguments: Module I trains with ``learning_rate`` for ``siamese_epochs`` (or
+    ``siamese_max_steps`` steps), Module IV with ``ranker_learning_rate`` for ``num_train_epochs``; ``max_steps`` bounds
+    both unless ``siamese_max_steps`` is given; the engine's own mining stays off (Module II mines)."""
     changes = {"hard_negatives": 0, "cluster_batching": False}
     if stage == "siamese":
         changes.update(num_train_epochs=args.siamese_epochs, output_dir=os.path.join(args.output_dir, "module1"), push_to_hub=False)
+        if args.siamese_max_steps is not None:  # Module I's own bound; else --max_steps bounds both modules
+            changes.update(max_steps=args.siamese_max_steps)
     else:
         changes.update(learning_rate=args.ranker_learning_rate)
     return dataclasses.replace(args, **changes)
