@@ -108,7 +108,7 @@ def recall_at(got: np.ndarray, truth: np.ndarray, k: int = 100) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ building the models
-def build(scale: str, work: str) -> dict:
+def build(scale: str, work: str, only: list[str] | None = None) -> dict:
     """Save one model directory per store of ``scale`` under ``work``; returns {store: {dir, recall, build_s}}."""
     import torch
 
@@ -140,8 +140,12 @@ def build(scale: str, work: str) -> dict:
     model.export_onnx(onnx_dir)  # every directory carries the float32 export; --backend onnx picks it
     built = {}
     agreement = {} if large else {"onnx": onnx_agreement(model, query_texts)}
-    for store in dict.fromkeys(store for store, _, _ in ROWS[scale]):  # float32, float16, int8, binary in this order
+    wanted = [(st, e, c) for st, e, c in ROWS[scale] if not only or f"{st}-{e}{'-channel' if c else ''}" in only]
+    for store in dict.fromkeys(store for store, _, _ in wanted):  # float32, float16, int8, binary in this order
         start = time.perf_counter()
+        if store in ("int8", "binary") and model.config.label_embeddings_dtype != "float16":
+            model.label_index = None  # straight to the float16 store the codes rescore from, no float16 index built
+            model.set_label_precision("float16")
         model.set_label_precision(store)
         model.ensure_label_index()
         index_s = time.perf_counter() - start
@@ -155,6 +159,8 @@ def build(scale: str, work: str) -> dict:
         from hf_xmc.data import load_data_files
         from hf_xmc.training.lexical import fit_lexical_channel
 
+        if "float32" not in built:
+            return built
         model.set_label_precision("float32")
         model.ensure_label_index()
         model.export_onnx(os.path.join(work, "onnx-int8"), quantize=True)
@@ -168,7 +174,7 @@ def build(scale: str, work: str) -> dict:
         start = time.perf_counter()
         fit_lexical_channel(model, data.train, ranker_weight=CHANNEL_WEIGHTS[0], text_weight=CHANNEL_WEIGHTS[1], rebuild_label_index=False)
         print(f"53k: channel fitted in {time.perf_counter() - start:.0f} s", flush=True)
-        for store in ("float32", "int8"):
+        for store in [st for st in ("float32", "int8") if st in built]:
             model.set_label_precision(store)
             model.ensure_label_index()
             target = os.path.join(work, f"{scale}-{store}-channel")
@@ -309,7 +315,7 @@ def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: li
         work = tempfile.mkdtemp(prefix=f"serving_{scale}_", dir=os.environ.get("BENCH_TMP"))
         try:
             start = time.perf_counter()
-            built = build(scale, work)
+            built = build(scale, work, only)
             build_s = time.perf_counter() - start
             for store, encoder, channel in ROWS[scale]:
                 key = store + ("-onnx-int8" if encoder == "onnx-int8" else "") + ("-channel" if channel else "")

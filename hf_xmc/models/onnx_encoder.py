@@ -79,7 +79,7 @@ class OnnxExportMixin:
     def export_onnx(self, directory: Optional[str] = None, quantize: bool = False, opset: int = 18) -> str:
         """Export the query encoder to ``directory/query_encoder.onnx`` (default: a temporary directory kept with the
         model; ``save_pretrained`` copies it) and attach it for ``predict(backend="onnx")``. ``quantize``: int8
-        weights (onnxruntime's ``quantize_dynamic``). Returns the file's path. Needs ``onnx``, ``onnxscript``,
+        weights, one scale per output channel (onnxruntime's ``quantize_dynamic``). Returns the file's path. Needs ``onnx``, ``onnxscript``,
         ``onnxruntime``."""
         import tempfile
 
@@ -107,7 +107,9 @@ class OnnxExportMixin:
             if quantize:
                 from onnxruntime.quantization import QuantType, quantize_dynamic
 
-                quantize_dynamic(tmp, tmp, weight_type=QuantType.QInt8)
+                # per output channel: per tensor lost a sixth of MiniLM's top 10 on WordNet-XMC (overlap with float32
+                # 0.82 vs 0.92 per channel), and ran slower (2.5 vs 2.1 ms a query)
+                quantize_dynamic(tmp, tmp, weight_type=QuantType.QInt8, per_channel=True)
 
         atomic_write(path, write)
         meta = {"max_seq_length": self.config.max_seq_length, "dim": dim, "quantized": bool(quantize), "opset": opset,
