@@ -318,11 +318,10 @@ def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: li
             built = build(scale, work, only)
             build_s = time.perf_counter() - start
             for store, encoder, channel in ROWS[scale]:
-                key = store + ("-onnx-int8" if encoder == "onnx-int8" else "") + ("-channel" if channel else "")
-                entry = built[key]
                 name = f"{scale}-{store}-{encoder}{'-channel' if channel else ''}"
                 if only and name.split("-", 1)[1] not in only:
                     continue
+                entry = built[store + ("-onnx-int8" if encoder == "onnx-int8" else "") + ("-channel" if channel else "")]
                 name += f"-wait{max_wait_ms:g}" if max_wait_ms != 2.0 else ""
                 row = {"row": name, "scale": scale, "labels": num_large() if scale == "1.3m" else 52_992, "store": store, "encoder": encoder,
                        "channel": channel, "recall@100": entry["recall@100"], "saved_gib": round(entry["saved_bytes"] / 1024**3, 3),
