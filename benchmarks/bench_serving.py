@@ -159,17 +159,16 @@ def build(scale: str, work: str, only: list[str] | None = None) -> dict:
         from hf_xmc.data import load_data_files
         from hf_xmc.training.lexical import fit_lexical_channel
 
-        if "float32" not in built:
-            return built
-        model.set_label_precision("float32")
-        model.ensure_label_index()
-        model.export_onnx(os.path.join(work, "onnx-int8"), quantize=True)
-        agreement["onnx-int8"] = onnx_agreement(model, query_texts)
-        print(f"53k: ONNX top-10 agreement with torch {agreement}", flush=True)
-        target = os.path.join(work, f"{scale}-float32-onnx-int8")
-        model.save_pretrained(target)
-        built["float32-onnx-int8"] = {**built["float32"], "dir": target}
-        model.export_onnx(onnx_dir)
+        if "float32" in built:
+            model.set_label_precision("float32")
+            model.ensure_label_index()
+            model.export_onnx(os.path.join(work, "onnx-int8"), quantize=True)
+            agreement["onnx-int8"] = onnx_agreement(model, query_texts)
+            print(f"53k: ONNX top-10 agreement with torch {agreement}", flush=True)
+            target = os.path.join(work, f"{scale}-float32-onnx-int8")
+            model.save_pretrained(target)
+            built["float32-onnx-int8"] = {**built["float32"], "dir": target}
+            model.export_onnx(onnx_dir)
         data = load_data_files(os.path.join(WORDNET, "trn.json.gz"), os.path.join(WORDNET, "tst.json.gz"), os.path.join(WORDNET, "lbl.json.gz"))
         start = time.perf_counter()
         fit_lexical_channel(model, data.train, ranker_weight=CHANNEL_WEIGHTS[0], text_weight=CHANNEL_WEIGHTS[1], rebuild_label_index=False)
