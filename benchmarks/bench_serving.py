@@ -49,6 +49,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.bench_label_codes import recall  # noqa: E402
 from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
 
 WORDNET = os.path.join(REPO, "outputs", "wordnet-xmc")
@@ -89,30 +90,13 @@ def rss_gib(pid: str = "self", field: str = "VmRSS") -> float:
     return float("nan")
 
 
-def exact_top(labels: np.ndarray, queries: np.ndarray, k: int = 100, chunk: int = 200_000) -> np.ndarray:
-    """Exact float32 inner-product top ``k`` label ids per query, streaming over label chunks."""
-    best_scores = np.full((len(queries), 0), -np.inf, dtype=np.float32)
-    best_ids = np.zeros((len(queries), 0), dtype=np.int64)
-    for start in range(0, len(labels), chunk):
-        scores = queries @ labels[start : start + chunk].astype(np.float32).T
-        ids = np.broadcast_to(np.arange(start, start + scores.shape[1]), scores.shape)
-        scores, ids = np.concatenate([best_scores, scores], 1), np.concatenate([best_ids, ids], 1)
-        top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-        best_scores, best_ids = np.take_along_axis(scores, top, 1), np.take_along_axis(ids, top, 1)
-    order = np.argsort(-best_scores, axis=1)
-    return np.take_along_axis(best_ids, order, 1)
-
-
-def recall_at(got: np.ndarray, truth: np.ndarray, k: int = 100) -> float:
-    return float(np.mean([len(set(a[:k].tolist()) & set(b[:k].tolist())) / k for a, b in zip(got, truth)]))
-
-
 # ------------------------------------------------------------------------------------------------ building the models
 def build(scale: str, work: str, only: list[str] | None = None) -> dict:
     """Save one model directory per store of ``scale`` under ``work``; returns {store: {dir, recall, build_s}}."""
     import torch
 
     from benchmarks.sweep_defaults import minilm
+    from hf_xmc.index import LabelIndex
     from hf_xmc.models import DEXMLModel
 
     torch.manual_seed(0)
@@ -134,7 +118,7 @@ def build(scale: str, work: str, only: list[str] | None = None) -> dict:
         vectors = model.label_embeddings.float().numpy().copy()
         query_texts = titles("tst.json.gz", 2000)[0]
         queries = model.encode_queries(query_texts, batch_size=256).float().numpy()
-    truth = exact_top(vectors, queries)
+    truth = LabelIndex(vectors, kind="exact").search(queries, 100)[1]  # exact float32 search, chunked
     del vectors
     onnx_dir = os.path.join(work, "onnx")
     model.export_onnx(onnx_dir)  # every directory carries the float32 export; --backend onnx picks it
@@ -152,7 +136,7 @@ def build(scale: str, work: str, only: list[str] | None = None) -> dict:
         got = model.search(queries, k=100)[1]
         target = os.path.join(work, f"{scale}-{store}")
         model.save_pretrained(target)
-        built[store] = {"dir": target, "recall@100": round(recall_at(got, truth), 4), "index_build_s": round(index_s, 1),
+        built[store] = {"dir": target, "recall@100": round(recall(got, truth, 100), 4), "index_build_s": round(index_s, 1),
                         "saved_bytes": sum(os.path.getsize(os.path.join(target, f)) for f in os.listdir(target))}
         print(f"{scale}-{store}: recall@100 {built[store]['recall@100']}, index {index_s:.1f} s", flush=True)
     if not large:
@@ -185,12 +169,14 @@ def build(scale: str, work: str, only: list[str] | None = None) -> dict:
 
 
 def onnx_agreement(model, texts: list[str]) -> dict:
-    """How the attached ONNX export ranks ``texts`` against torch: top-10 overlap, top-1 equal, cosine of the vectors."""
-    torch_ids = model.predict(texts, k=10, batch_size=256).label_ids
-    onnx_ids = model.predict(texts, k=10, batch_size=256, backend="onnx").label_ids
-    a, b = model.query_vectors_with("torch", texts).float().numpy(), model.query_vectors_with("onnx", texts).float().numpy()
-    cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-    return {"top10_overlap": round(recall_at(onnx_ids, torch_ids, 10), 4), "top1_equal": round(float(np.mean(onnx_ids[:, 0] == torch_ids[:, 0])), 4),
+    """How the attached ONNX export ranks ``texts`` against torch (the model's own search of each encoder's vectors):
+    top-10 overlap, top-1 equal, cosine of the vectors."""
+    import torch
+
+    a, b = model.query_vectors_with("torch", texts, batch_size=256).float(), model.query_vectors_with("onnx", texts, batch_size=256).float()
+    torch_ids, onnx_ids = model.search(a, k=10)[1], model.search(b, k=10)[1]
+    cosine = torch.nn.functional.cosine_similarity(a, b).numpy()
+    return {"top10_overlap": round(recall(onnx_ids, torch_ids, 10), 4), "top1_equal": round(float(np.mean(onnx_ids[:, 0] == torch_ids[:, 0])), 4),
             "min_cosine": round(float(cosine.min()), 5), "queries": len(texts)}
 
 

@@ -43,10 +43,9 @@ class LabelSpaceMixin:
             self._reindex_labels()
 
     def _reindex_labels(self) -> None:
-        """The label index again over the stored label vectors, in ``config``'s precision and codes."""
-        blocks = self.label_embedding_blocks
-        if blocks is not None:
-            self.label_embedding_blocks = [b.to(getattr(torch, self.config.label_embeddings_dtype)) for b in blocks]
+        """The label index again over the stored label vectors (:meth:`set_label_precision` converted them), in
+        ``config``'s codes."""
+        if self.label_embedding_blocks is not None:
             self.ensure_label_index()
 
     def add_labels(
