@@ -345,12 +345,13 @@ def table(rows: list[dict]) -> str:
 
 # ------------------------------------------------------------------------------------------------ the channel's ranker
 RANKER_BATCHES = (1, 16, 256)
+RANKER_REPEATS = 3
 
 
 def ranker_threads(out: str, queries: int = 2000) -> dict:
     """The lexical channel's ranker alone (``LexicalChannel.rank_with_ranker``: one Omikuji beam search a query) at
     1 thread and at every count up to the CPU's, over ``queries`` WordNet-XMC test titles in batches of
-    ``RANKER_BATCHES``: ms a query and the speed-up over one thread; the hits are checked equal at every count. The
+    ``RANKER_BATCHES``: ms a query (the best of ``RANKER_REPEATS`` passes) and the speed-up over one thread; the hits are checked equal at every count. The
     channel is fitted as the 53K rows' (TF-IDF + Omikuji on the training titles), without a model: the ranker does not
     need one. Writes ``out`` (JSON)."""
     from hf_xmc.data import load_data_files
@@ -373,10 +374,13 @@ def ranker_threads(out: str, queries: int = 2000) -> dict:
         for threads in counts:
             channel.ranker_threads = threads
             channel.rank_with_ranker(rows.select(np.arange(min(batch, len(rows)))), depth)  # warm: the thread pool started
-            hits, begin = [], time.perf_counter()
-            for lo in range(0, len(rows), batch):
-                hits.append(channel.rank_with_ranker(rows.select(np.arange(lo, min(lo + batch, len(rows)))), depth)[0])
-            ms = (time.perf_counter() - begin) * 1000 / len(rows)
+            best = np.inf
+            for _ in range(RANKER_REPEATS):  # the best of a few passes: one pass is noisy on a shared 2-core machine
+                hits, begin = [], time.perf_counter()
+                for lo in range(0, len(rows), batch):
+                    hits.append(channel.rank_with_ranker(rows.select(np.arange(lo, min(lo + batch, len(rows)))), depth)[0])
+                best = min(best, time.perf_counter() - begin)
+            ms = best * 1000 / len(rows)
             hits = np.concatenate(hits)
             if reference is None:
                 reference, one_thread_ms = hits, ms

@@ -419,7 +419,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------------- parser
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load the model and serve it until interrupted (``hf_xmc.serving``)."""
-    for flag in ("port", "max_batch", "max_texts", "max_chars", "max_k"):
+    for flag in ("port", "max_batch", "max_texts", "max_chars", "max_k", "max_images", "max_image_bytes"):
         _require_positive(getattr(args, flag), f"--{flag}")
     _check_device(args.device)
     try:
@@ -431,7 +431,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"serving needs fastapi and uvicorn (pip install 'hf_xmc[serving]'): {_first_line(err)}") from None
     model = load_model(args.model)
     _pick_device(model, args.device)
-    limits = ServingLimits(max_texts=args.max_texts, max_chars=args.max_chars, max_k=args.max_k)
+    limits = ServingLimits(max_texts=args.max_texts, max_chars=args.max_chars, max_k=args.max_k, max_images=args.max_images,
+                           max_image_bytes=args.max_image_bytes)
     try:
         serve(model, host=args.host, port=args.port, limits=limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, backend=args.backend)
     except ValueError as err:  # --backend onnx without (a current) export
@@ -531,9 +532,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--max_batch", type=int, default=64, help="most texts one predict call serves")
     p.add_argument("--max_wait_ms", type=float, default=2.0, help="how long a batch waits for more requests after its first")
-    p.add_argument("--max_texts", type=int, default=64, help="most texts a request may send (more: 413)")
+    p.add_argument("--max_texts", type=int, default=64, help="most items (texts) a request may send (more: 413)")
     p.add_argument("--max_chars", type=int, default=2000, help="most characters a text may have (more: 413)")
     p.add_argument("--max_k", type=int, default=100, help="largest k a request may ask for (more: 422)")
+    p.add_argument("--max_images", type=int, default=16, help="most images an item may send, for a model that takes images (more: 413)")
+    p.add_argument("--max_image_bytes", type=int, default=5_000_000, help="most encoded bytes an image may have (more: 413)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--backend", choices=["torch", "onnx"], default="torch",
                    help="query encoder: torch, or the model's exported ONNX encoder (model.export_onnx(), saved beside it)")

@@ -112,6 +112,7 @@ def _blocks() -> dict:
         "scale": ("scale.json", bench_scale.format_table),
         "scale-gpu": ("scale_gpu.json", bench_scale.format_table),
         "serving": ("serving.json", bench_serving.table),
+        "serving_ranker": ("serving_ranker.json", bench_serving.ranker_table),
         "space-load": ("space_load.json", bench_space_load.space_load_table),
         "throughput": ("throughput.json", bench_throughput.throughput_tables),
         "validation_fusion": ("validation_fusion.json", bench_validation.tables),

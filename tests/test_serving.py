@@ -1,6 +1,8 @@
 """``hf-xmc serve``: the endpoint answers as ``predict`` does, batches concurrent requests into one call, refuses bad
 input with a 4xx and one line, and the command starts it on a saved model (queried over loopback)."""
 
+import base64
+import contextlib
 import json
 import os
 import socket
@@ -16,6 +18,7 @@ import pytest
 
 from hf_xmc.serving import ServingLimits, create_app
 from tests.test_label_store import make_model
+from tests.test_mufin_training import task, tiny_model  # noqa: F401 - task: the tiny multimodal task's fixture
 
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
@@ -37,11 +40,9 @@ def call(url: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-@pytest.fixture(scope="module")
-def served(tiny_encoder_dir, tiny_task):
-    """The tiny DEXML model behind uvicorn in a thread; batches wait 300 ms for company, so concurrent requests meet."""
-    model = make_model(tiny_encoder_dir, tiny_task[0])
-    app = create_app(model, ServingLimits(max_texts=8, max_chars=200, max_k=20), max_batch=64, max_wait_ms=300)
+@contextlib.contextmanager
+def running(app):
+    """``app`` behind uvicorn in a thread; yields its URL."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -50,9 +51,19 @@ def served(tiny_encoder_dir, tiny_task):
     while not server.started and time.time() < deadline:
         time.sleep(0.05)
     assert server.started
-    yield model, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_encoder_dir, tiny_task):
+    """The tiny DEXML model behind uvicorn in a thread; batches wait 300 ms for company, so concurrent requests meet."""
+    model = make_model(tiny_encoder_dir, tiny_task[0])
+    with running(create_app(model, ServingLimits(max_texts=8, max_chars=200, max_k=20), max_batch=64, max_wait_ms=300)) as url:
+        yield model, url
 
 
 def expected(model, texts, k):
@@ -107,12 +118,64 @@ def test_concurrent_requests_are_served_by_one_predict_call(served, tiny_task):
     ({"texts": "not a list"}, 422, "texts: "),
     ({"texts": ["q"], "top": 3}, 422, "top: "),
     ({"texts": ["q"], "threshold": 0.5}, 422, "threshold: this model has no calibrated scores"),
+    ({"texts": ["q"], "images": [[]]}, 422, "images: DEXMLModel ranks texts only"),
+    ({"texts": [None]}, 422, "texts[0]: give a text"),
     (b"{not json", 422, ""),
 ])
 def test_bad_requests_are_refused_with_one_line(served, body, status, message):
     _, url = served
     got, answer = call(url + "/predict", raw=body) if isinstance(body, bytes) else call(url + "/predict", body)
     assert got == status and set(answer) == {"error"}
+    assert answer["error"].startswith(message) and "\n" not in answer["error"]
+
+
+def encoded(path: str) -> str:
+    with open(path, "rb") as f:
+        return base64.b64encode(f.read()).decode()
+
+
+@pytest.fixture(scope="module")
+def served_mufin(task):  # noqa: F811 - the imported fixture
+    """The tiny MUFIN model (text and vision towers, untrained) behind uvicorn: at most 2 images of 20,000 bytes an item."""
+    data = task[0]
+    model = tiny_model(task)
+    model.build_label_index(data.label_texts, data.label_uids)
+    with running(create_app(model, ServingLimits(max_texts=4, max_images=2, max_image_bytes=20_000), max_wait_ms=300)) as url:
+        yield model, data, url
+
+
+def test_a_model_that_takes_images_is_served_texts_images_and_both(served_mufin):
+    from PIL import Image
+
+    model, data, url = served_mufin
+    texts, paths = list(data.test.texts[:3]), [bag[0] for bag in data.test.images[:3]]
+    # a text alone, an image alone, a text with its image: one request, each item ranked as predict ranks it
+    status, body = call(url + "/predict", {"texts": [texts[0], None, texts[2]], "images": [[], [encoded(paths[1])], ["data:image/png;base64," + encoded(paths[2])]], "k": 3})
+    assert status == 200
+    pred = model.predict([texts[0], None, texts[2]], k=3, images=[[], [Image.open(paths[1])], [Image.open(paths[2])]])
+    assert [[(r["id"], r["score"]) for r in row] for row in body["predictions"]] == [
+        [(j, pytest.approx(s, abs=1e-5)) for j, s in zip(ids, scores)] for ids, scores in zip(pred.label_ids.tolist(), pred.scores.tolist())]
+    text_only = model.predict([texts[0]], k=3).label_ids.tolist()[0]
+    image_only = model.predict([None], k=3, images=[[Image.open(paths[1])]]).label_ids.tolist()[0]
+    assert text_only != image_only  # the image reached the model: its item is not ranked as the text item is
+    status, body = call(url + "/predict", {"images": [[encoded(paths[1])]], "k": 3})  # images without texts
+    assert status == 200 and [r["id"] for r in body["predictions"][0]] == image_only
+
+
+@pytest.mark.parametrize(("body", "status", "message"), [
+    ({"texts": ["a"], "images": [[], []]}, 422, "images: 2 items, but texts has 1"),
+    ({"texts": [None], "images": [[]]}, 422, "texts[0]: neither a text nor an image"),
+    ({}, 422, "texts: give at least one text or image"),
+    ({"images": [["not base64!"]]}, 422, "images[0][0]: not base64"),
+    ({"images": [[base64.b64encode(b"not an image").decode()]]}, 422, "images[0][0]: not an image file PIL can read"),
+    ({"images": [["AAAA", "AAAA", "AAAA"]]}, 413, "images[0]: 3 images, at most 2 an item"),
+    ({"images": [["A" * 30_000]]}, 413, "images[0][0]: more than 20000 bytes"),
+    ({"images": [[]] * 5}, 413, "texts: 5 items, at most 4 a request"),
+])
+def test_bad_images_are_refused_with_one_line(served_mufin, body, status, message):
+    url = served_mufin[2]
+    got, answer = call(url + "/predict", body)
+    assert (got, set(answer)) == (status, {"error"})
     assert answer["error"].startswith(message) and "\n" not in answer["error"]
 
 
