@@ -163,6 +163,41 @@ def test_module_two_shortlist_and_image_aware_evaluation(task):
     assert 0 <= metrics["test_P@1"] <= 100
 
 
+def test_lexical_channel_fuses_the_texts_keeps_image_only_items_dense_and_reloads_through_remote_code(task, tmp_path):
+    """MUFIN with the lexical channel: the weights tuned on held-out items through MUFIN's own ranking (texts and
+    images), items with a text get the channel's fusion of their dense hits, image-only items keep the dense ranking,
+    and predict, a reload and remote code without hf_xmc all rank the same way."""
+    from hf_xmc.training.lexical import fit_lexical_channel
+    from tests.models.test_modeling_common import predict_through_remote_code
+
+    data = task[0]
+    model = tiny_model(task)
+    model.build_label_index(data.label_texts, data.label_uids)
+    channel = fit_lexical_channel(model, data.train, data.label_texts, data.label_uids, validation=data.test.select(np.arange(24)), n_threads=1)
+    assert model.lexical_channel is channel and channel.tuning["tuned_on"] == "validation"
+    texts = list(data.test.texts[24:28]) + [None] * 4  # four items with a text and an image, four with an image only
+    images = data.test.images[24:32]
+    scores, ids, dense_scores, dense_ids = model.rank(texts, 5, return_dense=True, images=images)
+    np.testing.assert_array_equal(ids[4:], dense_ids[4:])
+    np.testing.assert_array_equal(scores[4:], dense_scores[4:])
+    model.set_lexical_channel(None)
+    deep_scores, deep_ids = model.rank(texts[:4], int(channel.settings["dense_depth"]), images=images[:4])
+    np.testing.assert_array_equal(deep_ids[:, :5], dense_ids[:4])  # the dense top 5 is the head of the channel's dense hits
+    model.set_lexical_channel(channel)
+    want_scores, want_ids = channel.fuse(texts[:4], deep_scores, deep_ids, 5)
+    np.testing.assert_array_equal(ids[:4], want_ids)
+    np.testing.assert_allclose(scores[:4], want_scores, rtol=1e-6)
+    # the channel is in effect on these items (its scores are not the dense ones)
+    assert not np.allclose(scores[:4], dense_scores[:4])
+    pred = model.predict(texts, k=5, images=images)
+    np.testing.assert_array_equal(pred.label_ids, ids)
+    model.save_pretrained(tmp_path / "m")
+    again = MUFINModel.from_pretrained(tmp_path / "m")
+    assert again.lexical_channel is not None
+    np.testing.assert_array_equal(again.predict(texts, k=5, images=images).label_ids, ids)
+    assert predict_through_remote_code(tmp_path / "m", tmp_path, texts, images=images)["ids"] == ids.tolist()
+
+
 def test_train_mufin_script_contract(task, tmp_path):
     _, root, text_dir, vision_dir = task
     out = tmp_path / "out"
@@ -173,7 +208,7 @@ def test_train_mufin_script_contract(task, tmp_path):
         "--embed_dim", "8", "--attention_heads", "2", "--shortlist_size", "6", "--max_seq_length", "8",
         "--siamese_epochs", "3", "--num_train_epochs", "3", "--per_device_train_batch_size", "16",
         "--learning_rate", "2e-3", "--ranker_learning_rate", "2e-3", "--ranker_negatives", "3", "--hard_negative_top_k", "6",
-        "--vision_trainable_layers", "-1", "--disable_tqdm", "true", "--use_cpu", "true",
+        "--vision_trainable_layers", "-1", "--disable_tqdm", "true", "--use_cpu", "true", "--lexical_channel", "omikuji",
     ]
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
@@ -181,15 +216,23 @@ def test_train_mufin_script_contract(task, tmp_path):
     results = json.loads((out / "eval_results.json").read_text())
     for key in ("test_P@1", "test_P@3", "test_P@5", "test_nDCG@5", "test_PSP@5", "test_R@10", "train_runtime", "test_samples_per_second"):
         assert key in results, key
-    assert results["test_P@1"] > 100.0 / NUM_LABELS * 1.5  # learnt something: well above chance
+    # --lexical_channel: the fused ranking is test_*, MUFIN's own dense ranking test_dense_*, the weights tuned on the validation split
+    assert "test_dense_P@1" in results and results["lexical_ranker_weight"] is not None
+    assert json.loads((out / "config.json").read_text())["lexical_channel"]["ranker_weight"] == results["lexical_ranker_weight"]
+    assert results["test_dense_P@1"] > 100.0 / NUM_LABELS * 1.5  # MUFIN itself learnt something: well above chance
     for name in ("preprocessor_config.json", "config.json", "model.safetensors", "labels.jsonl", "README.md"):
         assert (out / name).exists(), name
     # one embedding space: the saved centroids, bags and index equal those rebuilt from scratch with the saved model
     # (before, the centroids stayed those of the Module-I encoder while the bags came from the final one)
+    from hf_xmc.data.splits import split_validation
+
     data = task[0]
     saved = MUFINModel.from_pretrained(out)
     rebuilt = MUFINModel.from_pretrained(out)
-    rebuilt.compute_label_centroids(data.train.texts, data.train.images, data.train.targets)
+    held_out = saved.config.validation  # the channel's validation split, carved from the training file: not in the centroids
+    trained_on = split_validation(data.train, held_out["queries"], held_out["seed"])[0]
+    assert held_out["training_queries"] == len(trained_on) < len(data.train)
+    rebuilt.compute_label_centroids(trained_on.texts, trained_on.images, trained_on.targets)
     rebuilt.build_label_index()
     torch.testing.assert_close(saved.label_centroids, rebuilt.label_centroids, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(saved.label_centroid_counts, rebuilt.label_centroid_counts)

@@ -500,13 +500,17 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
         pair_batch_size: int = 4096,
     ):
         """The ranking :meth:`predict` and the evaluator share (``XMCPreTrainedModel.rank``): top-``k`` ``(scores, ids)``
-        of items given as texts and/or images, ranked by ``search_mode`` over the shortlist (:meth:`predict`). MUFIN has
-        no lexical channel: with ``return_dense`` the same arrays come twice."""
+        of items given as texts and/or images, ranked by ``search_mode`` over the shortlist (:meth:`predict`). With a
+        lexical channel (``fit_lexical_channel``), the items with a text have their ``dense_depth`` dense hits fused
+        with the channel's scores of that text; image-only items keep the dense ranking. ``return_dense``: also the
+        dense top-``k`` (the same arrays twice without a channel)."""
         mode = search_mode or self.config.search_mode
         if mode not in MUFIN_SEARCH_MODES:
             raise ValueError(f"search mode must be one of {MUFIN_SEARCH_MODES}, got {mode!r}")
         norm_texts, bags = self._normalize_items(texts, images)
         self._require_shortlist_index()
+        channel = self.lexical_channel
+        final_k, k = k, max(k, int(channel.settings["dense_depth"])) if channel is not None else k
         was_training = self.training
         self.eval()
         n = len(norm_texts)
@@ -528,7 +532,14 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
                 out_scores[start : start + len(ids), :width] = np.take_along_axis(scores, order, 1)
         finally:
             self.train(was_training)
-        return (out_scores, out_ids, out_scores, out_ids) if return_dense else (out_scores, out_ids)
+        dense_scores, dense_ids = out_scores[:, :final_k], out_ids[:, :final_k]
+        if channel is None:
+            return (dense_scores, dense_ids, dense_scores, dense_ids) if return_dense else (dense_scores, dense_ids)
+        scores, ids = dense_scores.copy(), dense_ids.copy()
+        with_text = [i for i, text in enumerate(norm_texts) if text is not None and text.strip()]
+        if with_text:
+            scores[with_text], ids[with_text] = channel.fuse([norm_texts[i] for i in with_text], out_scores[with_text], out_ids[with_text], final_k)
+        return (scores, ids, dense_scores, dense_ids) if return_dense else (scores, ids)
 
     def _shortlist_classifier_scores(self, query_bags: torch.Tensor, query_mask: torch.Tensor, ids: np.ndarray, pair_batch_size: int) -> np.ndarray:
         """``c_tl`` for every (query, shortlisted label) pair: one A_C + classifier evaluation per pair."""

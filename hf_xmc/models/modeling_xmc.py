@@ -490,8 +490,6 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         :meth:`predict` fuses with the dense ones, or ``None`` to rank by the dense score alone. ``config.lexical_channel``
         keeps its fusion settings; ``save_pretrained`` writes it as ``lexical_channel.safetensors``."""
         if channel is not None:
-            if self.takes_images:
-                raise ValueError(f"{type(self).__name__} ranks texts and images through its own predict: the lexical channel is for text models")
             labels = self._require_labels()
             if channel.num_labels != len(labels):
                 raise ValueError(f"the lexical channel scores {channel.num_labels} labels but the model has {len(labels)}")

@@ -261,6 +261,10 @@ class MUFINLabelStoreMixin:
             self.build_shortlist_index()
         return self.label_index
 
+    def ensure_label_index(self) -> LabelIndex:
+        """The shortlist index (over the cached label bags and centroids; the labels encoded first if none are)."""
+        return self._require_shortlist_index()
+
     def set_label_centroids(self, centroids: torch.Tensor, counts: Optional[torch.Tensor] = None) -> None:
         """Set ``mu_l`` (``(L, D)``) and the number of training positives behind each (``(L,)``; default: non-zero rows
         count as 1). Labels with count 0 add no centroid to the index. The index is rebuilt on next use."""

@@ -114,9 +114,10 @@ def fit_lexical_channel(
     (default: the model's labels); ``rebuild_label_index=False`` keeps the index (or the stored label vectors) the
     model already has, for a loaded model whose weights have not changed since they were encoded. ``settings`` override the other fusion settings (``dense_depth``, ``ranker_depth``,
     ``beam_size``)."""
-    if model.takes_images:
-        raise ValueError(f"{type(model).__name__} ranks texts and images through its own predict: the lexical channel is for text models")
-    if label_texts is not None:
+    if label_texts is not None and model.takes_images:  # MUFIN: the attached label images are kept for the same texts
+        model.build_label_index(label_texts, label_uids, batch_size=batch_size)
+        label_texts, rebuild_label_index = None, False  # encoded with the current weights just now
+    elif label_texts is not None:
         model.set_labels(label_texts, label_uids)
     labels = model._require_labels()
     if train.targets.shape[1] != len(labels):
@@ -203,8 +204,11 @@ def tune_fusion_weights(
     inv_prop = inverse_propensity(train_targets, model.config.propensity_a, model.config.propensity_b)
     depth = int(channel.settings["dense_depth"])
     model.ensure_label_index()
-    vectors = model.query_search_vectors(holdout.texts, batch_size=batch_size, show_progress_bar=False)
-    dense_scores, dense_ids = model.search(vectors, depth)
+    if model.takes_images:  # MUFIN's dense ranking is its own (retrieval and classifier over texts and images), not search()
+        _, _, dense_scores, dense_ids = model.rank(holdout.texts, depth, batch_size=batch_size, return_dense=True, images=holdout.images)
+    else:
+        vectors = model.query_search_vectors(holdout.texts, batch_size=batch_size, show_progress_bar=False)
+        dense_scores, dense_ids = model.search(vectors, depth)
     use_ranker, use_text = any(ranker_weights), any(text_weights)
     candidates = channel.candidates(holdout.texts, dense_scores, dense_ids, float(use_ranker), float(use_text))
 

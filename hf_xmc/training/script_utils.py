@@ -691,8 +691,6 @@ def train_and_evaluate(
     ``XMCTrainer.create_model_card`` (``dataset``, ``finetuned_from``, ``model_name``, ``license``, ``tags``).
     ``tune_settings``: which of the model's ``tunable_ranking_settings`` to tune on the validation split after training,
     before the lexical channel is fitted on top (None: all of them; ``()``: none, the values given are kept)."""
-    if training_args.lexical_channel != "none" and model.takes_images:
-        raise ValueError(f"--lexical_channel: {type(model).__name__} ranks texts and images through its own predict; the lexical channel is for text models")
     validation = validation_evaluator(data, evaluator)
     check_validation(training_args, validation)
     model.config.validation = data.validation_record
