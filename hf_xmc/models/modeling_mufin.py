@@ -53,7 +53,7 @@ from .modeling_xmc import XMCPrediction, XMCPreTrainedModel
 from .mufin_blocks import MUFINAttention, MUFINClassifier, masked_sum_normalize, pad_bags
 from .mufin_label_store import LABEL_BAGS_FILE, LABEL_CENTROIDS_FILE, LABEL_IMAGES_FILE, MUFINLabelStoreMixin
 from .mufin_vision import build_vision_tower, freeze_vision_tower, pretrained_vision_tower
-from .processing_mufin import MUFINProcessor, is_single_image, to_rgb
+from .processing_mufin import LazyLabelImages, MUFINProcessor, is_single_image, to_rgb
 from .xmc_losses import mufin_ranker_loss, mufin_triplet_loss
 
 logger = logging.get_logger(__name__)
@@ -246,8 +246,9 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
             )
         return self.image_processor
 
-    def _normalize_items(self, texts: Optional[Sequence[Optional[str]]], images: Optional[Sequence[Any]]) -> tuple[list[Optional[str]], list[list[Any]]]:
-        """Items as (text or None, list of images) pairs; a blank text counts as missing."""
+    def _normalize_items(self, texts: Optional[Sequence[Optional[str]]], images: Optional[Sequence[Any]]) -> tuple[list[Optional[str]], Sequence[list[Any]]]:
+        """Items as (text or None, list of images) pairs; a blank text counts as missing. Saved label images
+        (``LazyLabelImages``) stay a lazy view (capped at ``config.max_images``): a slice of it reads those bags only."""
         if isinstance(texts, str):
             texts = [texts]
         if is_single_image(images):
@@ -262,6 +263,12 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
             for i, t in enumerate(texts):
                 if t is not None and not isinstance(t, str):
                     raise TypeError(f"item {i}: a text must be a str or None, got {type(t).__name__}")
+        if isinstance(images, LazyLabelImages):
+            lazy = images.capped(self.config.max_images)
+            for i in np.flatnonzero(lazy.counts() == 0):
+                if out_texts[i] is None:
+                    raise ValueError(f"item {i} has neither text nor image: every item needs at least one descriptor")
+            return out_texts, lazy
         bags = []
         for i, value in enumerate(images if images is not None else [None] * n):
             bag = [] if value is None else [value] if is_single_image(value) else list(value)

@@ -14,6 +14,7 @@ centroids), the label images' encoded sizes.
 """
 
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
@@ -27,7 +28,7 @@ from .configuration_mufin import MUFINConfig
 from .io_utils import atomic_write
 from .label_index import INDEX_META_FILE, LabelIndex
 from .model_files import ModelFileError, check_offsets, read_safetensors
-from .processing_mufin import pack_label_images, unpack_label_images
+from .processing_mufin import LazyLabelImages, pack_label_images
 
 logger = logging.get_logger(__name__)
 
@@ -56,6 +57,33 @@ def label_centroids_from_embeddings(embeddings: Union[torch.Tensor, np.ndarray],
         raise ValueError(f"targets have {y.shape[0]} rows but there are {x.shape[0]} embeddings")
     centroids = sums / np.maximum(counts, 1.0)[:, None]
     return torch.from_numpy(np.ascontiguousarray(centroids, dtype=np.float32)), torch.from_numpy(counts.astype(np.int64))
+
+
+def open_label_images(path: str) -> LazyLabelImages:
+    """The label images of ``path`` as a :class:`LazyLabelImages` view: only the offsets are read (checked against the
+    bytes they slice); the images stay in the file until used."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            names = set(f.keys())
+            missing = [key for key in ("image_bytes", "image_offsets", "label_image_offsets") if key not in names]
+            if missing:
+                raise ModelFileError(f"{path}: holds no tensor {missing[0]!r} (it holds {', '.join(sorted(names)) or 'none'})")
+            num_bytes = int(np.prod(f.get_slice("image_bytes").get_shape()))
+            image_offsets, label_offsets = f.get_tensor("image_offsets").numpy(), f.get_tensor("label_image_offsets").numpy()
+    except ModelFileError:
+        raise
+    except Exception as err:  # SafetensorError, OSError, ...: the file as a whole is unusable
+        raise ModelFileError(f"{path}: not valid safetensors, truncated or corrupt ({err})") from None
+    check_offsets(path, image_offsets, len(image_offsets) - 1, num_bytes, "image_offsets")
+    check_offsets(path, label_offsets, len(label_offsets) - 1, len(image_offsets) - 1, "label_image_offsets")
+    return LazyLabelImages(path, image_offsets, label_offsets)
+
+
+def has_images(bags: Sequence[Sequence[Any]]) -> bool:
+    """Whether any bag holds an image (a lazy view answers from its offsets, without reading an image)."""
+    return bool(bags.counts().any()) if isinstance(bags, LazyLabelImages) else any(bags)
 
 
 class MUFINLabelStoreMixin:
@@ -97,7 +125,7 @@ class MUFINLabelStoreMixin:
             logger.info("%d labels after the %d with classifiers are scored zero-shot (w_l = z_l^1)", n - known, known)
         norm_texts, bags = self._normalize_items(texts, images)  # validates: every label needs a descriptor
         super().set_labels(["" if t is None else t for t in norm_texts], uids)
-        self.label_images = bags if any(bags) else None
+        self.label_images = bags if has_images(bags) else None
         self.label_images_missing = False
         rows = self.label_centroids.shape[0] if self.label_centroids is not None else n
         if rows < n:
@@ -132,8 +160,8 @@ class MUFINLabelStoreMixin:
         self.label_bag_rows = torch.cat([self.label_bag_rows, *new_bags]).contiguous()
         self.label_bag_offsets = torch.cat([self.label_bag_offsets, self.label_bag_offsets[-1] + torch.cumsum(counts, 0)])
         self.label_vectors = torch.cat([self.label_vectors, vectors.to(self.label_vectors)]).contiguous()
-        if any(bags) or self.label_images is not None:
-            self.label_images = (self.label_images or [[] for _ in range(first)]) + [list(b) for b in bags]
+        if has_images(bags) or self.label_images is not None:  # saved label images are read in, to be extended
+            self.label_images = list(self.label_images or [[] for _ in range(first)]) + [list(b) for b in bags]
         self.label_texts = list(self.label_texts) + ["" if t is None else t for t in norm_texts]
         self.label_uids = list(self.label_uids) + uids
         if self.label_centroids is not None:
@@ -155,7 +183,9 @@ class MUFINLabelStoreMixin:
         self.label_bag_rows = torch.cat([self.label_bag_rows[a:b] for a, b in zip(starts.tolist(), ends.tolist())]).contiguous()
         self.label_bag_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(ends - starts, 0)])
         self.label_vectors = self.label_vectors[rows].contiguous()
-        if self.label_images is not None:
+        if isinstance(self.label_images, LazyLabelImages):
+            self.label_images = self.label_images.select(keep)
+        elif self.label_images is not None:
             self.label_images = [self.label_images[i] for i in keep]
         self.label_texts = [self.label_texts[i] for i in keep]
         self.label_uids = [self.label_uids[i] for i in keep]
@@ -316,8 +346,14 @@ class MUFINLabelStoreMixin:
             tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
             atomic_write(os.path.join(save_directory, LABEL_BAGS_FILE), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
         if self.label_images is not None and self.config.save_label_images:
-            images = pack_label_images(self.label_images)
-            atomic_write(os.path.join(save_directory, LABEL_IMAGES_FILE), lambda p: save_file(images, p, metadata={"format": "pt"}))
+            target = os.path.join(save_directory, LABEL_IMAGES_FILE)
+            lazy = self.label_images if isinstance(self.label_images, LazyLabelImages) else None
+            if lazy is not None and lazy.whole_file:  # the loaded file as it is: copied, never read in whole
+                if os.path.abspath(lazy.path) != os.path.abspath(target):
+                    atomic_write(target, lambda p: shutil.copyfile(lazy.path, p))
+            else:  # a selection of it is packed anew (read a few hundred labels at a time)
+                images = pack_label_images(self.label_images)
+                atomic_write(target, lambda p: save_file(images, p, metadata={"format": "pt"}))
         if self.label_centroids is not None:
             tensors = {"label_centroids": self.label_centroids.contiguous(), "label_centroid_counts": self.label_centroid_counts.contiguous()}
             atomic_write(os.path.join(save_directory, LABEL_CENTROIDS_FILE), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
@@ -347,13 +383,10 @@ class MUFINLabelStoreMixin:
             self._label_store_path = bags_path
         images_path = fetch(LABEL_IMAGES_FILE)
         if images_path is not None:
-            packed = read_safetensors(images_path, keys=("image_bytes", "image_offsets", "label_image_offsets"))
-            check_offsets(images_path, packed["image_offsets"].numpy(), len(packed["image_offsets"]) - 1, packed["image_bytes"].numel(), "image_offsets")
-            check_offsets(images_path, packed["label_image_offsets"].numpy(), len(packed["label_image_offsets"]) - 1, len(packed["image_offsets"]) - 1, "label_image_offsets")
-            images = unpack_label_images(packed)
+            images = open_label_images(images_path)
             if self.label_texts is not None and len(images) != len(self.label_texts):
                 raise ModelFileError(f"{images_path}: holds images of {len(images)} labels but labels.jsonl lists {len(self.label_texts)} labels")
-            self.label_images = images if any(images) else None
+            self.label_images = images if has_images(images) else None
         elif self.label_bag_offsets is not None and self.label_texts is not None:
             # rows of a label's bag beyond its text are images: had the labels any, re-encoding them needs them back
             text_rows = torch.tensor([1 if t else 0 for t in self.label_texts])

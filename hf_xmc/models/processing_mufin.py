@@ -93,13 +93,85 @@ def pack_label_images(label_images: Sequence[Sequence[Any]]) -> dict[str, torch.
     }
 
 
-def unpack_label_images(tensors: dict[str, torch.Tensor]) -> list[list[bytes]]:
-    """The inverse of :func:`pack_label_images`: per label a list of encoded images (``bytes``, decoded on use)."""
-    data = tensors["image_bytes"].numpy().tobytes()
-    image_offsets = tensors["image_offsets"].tolist()
-    label_offsets = tensors["label_image_offsets"].tolist()
-    images = [data[image_offsets[i] : image_offsets[i + 1]] for i in range(len(image_offsets) - 1)]
-    return [images[label_offsets[label] : label_offsets[label + 1]] for label in range(len(label_offsets) - 1)]
+class LazyLabelImages(Sequence):
+    """The label images of a saved ``mufin_label_images.safetensors`` (:func:`pack_label_images`'s layout), read when
+    used: indexing a label (or slicing a range of labels) reads those labels' encoded bytes from the memory-mapped
+    file, so re-encoding the labels in batches never holds more than a batch's images. A view may select labels
+    (``select``) and cap each bag (``capped``, as ``config.max_images``). What a model loads instead of the whole file.
+
+    Memory: the offsets, 8 bytes per image and per label (12 MB for 300K labels of ~4.9 images), plus the selection
+    (8 bytes per label) of a view; a label's images only while its bag is used."""
+
+    def __init__(self, path: str, image_offsets: np.ndarray, label_offsets: np.ndarray, labels: Optional[np.ndarray] = None, max_images: int = -1):
+        self.path, self.image_offsets, self.label_offsets = path, image_offsets, label_offsets
+        self.labels = labels  # the file's labels this view holds, in its order (None: every label, in file order)
+        self.max_images = max_images
+
+    def __len__(self) -> int:
+        return len(self.labels) if self.labels is not None else len(self.label_offsets) - 1
+
+    def _file_labels(self, rows: Sequence[int]) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.int64)
+        return self.labels[rows] if self.labels is not None else rows
+
+    def image_ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(first, end)`` image of each label of the view in the file (``end`` capped by ``max_images``)."""
+        labels = self._file_labels(np.arange(len(self)))
+        first, end = self.label_offsets[labels], self.label_offsets[labels + 1]
+        return first, (np.minimum(end, first + self.max_images) if self.max_images >= 0 else end)
+
+    def counts(self) -> np.ndarray:
+        """Images per label of the view (capped), read from the offsets only."""
+        first, end = self.image_ranges()
+        return end - first
+
+    @property
+    def whole_file(self) -> bool:
+        """Whether the view is the file as it is (every label in order, no cap): saving may copy the file."""
+        return self.labels is None and (self.max_images < 0 or not (self.counts() > self.max_images).any())
+
+    def select(self, rows: Sequence[int]) -> LazyLabelImages:
+        """A view of the labels ``rows`` of this view, in that order."""
+        return LazyLabelImages(self.path, self.image_offsets, self.label_offsets, self._file_labels(rows), self.max_images)
+
+    def capped(self, max_images: int) -> LazyLabelImages:
+        """This view with each bag cut at ``max_images`` images (``< 0``: as it is)."""
+        if max_images < 0 or (0 <= self.max_images <= max_images):
+            return self
+        return LazyLabelImages(self.path, self.image_offsets, self.label_offsets, self.labels, max_images)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._read(range(len(self))[index])
+        i = int(index)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"label {index} of {len(self)}")
+        return self._read([i])[0]
+
+    def __iter__(self):
+        for start in range(0, len(self), 256):  # a few hundred labels a read
+            yield from self[start : start + 256]
+
+    def _read(self, rows: Sequence[int]) -> list[list[bytes]]:
+        """The bags of ``rows`` (encoded image bytes), one slice of the file per label."""
+        from safetensors import safe_open
+
+        if len(rows) == 0:
+            return []
+        labels = self._file_labels(list(rows))
+        out = []
+        with safe_open(self.path, framework="pt") as f:
+            data = f.get_slice("image_bytes")
+            for label in labels.tolist():
+                first, end = int(self.label_offsets[label]), int(self.label_offsets[label + 1])
+                if self.max_images >= 0:
+                    end = min(end, first + self.max_images)
+                lo, hi = int(self.image_offsets[first]), int(self.image_offsets[end])
+                blob = data[lo:hi].numpy().tobytes() if hi > lo else b""
+                out.append([blob[int(self.image_offsets[j]) - lo : int(self.image_offsets[j + 1]) - lo] for j in range(first, end)])
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------- processor
@@ -135,4 +207,4 @@ class MUFINProcessor(ProcessorMixin):
 
 MUFINProcessor.register_for_auto_class("AutoProcessor")
 
-__all__ = ["MUFINProcessor", "image_file_bytes", "is_single_image", "pack_label_images", "to_rgb", "unpack_label_images"]
+__all__ = ["LazyLabelImages", "MUFINProcessor", "image_file_bytes", "is_single_image", "pack_label_images", "to_rgb"]

@@ -374,6 +374,41 @@ def test_label_images_are_saved_and_used_to_rebuild_after_reload(trained_like, t
     np.testing.assert_allclose(before.scores, after.scores, atol=1e-5)
 
 
+def test_saved_label_images_are_read_lazily_one_batch_at_a_time(trained_like, tmp_path, monkeypatch):
+    """A reload keeps the label image file's offsets only: no image is read until the labels are re-encoded, then one
+    batch of bags a read; an unchanged file is copied on save; a selection (labels removed) stays lazy and is packed."""
+    import filecmp
+
+    from hf_xmc.models.processing_mufin import LazyLabelImages, image_file_bytes
+
+    trained_like.save_pretrained(tmp_path / "a")
+    reads = []
+    original = LazyLabelImages._read
+    monkeypatch.setattr(LazyLabelImages, "_read", lambda self, rows: reads.append(len(rows)) or original(self, rows))
+    reloaded = AutoModel.from_pretrained(tmp_path / "a")
+    assert isinstance(reloaded.label_images, LazyLabelImages) and reads == []  # loaded without reading an image
+    _, images = make_labels(20)
+    assert reloaded.label_images.counts().tolist() == [len(bag) for bag in images]
+    assert reloaded.label_images[3] == [image_file_bytes(image) for image in images[3]] and reads == [1]
+    reads.clear()
+    reloaded.build_label_index(batch_size=6)  # re-encoded from the file, a batch of bags per read
+    assert reads == [6, 6, 6, 2]
+    torch.testing.assert_close(reloaded.label_bag_rows, trained_like.label_bag_rows, atol=1e-5, rtol=1e-5)
+    reloaded.save_pretrained(tmp_path / "b")  # unchanged: the file is copied as it is
+    assert filecmp.cmp(tmp_path / "a" / LABEL_IMAGES_FILE, tmp_path / "b" / LABEL_IMAGES_FILE, shallow=False)
+    # labels added after training, saved, reloaded (lazy again) and one removed: a lazy selection, packed on save
+    rng = np.random.default_rng(8)
+    reloaded.add_labels(["red car", None], uids=["n1", "n2"], images=[[random_image(rng)], [random_image(rng)]])
+    reloaded.save_pretrained(tmp_path / "grown")
+    grown = AutoModel.from_pretrained(tmp_path / "grown")
+    expected = [list(bag) for bag in grown.label_images]
+    grown.remove_labels(["n1"])
+    assert isinstance(grown.label_images, LazyLabelImages) and len(grown.label_images) == 21
+    grown.save_pretrained(tmp_path / "shrunk")
+    shrunk = AutoModel.from_pretrained(tmp_path / "shrunk")
+    assert [list(bag) for bag in shrunk.label_images] == expected[:20] + expected[21:]
+
+
 def test_label_images_not_saved_refuse_a_text_only_rebuild(encoders, tmp_path):
     model = make_model(encoders, save_label_images=False).eval()
     model.save_pretrained(tmp_path)
