@@ -78,7 +78,7 @@ RECIPES: dict[str, list[str]] = {
     # Debtags and Reuters); on WordNet-XMC's 53K labels it is dexml_mining itself
     "dexml_mining_gated": [*DEXML_NEGATIVES, "--cluster_min_labels", "10000", "--bf16", "true"],
     # the script's own budget where bench_validation.py cut it (SiameseXML on Debtags and Reuters: 2 epochs of Module I
-    # and 10 of Module IV instead of 0.25 + 2 and 0.5 + 5), bf16
+    # and 10 of Module IV instead of 0.25 + 2 and 0.5 + 5; DEXML and PRIME on Debtags: 3 epochs instead of half), bf16
     "script_budget": ["--bf16", "true"],
     # the default (bf16) with the steps that fill the 40 wall minutes on 2 cores instead of the float32 row's 31
     "forty_minutes": ["--bf16", "true"],
@@ -160,7 +160,8 @@ def references(dataset: str) -> list[tuple[str, dict]]:
 #: the defaults before
 SCRIPT_DEFAULTS = {(method, dataset): "bf16" for method in METHODS for dataset in DATASETS}
 SCRIPT_DEFAULTS.update({("dexml", "wordnet"): "forty_minutes", ("unidec", "wordnet"): "dexml_mining", ("unidec", "debtags"): "dexml_mining_gated", ("unidec", "reuters"): "dexml_mining_gated",
-                        ("siamesexml", "reuters"): "script_budget", ("siamesexml", "debtags"): "script_budget"})
+                        ("siamesexml", "reuters"): "script_budget", ("siamesexml", "debtags"): "script_budget",
+                        ("dexml", "debtags"): "script_budget", ("prime", "debtags"): "script_budget"})
 
 
 def budget(dataset: str, flags: list[str]) -> str:
