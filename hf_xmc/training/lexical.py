@@ -113,7 +113,8 @@ def fit_lexical_channel(
     return it. The model's label index is rebuilt with its current weights, over ``label_texts`` / ``label_uids``
     (default: the model's labels); ``rebuild_label_index=False`` keeps the index (or the stored label vectors) the
     model already has, for a loaded model whose weights have not changed since they were encoded. ``settings`` override the other fusion settings (``dense_depth``, ``ranker_depth``,
-    ``beam_size``)."""
+    ``beam_size``). A model that takes images (MUFIN) keeps its attached label images when ``label_texts`` are the
+    ones it has, and its weights are tuned on its own ranking of the held-out items with their images."""
     if label_texts is not None and model.takes_images:  # MUFIN: the attached label images are kept for the same texts
         model.build_label_index(label_texts, label_uids, batch_size=batch_size)
         label_texts, rebuild_label_index = None, False  # encoded with the current weights just now
