@@ -69,6 +69,11 @@ ROWS = {
 }
 
 
+def row_key(store: str, encoder: str, channel: bool) -> str:
+    """A row's name within its scale, as ``--rows`` takes it (``int8-onnx-channel``)."""
+    return f"{store}-{encoder}{'-channel' if channel else ''}"
+
+
 def num_large() -> int:
     """Labels of the large scale (``BENCH_SERVING_LABELS`` shrinks it for a quick check of the script)."""
     return int(os.environ.get("BENCH_SERVING_LABELS", NUM_LARGE))
@@ -128,7 +133,7 @@ def build(scale: str, work: str, only: list[str] | None = None, ivf_nprobe: int 
     model.export_onnx(onnx_dir)  # every directory carries the float32 export; --backend onnx picks it
     built = {}
     agreement = {} if large else {"onnx": onnx_agreement(model, query_texts)}
-    wanted = [(st, e, c) for st, e, c in ROWS[scale] if not only or f"{st}-{e}{'-channel' if c else ''}" in only]
+    wanted = [row for row in ROWS[scale] if not only or row_key(*row) in only]
     for store in dict.fromkeys(store for store, _, _ in wanted):  # float32, float16, int8, binary in this order
         start = time.perf_counter()
         if store in ("int8", "binary") and model.config.label_embeddings_dtype != "float16":
@@ -307,9 +312,9 @@ def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: li
             built = build(scale, work, only, ivf_nprobe)
             build_s = time.perf_counter() - start
             for store, encoder, channel in ROWS[scale]:
-                name = f"{scale}-{store}-{encoder}{'-channel' if channel else ''}"
-                if only and name.split("-", 1)[1] not in only:
+                if only and row_key(store, encoder, channel) not in only:
                     continue
+                name = f"{scale}-{row_key(store, encoder, channel)}"
                 entry = built[store + ("-onnx-int8" if encoder == "onnx-int8" else "") + ("-channel" if channel else "")]
                 name += f"-wait{max_wait_ms:g}" if max_wait_ms != 2.0 else ""
                 probes = ivf_nprobe if scale == "1.3m" else None  # the 53K rows search exactly

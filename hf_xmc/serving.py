@@ -187,7 +187,7 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
     batcher = PredictionBatcher(model, max_batch=max_batch, max_wait_ms=max_wait_ms, backend=backend)
     label_ids = {uid: i for i, uid in enumerate(model.label_uids)}
 
-    takes_images = bool(getattr(model, "takes_images", False))
+    takes_images = model.takes_images
 
     class PredictRequest(BaseModel):  # defined here, with no postponed annotations: FastAPI reads the body's type
         model_config = ConfigDict(extra="forbid")

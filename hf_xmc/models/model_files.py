@@ -11,11 +11,12 @@ This file is part of the remote-code bundle of every hf_xmc model: it imports on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
 
 import numpy as np
@@ -119,18 +120,27 @@ def read_safetensors(path: str, framework: str = "pt", keys: Sequence[str] = ())
 
 def read_safetensors_with_metadata(path: str, framework: str = "pt", keys: Sequence[str] = ()) -> tuple[dict, dict]:
     """:func:`read_safetensors` and the file's string metadata."""
+    with open_safetensors(path, framework, keys) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str, framework: str = "pt", keys: Sequence[str] = ()) -> Iterator:
+    """``safetensors.safe_open(path)``, for reading some of its tensors (or slices of them) only. A file that is not
+    valid safetensors (or fails while read inside the block) or lacks one of ``keys`` is refused (``ModelFileError``)."""
     from safetensors import safe_open
 
     try:
         with safe_open(path, framework=framework) as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-            metadata = f.metadata() or {}
+            names = set(f.keys())
+            missing = [key for key in keys if key not in names]
+            if missing:
+                raise ModelFileError(f"{path}: holds no tensor {missing[0]!r} (it holds {', '.join(sorted(names)) or 'none'})")
+            yield f
+    except ModelFileError:
+        raise
     except Exception as err:  # SafetensorError, OSError, ...: the file as a whole is unusable
         raise ModelFileError(f"{path}: not valid safetensors, truncated or corrupt ({err})") from None
-    missing = [key for key in keys if key not in tensors]
-    if missing:
-        raise ModelFileError(f"{path}: holds no tensor {missing[0]!r} (it holds {', '.join(sorted(tensors)) or 'none'})")
-    return tensors, metadata
 
 
 def read_labels(path: str) -> tuple[list[str], list[str]]:

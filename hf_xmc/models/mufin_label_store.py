@@ -27,7 +27,7 @@ from transformers.utils import logging
 from .configuration_mufin import MUFINConfig
 from .io_utils import atomic_write
 from .label_index import INDEX_META_FILE, LabelIndex
-from .model_files import ModelFileError, check_offsets, read_safetensors
+from .model_files import ModelFileError, check_offsets, open_safetensors, read_safetensors
 from .processing_mufin import LazyLabelImages, pack_label_images
 
 logger = logging.get_logger(__name__)
@@ -62,20 +62,9 @@ def label_centroids_from_embeddings(embeddings: Union[torch.Tensor, np.ndarray],
 def open_label_images(path: str) -> LazyLabelImages:
     """The label images of ``path`` as a :class:`LazyLabelImages` view: only the offsets are read (checked against the
     bytes they slice); the images stay in the file until used."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            names = set(f.keys())
-            missing = [key for key in ("image_bytes", "image_offsets", "label_image_offsets") if key not in names]
-            if missing:
-                raise ModelFileError(f"{path}: holds no tensor {missing[0]!r} (it holds {', '.join(sorted(names)) or 'none'})")
-            num_bytes = int(np.prod(f.get_slice("image_bytes").get_shape()))
-            image_offsets, label_offsets = f.get_tensor("image_offsets").numpy(), f.get_tensor("label_image_offsets").numpy()
-    except ModelFileError:
-        raise
-    except Exception as err:  # SafetensorError, OSError, ...: the file as a whole is unusable
-        raise ModelFileError(f"{path}: not valid safetensors, truncated or corrupt ({err})") from None
+    with open_safetensors(path, keys=("image_bytes", "image_offsets", "label_image_offsets")) as f:
+        num_bytes = int(np.prod(f.get_slice("image_bytes").get_shape()))
+        image_offsets, label_offsets = f.get_tensor("image_offsets").numpy(), f.get_tensor("label_image_offsets").numpy()
     check_offsets(path, image_offsets, len(image_offsets) - 1, num_bytes, "image_offsets")
     check_offsets(path, label_offsets, len(label_offsets) - 1, len(image_offsets) - 1, "label_image_offsets")
     return LazyLabelImages(path, image_offsets, label_offsets)

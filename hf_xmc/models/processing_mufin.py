@@ -114,21 +114,20 @@ class LazyLabelImages(Sequence):
         rows = np.asarray(rows, dtype=np.int64)
         return self.labels[rows] if self.labels is not None else rows
 
-    def image_ranges(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(first, end)`` image of each label of the view in the file (``end`` capped by ``max_images``)."""
-        labels = self._file_labels(np.arange(len(self)))
-        first, end = self.label_offsets[labels], self.label_offsets[labels + 1]
+    def _image_ranges(self, file_labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(first, end)`` image in the file of each of ``file_labels`` (``end`` capped by ``max_images``)."""
+        first, end = self.label_offsets[file_labels], self.label_offsets[file_labels + 1]
         return first, (np.minimum(end, first + self.max_images) if self.max_images >= 0 else end)
 
     def counts(self) -> np.ndarray:
         """Images per label of the view (capped), read from the offsets only."""
-        first, end = self.image_ranges()
+        first, end = self._image_ranges(self._file_labels(np.arange(len(self))))
         return end - first
 
     @property
     def whole_file(self) -> bool:
-        """Whether the view is the file as it is (every label in order, no cap): saving may copy the file."""
-        return self.labels is None and (self.max_images < 0 or not (self.counts() > self.max_images).any())
+        """Whether the view is the file as it is (every label in order, no bag cut by the cap): saving may copy it."""
+        return self.labels is None and (self.max_images < 0 or int(np.diff(self.label_offsets).max(initial=0)) <= self.max_images)
 
     def select(self, rows: Sequence[int]) -> LazyLabelImages:
         """A view of the labels ``rows`` of this view, in that order."""
@@ -160,14 +159,11 @@ class LazyLabelImages(Sequence):
 
         if len(rows) == 0:
             return []
-        labels = self._file_labels(list(rows))
+        firsts, ends = self._image_ranges(self._file_labels(list(rows)))
         out = []
         with safe_open(self.path, framework="pt") as f:
             data = f.get_slice("image_bytes")
-            for label in labels.tolist():
-                first, end = int(self.label_offsets[label]), int(self.label_offsets[label + 1])
-                if self.max_images >= 0:
-                    end = min(end, first + self.max_images)
+            for first, end in zip(firsts.tolist(), ends.tolist()):
                 lo, hi = int(self.image_offsets[first]), int(self.image_offsets[end])
                 blob = data[lo:hi].numpy().tobytes() if hi > lo else b""
                 out.append([blob[int(self.image_offsets[j]) - lo : int(self.image_offsets[j + 1]) - lo] for j in range(first, end)])

@@ -205,11 +205,9 @@ def tune_fusion_weights(
     inv_prop = inverse_propensity(train_targets, model.config.propensity_a, model.config.propensity_b)
     depth = int(channel.settings["dense_depth"])
     model.ensure_label_index()
-    if model.takes_images:  # MUFIN's dense ranking is its own (retrieval and classifier over texts and images), not search()
-        _, _, dense_scores, dense_ids = model.rank(holdout.texts, depth, batch_size=batch_size, return_dense=True, images=holdout.images)
-    else:
-        vectors = model.query_search_vectors(holdout.texts, batch_size=batch_size, show_progress_bar=False)
-        dense_scores, dense_ids = model.search(vectors, depth)
+    # the model's own dense ranking, as predict and the evaluator rank (MUFIN's over the held-out items' texts and images)
+    images = holdout.images if model.takes_images else None
+    _, _, dense_scores, dense_ids = model.rank(holdout.texts, depth, batch_size=batch_size, show_progress_bar=False, return_dense=True, images=images)
     use_ranker, use_text = any(ranker_weights), any(text_weights)
     candidates = channel.candidates(holdout.texts, dense_scores, dense_ids, float(use_ranker), float(use_text))
 
