@@ -82,6 +82,10 @@ RECIPES: dict[str, list[str]] = {
     "script_budget": ["--bf16", "true"],
     # the default (bf16) with the steps that fill the issue's 40 wall minutes on 2 cores instead of the float32 row's 31
     "forty_minutes": ["--bf16", "true"],
+    # SiameseXML's Module I with DEXML's decoupled softmax (scale 20) over the in-batch labels instead of the point
+    # likelihood with one hard negative, at DEXML's rate (3e-4 for 1e-4) and labels drawn in proportion to their points
+    # (power 1 for [P]'s 0.45), in bf16: the script's defaults from 2026-11-29
+    "softmax_module1": ["--siamese_loss", "softmax", "--learning_rate", "3e-4", "--label_sampling_power", "1.0", "--bf16", "true"],
     # the one-GPU budget (hf_xmc.training.presets.GPU_PRESETS: batch 512, 1,200 or 900 steps, sized to ~10 minutes of
     # one H100): alone, without the dataset's CPU step budget; runs only where CUDA is available
     "gpu_preset": ["--preset", "gpu"],
@@ -113,6 +117,8 @@ RECIPE_BUDGETS: dict[tuple[str, ...], list[str]] = {
     ("debtags", "script_budget", "prime"): ["--num_train_epochs", "3"],
     ("debtags", "script_budget", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
     ("reuters", "script_budget", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
+    ("debtags", "softmax_module1", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
+    ("reuters", "softmax_module1", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
 }
 TRAIN_FILTERS = {"wordnet": "filter_labels_train.txt"}
 

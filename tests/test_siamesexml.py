@@ -64,6 +64,22 @@ def test_hardest_negatives_never_pick_a_positive():
     torch.testing.assert_close(siamese_pair_loss(scores, targets, num_hard_negatives=1), torch.tensor(expected))
 
 
+def test_siamese_pair_softmax_loss_by_hand():
+    # row 0: positives at columns 0 and 2 (a repeated label), negative at 1; row 1: positive 1, negatives 0 and 2
+    scores = torch.tensor([[0.6, 0.2, 0.6], [0.1, 0.4, -0.3]])
+    targets = torch.tensor([[True, False, True], [False, True, False]])
+    s = 20.0
+
+    def against(v, negatives):
+        return math.log(math.exp(s * v) + sum(math.exp(s * n) for n in negatives)) - s * v
+
+    # each positive against its row's negatives only: the repeated label is not its own negative
+    expected = ((against(0.6, [0.2]) + against(0.6, [0.2])) / 2 + against(0.4, [0.1, -0.3])) / 2
+    torch.testing.assert_close(siamese_pair_loss(scores, targets, loss="softmax", scale=s), torch.tensor(expected))
+    with pytest.raises(ValueError, match="loss must be"):
+        siamese_pair_loss(scores, targets, loss="bce")
+
+
 def test_siamese_classifier_loss_by_hand():
     scores = torch.tensor([[0.9, 0.3, 0.7, 0.6, 0.0], [0.5, 0.95, 0.2, 0.0, 0.0]])
     targets = torch.tensor([[True, False, False, False, False], [True, False, False, False, False]])
@@ -81,6 +97,40 @@ def test_siamese_classifier_loss_by_hand():
     hardest = term(0.9, True) + term(0.7, False) + term(0.5, True) + term(0.95, False)
     torch.testing.assert_close(siamese_classifier_loss(scores, targets, valid, c, d, "hardest", hard_negative_factor=1), torch.tensor(hardest / 2))
 
+
+
+def test_siamese_classifier_scaled_losses_by_hand():
+    # two points: 2 positives + 2 negatives; 1 positive + 1 negative (one padded slot)
+    scores = torch.tensor([[0.8, 0.1, 0.5, -0.2], [0.3, 0.6, 0.0, 0.0]])
+    targets = torch.tensor([[True, True, False, False], [True, False, False, False]])
+    valid = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    s = 10.0
+
+    def bce(v, positive):
+        return math.log1p(math.exp(-s * v)) if positive else math.log1p(math.exp(s * v))
+
+    # bce over every filled slot, summed and divided by the batch size
+    by_hand = (bce(0.8, True) + bce(0.1, True) + bce(0.5, False) + bce(-0.2, False) + bce(0.3, True) + bce(0.6, False)) / 2
+    got = siamese_classifier_loss(scores, targets, valid, negatives="all", loss="bce", scale=s)
+    torch.testing.assert_close(got, torch.tensor(by_hand))
+
+    # decoupled softmax: each positive against the point's negatives only (not its other positive), mean over
+    # positives, then points
+    def against(v, negatives):
+        return math.log(math.exp(s * v) + sum(math.exp(s * n) for n in negatives)) - s * v
+
+    first = (against(0.8, [0.5, -0.2]) + against(0.1, [0.5, -0.2])) / 2
+    second = against(0.3, [0.6])
+    got = siamese_classifier_loss(scores, targets, valid, negatives="all", loss="softmax", scale=s)
+    torch.testing.assert_close(got, torch.tensor((first + second) / 2))
+    # hardest with kappa 1 keeps 2 negatives for the first point (2 positives) and 1 for the second: the same here;
+    # with kappa 1 and the threshold mask the first point's -0.2 (cos < 0.439) and 0.5 stay / go by their loss
+    assert abs(siamese_classifier_loss(scores, targets, valid, negatives="hardest", hard_negative_factor=1, loss="softmax", scale=s).item() - (first + second) / 2) < 1e-5
+    thresholded = (against(0.8, [0.5]) + against(0.1, [0.5])) / 2
+    got = siamese_classifier_loss(scores, targets, valid, negatives="threshold", loss="softmax", scale=s)
+    torch.testing.assert_close(got, torch.tensor((thresholded + second) / 2))
+    with pytest.raises(ValueError, match="loss must be"):
+        siamese_classifier_loss(scores, targets, valid, loss="triplet")
 
 def heavy_tail_targets(num_labels=8, seed=0):
     rng = np.random.default_rng(seed)

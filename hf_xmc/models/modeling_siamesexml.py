@@ -421,11 +421,12 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
         if targets is not None:
             cfg = self.config
             targets = targets.bool()
-            text_loss = siamese_pair_loss(scores, targets, cfg.siamese_c, cfg.siamese_d, cfg.siamese_hard_negatives)
+            pair_loss = {"c": cfg.siamese_c, "d": cfg.siamese_d, "num_hard_negatives": cfg.siamese_hard_negatives, "loss": cfg.siamese_loss, "scale": cfg.siamese_scale}
+            text_loss = siamese_pair_loss(scores, targets, **pair_loss)
             loss, terms = text_loss, {"label_text": text_loss.detach()}
             if centroid_input_ids is not None and cfg.siamese_centroid_weight > 0:
                 centroids = F.normalize(self.pooled_embedding(centroid_input_ids, centroid_attention_mask) + label_embeds, dim=-1)
-                centroid_loss = siamese_pair_loss(query_embeds @ centroids.T, targets, cfg.siamese_c, cfg.siamese_d, cfg.siamese_hard_negatives)
+                centroid_loss = siamese_pair_loss(query_embeds @ centroids.T, targets, **pair_loss)
                 loss = (1.0 - cfg.siamese_centroid_weight) * text_loss + cfg.siamese_centroid_weight * centroid_loss
                 terms["centroid"] = centroid_loss.detach()
         return XMCModelOutput(loss=loss, logits=scores.detach(), query_embeds=query_embeds, label_embeds=label_embeds, loss_terms=terms)
@@ -445,6 +446,7 @@ class SiameseXMLModel(SiameseXMLPreTrainedModel):
             loss = siamese_classifier_loss(
                 scores, candidate_targets.bool() & valid, valid, cfg.classifier_c, cfg.classifier_d,
                 cfg.classifier_negatives, cfg.classifier_negative_threshold, cfg.classifier_hard_negative_factor,
+                cfg.classifier_loss, cfg.classifier_scale,
             )
         return XMCModelOutput(loss=loss, logits=scores.detach(), query_embeds=final)
 

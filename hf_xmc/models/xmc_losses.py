@@ -693,14 +693,21 @@ def _keep_hardest(per_pair: torch.Tensor, candidates: torch.Tensor, k: torch.Ten
     return candidates & (rank < k)
 
 
-def siamese_pair_loss(scores: torch.Tensor, targets: torch.Tensor, c: float = 0.9, d: float = 1.5, num_hard_negatives: int = 1) -> torch.Tensor:
+def siamese_pair_loss(
+    scores: torch.Tensor, targets: torch.Tensor, c: float = 0.9, d: float = 1.5, num_hard_negatives: int = 1, loss: str = "likelihood", scale: float = 20.0
+) -> torch.Tensor:
     """SiameseXML Module I over a batch of labels (spec Sec. 5, [C] ``kprob_contrastive``).
 
     ``scores`` ``(B, P)``: cosine of each query row with each batch label; ``targets`` marks every true pair (repeated
-    labels and shared positives included). Every positive entry costs :func:`point_likelihood_nll`; per row only the
-    ``num_hard_negatives`` negatives with the highest loss are kept (kappa; positives are never negatives); the
-    loss sums each row and averages over rows.
+    labels and shared positives included). ``loss="likelihood"``: every positive entry costs
+    :func:`point_likelihood_nll`; per row only the ``num_hard_negatives`` negatives with the highest loss are kept
+    (kappa; positives are never negatives); the loss sums each row and averages over rows. ``loss="softmax"``: DEXML's
+    :func:`decoupled_softmax_loss` of ``scale x cos`` (each positive against every in-batch negative of its row).
     """
+    if loss == "softmax":
+        return decoupled_softmax_loss(scale * scores.float(), targets)
+    if loss != "likelihood":
+        raise ValueError(f"loss must be 'likelihood' or 'softmax', got {loss!r}")
     per_pair = point_likelihood_nll(scores, targets, c, d)
     keep = targets | _keep_hardest(per_pair, ~targets, num_hard_negatives)
     return torch.where(keep, per_pair, torch.zeros_like(per_pair)).sum(dim=1).mean()
@@ -715,23 +722,43 @@ def siamese_classifier_loss(
     negatives: str = "threshold",
     threshold: float = 0.05,
     hard_negative_factor: int = 3,
+    loss: str = "likelihood",
+    scale: float = 20.0,
 ) -> torch.Tensor:
     """SiameseXML Module IV over each query's positives and shortlist negatives (spec Sec. 5).
 
     ``scores`` ``(B, S)``: ``cos(w_l, E(x_i))`` of each query's candidate slots; ``targets`` marks positives and
-    ``valid`` the filled slots. Each term is :func:`point_likelihood_nll` divided by ``d`` ([C] ``prob_contrastive``).
-    ``negatives="threshold"`` ([C]) drops negatives whose scaled loss is below ``threshold`` (cos < ~0.439 at the
-    defaults); ``"hardest"`` ([P]) keeps the ``hard_negative_factor x |P_i|`` negatives with the highest loss. The loss
-    sums the kept slots and divides by the batch size.
+    ``valid`` the filled slots. Which negatives count: ``negatives="threshold"`` ([C]) drops those whose scaled
+    likelihood loss is below ``threshold`` (cos < ~0.439 at the defaults); ``"hardest"`` ([P]) keeps the
+    ``hard_negative_factor x |P_i|`` highest-scoring ones; ``"all"`` keeps every shortlist negative.
+
+    ``loss``: ``"likelihood"`` ([P] Eq. 5, [C] ``prob_contrastive``): each kept slot costs
+    :func:`point_likelihood_nll` divided by ``d``, summed and divided by the batch size; ``"bce"`` (the spec's
+    alternative): binary cross-entropy of ``scale x cos`` per kept slot, the same reduction; ``"softmax"``: DEXML's
+    :func:`decoupled_softmax_loss` of ``scale x cos`` over each query's positives and kept negatives (each positive
+    against the kept negatives, averaged over positives, then queries). The likelihood's gradient is ``1`` per
+    positive whatever its cosine and ``~0.1`` for a negative at cosine 0.3, so with cosines of 0-0.5 every ``w_l``
+    drifts toward its average query; the two scaled losses weigh each slot by how wrong it is.
     """
     valid = _full_mask(scores, valid)
-    per_pair = point_likelihood_nll(scores, targets, c, d) / d
-    negative = valid & ~targets
+    positive, negative = valid & targets, valid & ~targets
+    likelihood = point_likelihood_nll(scores, targets, c, d) / d
     if negatives == "threshold":
-        keep_negative = negative & (per_pair.detach() >= threshold)
+        keep_negative = negative & (likelihood.detach() >= threshold)
     elif negatives == "hardest":
-        keep_negative = _keep_hardest(per_pair, negative, hard_negative_factor * (targets & valid).sum(dim=1))
+        keep_negative = _keep_hardest(likelihood, negative, hard_negative_factor * positive.sum(dim=1))
+    elif negatives == "all":
+        keep_negative = negative
     else:
-        raise ValueError(f"negatives must be 'threshold' or 'hardest', got {negatives!r}")
-    keep = (valid & targets) | keep_negative
+        raise ValueError(f"negatives must be 'threshold', 'hardest' or 'all', got {negatives!r}")
+    keep = positive | keep_negative
+    if loss == "softmax":
+        logits = (scale * scores.float()).masked_fill(~keep, -1e4)  # finite: a dropped slot adds exp(-1e4) = 0, no NaN
+        return decoupled_softmax_loss(logits, positive)
+    if loss == "likelihood":
+        per_pair = likelihood
+    elif loss == "bce":
+        per_pair = F.binary_cross_entropy_with_logits(scale * scores.float(), targets.float(), reduction="none")
+    else:
+        raise ValueError(f"loss must be 'likelihood', 'bce' or 'softmax', got {loss!r}")
     return torch.where(keep, per_pair, torch.zeros_like(per_pair)).sum() / scores.shape[0]

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from hf_xmc.models import SiameseXMLConfig, SiameseXMLModel
 from hf_xmc.models.classifier_head import fuse_shortlist_scores
+from hf_xmc.models.xmc_losses import decoupled_softmax_loss
 from tests.models.test_modeling_common import XMCModelTesterMixin
 
 
@@ -232,6 +233,39 @@ def test_reparameterisation_equals_training_a_free_matrix(tiny_encoder_dir, tiny
         torch.testing.assert_close(model.classifier_weights(all_ids) @ e.T, F.normalize(free, dim=-1) @ e.T, atol=1e-6, rtol=1e-5)
 
 
+def test_forward_uses_the_configured_losses(tiny_encoder_dir, tiny_task):
+    """Module I with the softmax loss and Module IV with the bce loss equal the losses of the model's own scores."""
+    data = tiny_task[0]
+    model = make_siamesexml(tiny_encoder_dir, data, siamese_loss="softmax", siamese_scale=10.0, classifier_loss="bce", classifier_scale=5.0)
+    model.eval()
+
+    def tokens(texts):
+        return model.tokenizer(list(texts), padding=True, truncation=True, max_length=16, return_tensors="pt")
+
+    q, lab, cen = tokens(data.train.texts[:3]), tokens(data.label_texts[:3]), tokens(data.train.texts[3:6])
+    targets = torch.eye(3, dtype=torch.bool)
+    targets[0, 1] = True
+    out = model(input_ids=q["input_ids"], attention_mask=q["attention_mask"], label_input_ids=lab["input_ids"],
+                label_attention_mask=lab["attention_mask"], targets=targets, centroid_input_ids=cen["input_ids"],
+                centroid_attention_mask=cen["attention_mask"])
+    with torch.no_grad():
+        x = model.pooled_embedding(q["input_ids"], q["attention_mask"])
+        z = model.pooled_embedding(lab["input_ids"], lab["attention_mask"])
+        c = F.normalize(model.pooled_embedding(cen["input_ids"], cen["attention_mask"]) + z, dim=-1)
+    w = model.config.siamese_centroid_weight
+    expected = (1 - w) * decoupled_softmax_loss(10.0 * x @ z.T, targets) + w * decoupled_softmax_loss(10.0 * x @ c.T, targets)
+    torch.testing.assert_close(out.loss, expected)
+
+    ids = torch.tensor([[0, 4, 7], [2, 5, -1]])
+    positive = torch.tensor([[True, False, False], [True, False, False]])
+    u = F.normalize(torch.randn(2, x.shape[1], generator=torch.Generator().manual_seed(0)), dim=-1)
+    out = model(query_vectors=u, candidate_ids=ids, candidate_targets=positive)
+    with torch.no_grad():
+        scores = (model.classifier_weights(ids.clamp(min=0)) @ model.final_embedding(u).unsqueeze(-1)).squeeze(-1)
+    per_slot = F.binary_cross_entropy_with_logits(5.0 * scores, positive.float(), reduction="none")
+    torch.testing.assert_close(out.loss, per_slot[ids >= 0].sum() / 2)  # kappa 3 keeps both negatives of each point
+
+
 def test_fusion_formulas_by_hand():
     classifier = np.array([[1.0, 0.5]], dtype=np.float32)
     shortlist = np.array([[0.0, 2.0]], dtype=np.float32)
@@ -252,4 +286,10 @@ def test_config_validation():
     with pytest.raises(ValueError, match="siamese_c"):
         SiameseXMLConfig(label_space_size=3, siamese_c=1.0).validate_xmc()
     with pytest.raises(ValueError, match="classifier_negatives"):
-        SiameseXMLConfig(label_space_size=3, classifier_negatives="all").validate_xmc()
+        SiameseXMLConfig(label_space_size=3, classifier_negatives="random").validate_xmc()
+    with pytest.raises(ValueError, match="siamese_loss"):
+        SiameseXMLConfig(label_space_size=3, siamese_loss="bce").validate_xmc()
+    with pytest.raises(ValueError, match="classifier_loss"):
+        SiameseXMLConfig(label_space_size=3, classifier_loss="triplet").validate_xmc()
+    with pytest.raises(ValueError, match="siamese_scale"):
+        SiameseXMLConfig(label_space_size=3, siamese_scale=0.0).validate_xmc()
