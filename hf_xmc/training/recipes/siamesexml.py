@@ -13,8 +13,10 @@ block, label-text vectors, centroids, refinement vectors and the shortlist index
 OUT/eval_results.json (test_P@k, test_nDCG@k, test_PSP@k, test_R@10/100, train_runtime, test_samples_per_second).
 
 The four modules run in order. Module I (--num_train_epochs epochs at --learning_rate, --per_device_train_batch_size
-labels per batch): batches over labels drawn with probability freq^0.45, one positive point per label and a second one
-for the centroid estimate, the point-likelihood loss (c 0.9, d 1.5) with the hardest in-batch negative per row.
+labels per batch): batches over labels drawn in proportion to their points (--label_sampling_power 1; [P] 0.45), one
+positive point per label and a second one for the centroid estimate, DEXML's decoupled softmax (scale 20) of each
+positive against the batch's other labels (--siamese_loss likelihood: [P]'s point likelihood, c 0.9, d 1.5, with the
+hardest in-batch negative per row).
 Module II: the encoder is frozen; label-text vectors smoothed by the label random walk (400 hops, restart 0.8, top
 10), label centroids, and a shortlist per training point from the index over both plus its 50 nearest training
 points' votes (kept under OUT/module2 when the run saves checkpoints: a resumed run reads them back). Module III: w_l = N(z~_l + eta_l), eta = 0. Module IV (--classifier_epochs at
