@@ -43,7 +43,12 @@ def run_variant(dataset: str, epochs: str, flags: list[str], work: str) -> dict:
     """Module I with ``flags``, Module II, then the test metrics of the shortlist and of the label texts."""
     from benchmarks.sweep_defaults import prepare
     from hf_xmc.models import SiameseXMLModel
-    from hf_xmc.training.recipes.siamesexml import SiameseXMLModelArguments, SiameseXMLTrainingArguments, mine, train_siamese
+    from hf_xmc.training.recipes.siamesexml import (
+        SiameseXMLModelArguments,
+        SiameseXMLTrainingArguments,
+        mine,
+        train_siamese,
+    )
     from hf_xmc.training.script_utils import build_evaluator, load_data, model_config_kwargs, parse_script_args
 
     data_dir, encoder, data_flags = prepare(dataset, work)
