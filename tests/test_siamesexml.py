@@ -64,6 +64,11 @@ def test_hardest_negatives_never_pick_a_positive():
     torch.testing.assert_close(siamese_pair_loss(scores, targets, num_hard_negatives=1), torch.tensor(expected))
 
 
+def decoupled_by_hand(v, negatives, s):
+    """DEXML's decoupled softmax term of one positive of cosine ``v`` against ``negatives`` at scale ``s``."""
+    return math.log(math.exp(s * v) + sum(math.exp(s * n) for n in negatives)) - s * v
+
+
 def test_siamese_pair_softmax_loss_by_hand():
     # row 0: positives at columns 0 and 2 (a repeated label), negative at 1; row 1: positive 1, negatives 0 and 2
     scores = torch.tensor([[0.6, 0.2, 0.6], [0.1, 0.4, -0.3]])
@@ -71,7 +76,7 @@ def test_siamese_pair_softmax_loss_by_hand():
     s = 20.0
 
     def against(v, negatives):
-        return math.log(math.exp(s * v) + sum(math.exp(s * n) for n in negatives)) - s * v
+        return decoupled_by_hand(v, negatives, s)
 
     # each positive against its row's negatives only: the repeated label is not its own negative
     expected = ((against(0.6, [0.2]) + against(0.6, [0.2])) / 2 + against(0.4, [0.1, -0.3])) / 2
@@ -98,7 +103,6 @@ def test_siamese_classifier_loss_by_hand():
     torch.testing.assert_close(siamese_classifier_loss(scores, targets, valid, c, d, "hardest", hard_negative_factor=1), torch.tensor(hardest / 2))
 
 
-
 def test_siamese_classifier_scaled_losses_by_hand():
     # two points: 2 positives + 2 negatives; 1 positive + 1 negative (one padded slot)
     scores = torch.tensor([[0.8, 0.1, 0.5, -0.2], [0.3, 0.6, 0.0, 0.0]])
@@ -117,14 +121,14 @@ def test_siamese_classifier_scaled_losses_by_hand():
     # decoupled softmax: each positive against the point's negatives only (not its other positive), mean over
     # positives, then points
     def against(v, negatives):
-        return math.log(math.exp(s * v) + sum(math.exp(s * n) for n in negatives)) - s * v
+        return decoupled_by_hand(v, negatives, s)
 
     first = (against(0.8, [0.5, -0.2]) + against(0.1, [0.5, -0.2])) / 2
     second = against(0.3, [0.6])
     got = siamese_classifier_loss(scores, targets, valid, negatives="all", loss="softmax", scale=s)
     torch.testing.assert_close(got, torch.tensor((first + second) / 2))
-    # hardest with kappa 1 keeps 2 negatives for the first point (2 positives) and 1 for the second: the same here;
-    # with kappa 1 and the threshold mask the first point's -0.2 (cos < 0.439) and 0.5 stay / go by their loss
+    # hardest with kappa 1 keeps 2 negatives for the first point (2 positives) and 1 for the second: every negative
+    # here, so the same loss; the threshold mask drops the first point's -0.2 (cos < 0.439) and keeps 0.5 and 0.6
     assert abs(siamese_classifier_loss(scores, targets, valid, negatives="hardest", hard_negative_factor=1, loss="softmax", scale=s).item() - (first + second) / 2) < 1e-5
     thresholded = (against(0.8, [0.5]) + against(0.1, [0.5])) / 2
     got = siamese_classifier_loss(scores, targets, valid, negatives="threshold", loss="softmax", scale=s)

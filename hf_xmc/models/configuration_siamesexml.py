@@ -42,8 +42,8 @@ class SiameseXMLConfig(XMCConfig):
         siamese_loss (`str`, *optional*, defaults to `"softmax"`):
             Module I's loss: `"softmax"` (DEXML's decoupled softmax of ``siamese_scale x cos``, each positive against
             every in-batch negative) or `"likelihood"` ([P] Eq. 5 with ``siamese_c`` / ``siamese_d`` and
-            ``siamese_hard_negatives``). The softmax is the default: with the paper's loss the encoder learned a third as
-            fast (Debtags, half an epoch: shortlist P@1 64.1 against 72.7 at the same rate; docs/benchmarks.md).
+            ``siamese_hard_negatives``). The softmax is the default: at the same rate and budget the paper's loss trained a
+            weaker encoder (Debtags, half an epoch: shortlist P@1 64.1 against 72.7; docs/benchmarks.md).
         siamese_scale (`float`, *optional*, defaults to 20.0):
             Logit scale of the `"softmax"` Module I loss (1 / temperature).
         siamese_centroid_weight (`float`, *optional*, defaults to 0.3):
