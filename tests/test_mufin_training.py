@@ -414,3 +414,64 @@ def test_module_one_gets_its_own_step_budget(tmp_path):
     assert (_stage_args(args, "siamese").max_steps, _stage_args(args, "siamese").num_train_epochs) == (-1, 1.5)
     with pytest.raises(ValueError, match="--siamese_max_steps must be -1"):
         MUFINTrainingArguments(output_dir=str(tmp_path), siamese_max_steps=0, use_cpu=True)
+
+
+def test_ranker_stage_reads_the_pool_from_the_label_store(task):
+    """--ranker_label_side store: the batch carries the pool's ids only, and the model's scores from its stored Z^1 /
+    z^1 equal those of the same batch with the label bags encoded in it (eval mode: the store is encoded without
+    dropout); an empty store is a clear error."""
+    data, *_ = task
+    model = tiny_model(task).eval()
+    n = len(data.train.texts)
+    shortlist = np.stack([np.setdiff1d(np.arange(NUM_LABELS), data.train.targets[r].indices)[:6] for r in range(n)])
+    full, stored = (collator(model, data, "ranker", num_positives=1, num_negatives=3, stored_label_bags=s) for s in (False, True))
+    for col in (full, stored):
+        col.set_shortlist(shortlist)
+    features = [{"index": i} for i in range(12)]
+    full_batch, stored_batch = full(features), stored(features)
+    assert not any(key.startswith("label_") and key != "label_ids" for key in stored_batch)  # nothing of the labels to encode
+    assert torch.equal(full_batch["label_ids"], stored_batch["label_ids"]) and torch.equal(full_batch["pair_mask"], stored_batch["pair_mask"])
+    drop = ("indices",)
+    with pytest.raises(ValueError, match="encode_label_bags"):
+        model(**{k: v for k, v in stored_batch.items() if k not in drop}, stage="ranker")
+    model.encode_label_bags()
+    with torch.no_grad():
+        expected = model(**{k: v for k, v in full_batch.items() if k not in drop}, stage="ranker")
+        got = model(**{k: v for k, v in stored_batch.items() if k not in drop}, stage="ranker")
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
+    # the stored side carries no gradient: the loss still trains the query side and the classifiers
+    model.train()
+    loss = model(**{k: v for k, v in stored_batch.items() if k not in drop}, stage="ranker").loss
+    loss.backward()
+    grad = model.classifier.free_vectors.weight.grad
+    assert (grad.to_dense() if grad.is_sparse else grad).abs().sum() > 0
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.cross_attention.parameters())
+
+
+def test_label_refresh_callback_re_encodes_the_store_on_its_schedule(task):
+    """MUFINLabelRefreshCallback re-encodes every label bag every N steps (not at the stage's last step, which the
+    centroid refresh follows), fills an empty store when the stage begins, and refuses a negative schedule."""
+    from types import SimpleNamespace
+
+    from hf_xmc.training.mufin import MUFINLabelRefreshCallback
+
+    model = tiny_model(task)
+    callback = MUFINLabelRefreshCallback(refresh_steps=3)
+    args, control = SimpleNamespace(disable_tqdm=True), SimpleNamespace()
+    callback.on_train_begin(args, SimpleNamespace(global_step=0, max_steps=9), control, model=model)
+    assert model.label_vectors is not None  # the empty store was filled before the first step
+    before = model.label_vectors.clone()
+    with torch.no_grad():
+        for p in model.encoder.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    for step in (1, 2):
+        callback.on_step_end(args, SimpleNamespace(global_step=step, max_steps=9), control, model=model)
+    assert torch.equal(model.label_vectors, before) and callback.refreshes == 0
+    callback.on_step_end(args, SimpleNamespace(global_step=3, max_steps=9), control, model=model)
+    assert callback.refreshes == 1 and not torch.allclose(model.label_vectors, before)
+    torch.testing.assert_close(model.label_vectors, model.encode_items(model.label_texts, model.label_images))
+    callback.on_step_end(args, SimpleNamespace(global_step=9, max_steps=9), control, model=model)
+    assert callback.refreshes == 1  # the last step: the centroid callback re-encodes everything after it
+    with pytest.raises(ValueError, match="refresh_steps"):
+        MUFINLabelRefreshCallback(refresh_steps=-1)

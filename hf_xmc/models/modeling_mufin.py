@@ -588,6 +588,16 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
             rates["classifier."] = base_lr * self.classifier_learning_rate_multiplier
         return rates
 
+    def stored_label_side(self, label_ids: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(Z^1 bags, mask, z^1)`` of ``label_ids`` from the label store (encoded without gradient by
+        :meth:`encode_label_bags`), on ``like``'s device and dtype: Module IV's cached label side, where a step sends
+        the pool's ids only and no label passes through the encoders."""
+        if self.label_vectors is None:
+            raise ValueError("a ranker batch without label bags reads them from the label store: call model.encode_label_bags() first")
+        bags, mask = self.label_bags(label_ids)
+        vectors = self.label_vectors[label_ids.cpu().long()]
+        return bags.to(like.device, like.dtype), mask.to(like.device), vectors.to(like.device, like.dtype)
+
     def set_training_stage(self, stage: str) -> None:
         """The loss ``forward`` computes when called without ``stage``: ``"siamese"`` (Module I) or ``"ranker"`` (IV)."""
         if stage not in MUFIN_STAGES:
@@ -618,7 +628,8 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
         Args:
             input_ids / attention_mask / text_item_index / pixel_values / image_item_index / num_items:
                 the query items' bags (:meth:`prepare_bags`): B items.
-            label_*: the label pool's bags, same layout: P labels.
+            label_*: the label pool's bags, same layout: P labels. Ranker stage: without them the pool's bags and
+                vectors come from the label store (:meth:`stored_label_side`; no gradient through the label side).
             label_ids: ``(P,)`` label ids of the pool (they select ``eta`` / ``alpha`` in the ranker stage).
             targets: ``(B, P)`` bool, True where pool label l is a positive of query i (all positives, so in-batch
                 negatives are never false negatives).
@@ -641,11 +652,14 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
             pixel_values=pixel_values, image_item_index=image_item_index, num_items=num_items,
         )
         if label_input_ids is None and label_pixel_values is None:
-            return MUFINModelOutput(query_embeds=query_vectors)
-        label_bags, label_mask, label_vectors = self.embed_bags(
-            input_ids=label_input_ids, attention_mask=label_attention_mask, text_item_index=label_text_item_index,
-            pixel_values=label_pixel_values, image_item_index=label_image_item_index, num_items=label_num_items,
-        )
+            if stage != "ranker" or label_ids is None:
+                return MUFINModelOutput(query_embeds=query_vectors)
+            label_bags, label_mask, label_vectors = self.stored_label_side(label_ids, query_vectors)
+        else:
+            label_bags, label_mask, label_vectors = self.embed_bags(
+                input_ids=label_input_ids, attention_mask=label_attention_mask, text_item_index=label_text_item_index,
+                pixel_values=label_pixel_values, image_item_index=label_image_item_index, num_items=label_num_items,
+            )
         if targets is not None and targets.shape != (query_vectors.shape[0], label_vectors.shape[0]):
             raise ValueError(f"targets must have shape (queries, pool) = {(query_vectors.shape[0], label_vectors.shape[0])}, got {tuple(targets.shape)}")
         cfg = self.config

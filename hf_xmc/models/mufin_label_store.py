@@ -138,8 +138,9 @@ class MUFINLabelStoreMixin:
     ) -> np.ndarray:
         """Append labels (texts and/or image bags), scored zero-shot (``w_l = z_l^1``, no centroid: the rule of labels
         after ``label_space_size``) while trained labels keep their classifiers. Only the new bags are encoded and
-        appended to the cached label store; the shortlist index is rebuilt from the cache (no re-encoding). Returns
-        the new label ids. Memory: the new labels' bag rows and vectors."""
+        appended to the cached label store; the shortlist index is rebuilt from the cache (no re-encoding). Saved label
+        images a loaded model reads lazily stay on disk (the new bags follow them in memory). Returns the new label
+        ids. Memory: the new labels' bag rows, vectors and images."""
         self._require_label_store()
         norm_texts, bags = self._normalize_items(texts, images)
         first = len(self.label_texts)
@@ -149,7 +150,9 @@ class MUFINLabelStoreMixin:
         self.label_bag_rows = torch.cat([self.label_bag_rows, *new_bags]).contiguous()
         self.label_bag_offsets = torch.cat([self.label_bag_offsets, self.label_bag_offsets[-1] + torch.cumsum(counts, 0)])
         self.label_vectors = torch.cat([self.label_vectors, vectors.to(self.label_vectors)]).contiguous()
-        if has_images(bags) or self.label_images is not None:  # saved label images are read in, to be extended
+        if isinstance(self.label_images, LazyLabelImages):  # saved label images stay on disk: the new bags follow them
+            self.label_images = self.label_images.extended(list(bags))
+        elif has_images(bags) or self.label_images is not None:
             self.label_images = list(self.label_images or [[] for _ in range(first)]) + [list(b) for b in bags]
         self.label_texts = list(self.label_texts) + ["" if t is None else t for t in norm_texts]
         self.label_uids = list(self.label_uids) + uids
@@ -217,6 +220,15 @@ class MUFINLabelStoreMixin:
             )
         if label_texts is not None or label_images is not None:
             self.set_labels(label_texts, label_uids, self.label_images if same else label_images)
+        self.encode_label_bags(batch_size, show_progress_bar)
+        return self.build_shortlist_index(kind)
+
+    @torch.no_grad()
+    def encode_label_bags(self, batch_size: int = 64, show_progress_bar: Optional[bool] = None) -> None:
+        """Encode the attached labels' bags with the current weights (eval mode) into the store: ``Z_l^1`` (ragged
+        rows + offsets) and ``z_l^1``; the shortlist index is dropped (rebuilt on next use). Module IV's cached label
+        side re-encodes through here between refreshes, where no index is needed. Memory: ``4 D`` bytes per bag row
+        and per label."""
         texts = self._require_labels()
         vectors, bags = self.encode_items(texts, self.label_images, batch_size, show_progress_bar, return_bags=True)
         counts = torch.tensor([b.shape[0] for b in bags])
@@ -224,7 +236,6 @@ class MUFINLabelStoreMixin:
         self.label_bag_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)])
         self.label_vectors = vectors.contiguous()
         self.label_index = None
-        return self.build_shortlist_index(kind)
 
     def _reindex_labels(self) -> None:
         """The shortlist index again over the cached label bags and centroids (``set_label_precision``)."""

@@ -97,20 +97,32 @@ class LazyLabelImages(Sequence):
     """The label images of a saved ``mufin_label_images.safetensors`` (:func:`pack_label_images`'s layout), read when
     used: indexing a label (or slicing a range of labels) reads those labels' encoded bytes from the memory-mapped
     file, so re-encoding the labels in batches never holds more than a batch's images. A view may select labels
-    (``select``) and cap each bag (``capped``, as ``config.max_images``). What a model loads instead of the whole file.
+    (``select``), cap each bag (``capped``, as ``config.max_images``) and end with bags held in memory (``extended``:
+    labels added after loading). What a model loads instead of the whole file.
 
-    Memory: the offsets, 8 bytes per image and per label (12 MB for 300K labels of ~4.9 images), plus the selection
-    (8 bytes per label) of a view; a label's images only while its bag is used."""
+    A view's labels are "sources": ids below the file's label count are the file's labels, the others index
+    :attr:`tail` (the in-memory bags, after the file's). Memory: the offsets, 8 bytes per image and per label (12 MB
+    for 300K labels of ~4.9 images), plus the selection (8 bytes per label) of a view and the tail's bags as given; a
+    file label's images only while its bag is used."""
 
-    def __init__(self, path: str, image_offsets: np.ndarray, label_offsets: np.ndarray, labels: Optional[np.ndarray] = None, max_images: int = -1):
+    def __init__(
+        self, path: str, image_offsets: np.ndarray, label_offsets: np.ndarray, labels: Optional[np.ndarray] = None,
+        max_images: int = -1, tail: Optional[list] = None,
+    ):
         self.path, self.image_offsets, self.label_offsets = path, image_offsets, label_offsets
-        self.labels = labels  # the file's labels this view holds, in its order (None: every label, in file order)
+        self.labels = labels  # the sources this view holds, in its order (None: every file label, then the tail)
         self.max_images = max_images
+        self.tail = tail if tail is not None else []  # bags added in memory: source file_labels + j is tail[j]
+
+    @property
+    def file_labels(self) -> int:
+        """How many labels the file holds (sources below it are read from the file)."""
+        return len(self.label_offsets) - 1
 
     def __len__(self) -> int:
-        return len(self.labels) if self.labels is not None else len(self.label_offsets) - 1
+        return len(self.labels) if self.labels is not None else self.file_labels + len(self.tail)
 
-    def _file_labels(self, rows: Sequence[int]) -> np.ndarray:
+    def _sources(self, rows: Sequence[int]) -> np.ndarray:
         rows = np.asarray(rows, dtype=np.int64)
         return self.labels[rows] if self.labels is not None else rows
 
@@ -119,25 +131,42 @@ class LazyLabelImages(Sequence):
         first, end = self.label_offsets[file_labels], self.label_offsets[file_labels + 1]
         return first, (np.minimum(end, first + self.max_images) if self.max_images >= 0 else end)
 
+    def _tail_bag(self, source: int) -> list:
+        bag = list(self.tail[source - self.file_labels])
+        return bag[: self.max_images] if self.max_images >= 0 else bag
+
     def counts(self) -> np.ndarray:
-        """Images per label of the view (capped), read from the offsets only."""
-        first, end = self._image_ranges(self._file_labels(np.arange(len(self))))
-        return end - first
+        """Images per label of the view (capped), read from the offsets (and the tail's lengths) only."""
+        sources = self._sources(np.arange(len(self)))
+        in_file = sources < self.file_labels
+        out = np.zeros(len(sources), dtype=np.int64)
+        first, end = self._image_ranges(sources[in_file])
+        out[in_file] = end - first
+        out[~in_file] = [len(self._tail_bag(int(s))) for s in sources[~in_file]]
+        return out
 
     @property
     def whole_file(self) -> bool:
-        """Whether the view is the file as it is (every label in order, no bag cut by the cap): saving may copy it."""
-        return self.labels is None and (self.max_images < 0 or int(np.diff(self.label_offsets).max(initial=0)) <= self.max_images)
+        """Whether the view is the file as it is (every label in order, no bag cut by the cap, no tail): saving may copy it."""
+        uncut = self.max_images < 0 or int(np.diff(self.label_offsets).max(initial=0)) <= self.max_images
+        return self.labels is None and not self.tail and uncut
 
     def select(self, rows: Sequence[int]) -> LazyLabelImages:
         """A view of the labels ``rows`` of this view, in that order."""
-        return LazyLabelImages(self.path, self.image_offsets, self.label_offsets, self._file_labels(rows), self.max_images)
+        return LazyLabelImages(self.path, self.image_offsets, self.label_offsets, self._sources(rows), self.max_images, self.tail)
 
     def capped(self, max_images: int) -> LazyLabelImages:
         """This view with each bag cut at ``max_images`` images (``< 0``: as it is)."""
         if max_images < 0 or (0 <= self.max_images <= max_images):
             return self
-        return LazyLabelImages(self.path, self.image_offsets, self.label_offsets, self.labels, max_images)
+        return LazyLabelImages(self.path, self.image_offsets, self.label_offsets, self.labels, max_images, self.tail)
+
+    def extended(self, bags: Sequence[Sequence[Any]]) -> LazyLabelImages:
+        """This view followed by ``bags`` (held in memory): what ``add_labels`` keeps, reading nothing of the file."""
+        tail = self.tail + [list(bag) for bag in bags]
+        added = self.file_labels + len(self.tail) + np.arange(len(bags), dtype=np.int64)
+        labels = None if self.labels is None else np.concatenate([self.labels, added])
+        return LazyLabelImages(self.path, self.image_offsets, self.label_offsets, labels, self.max_images, tail)
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -153,20 +182,25 @@ class LazyLabelImages(Sequence):
         for start in range(0, len(self), 256):  # a few hundred labels a read
             yield from self[start : start + 256]
 
-    def _read(self, rows: Sequence[int]) -> list[list[bytes]]:
-        """The bags of ``rows`` (encoded image bytes), one slice of the file per label."""
+    def _read(self, rows: Sequence[int]) -> list[list[Any]]:
+        """The bags of ``rows``: a file label's encoded image bytes (one slice of the file per label), a tail label's
+        bag as it was added."""
         from safetensors import safe_open
 
         if len(rows) == 0:
             return []
-        firsts, ends = self._image_ranges(self._file_labels(list(rows)))
-        out = []
+        sources = self._sources(list(rows))
+        out: list[list[Any]] = [self._tail_bag(int(s)) if s >= self.file_labels else [] for s in sources]
+        in_file = np.flatnonzero(sources < self.file_labels)
+        if in_file.size == 0:
+            return out
+        firsts, ends = self._image_ranges(sources[in_file])
         with safe_open(self.path, framework="pt") as f:
             data = f.get_slice("image_bytes")
-            for first, end in zip(firsts.tolist(), ends.tolist()):
+            for row, first, end in zip(in_file.tolist(), firsts.tolist(), ends.tolist()):
                 lo, hi = int(self.image_offsets[first]), int(self.image_offsets[end])
                 blob = data[lo:hi].numpy().tobytes() if hi > lo else b""
-                out.append([blob[int(self.image_offsets[j]) - lo : int(self.image_offsets[j + 1]) - lo] for j in range(first, end)])
+                out[row] = [blob[int(self.image_offsets[j]) - lo : int(self.image_offsets[j + 1]) - lo] for j in range(first, end)]
         return out
 
 

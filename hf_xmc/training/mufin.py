@@ -50,6 +50,9 @@ class MUFINDataCollator(XMCDataCollator):
             ``"labels"`` (they index :attr:`anchor_labels`, the labels with a training positive; each brings
             ``num_positives`` of its positive items; train on :meth:`anchor_label_dataset`). Ranker batches are
             always over items.
+        stored_label_bags: ranker batches carry the pool's ``label_ids`` without its bags: the model reads ``Z^1`` /
+            ``z^1`` from its label store (``MUFINModel.stored_label_side``), so no label text or image is tokenised,
+            pre-processed or encoded in a step (see :class:`MUFINLabelRefreshCallback`).
         (other arguments: :class:`~hf_xmc.training.collator.XMCDataCollator`; ``tokenizer`` is unused)
     """
 
@@ -58,6 +61,7 @@ class MUFINDataCollator(XMCDataCollator):
     label_images: Optional[Sequence[Sequence[Any]]] = None
     stage: str = "siamese"
     batch_over: str = "items"
+    stored_label_bags: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -132,7 +136,7 @@ class MUFINDataCollator(XMCDataCollator):
         negatives = self.sample_item_negatives(rows, rng)
         parts = [p for p in positives + negatives if len(p)]
         pool = np.unique(np.concatenate(parts)).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-        batch = self._batch(rows, pool)
+        batch = self._batch(rows, pool, label_bags=not (self.stage == "ranker" and self.stored_label_bags))
         if self.stage == "ranker":
             pair_mask = torch.zeros(len(rows), len(pool), dtype=torch.bool)
             for b, (pos, neg) in enumerate(zip(positives, negatives)):
@@ -140,20 +144,22 @@ class MUFINDataCollator(XMCDataCollator):
             batch["pair_mask"] = pair_mask
         return batch
 
-    def _batch(self, rows: np.ndarray, pool: np.ndarray) -> dict[str, torch.Tensor]:
-        """Bags of the items ``rows`` and the labels ``pool`` (sorted), with every true (item, label) pair as target."""
+    def _batch(self, rows: np.ndarray, pool: np.ndarray, label_bags: bool = True) -> dict[str, torch.Tensor]:
+        """Bags of the items ``rows`` and (with ``label_bags``) of the labels ``pool`` (sorted), with every true
+        (item, label) pair as target."""
         targets = torch.from_numpy(self.targets[rows][:, pool].toarray() > 0)
         batch = self._bags(
             [self.texts[r] for r in rows], [list(self.images[r]) for r in rows] if self.images is not None else None, self.max_seq_length
         )
-        batch.update(
-            self._bags(
-                [self.label_texts[i] for i in pool],
-                [list(self.label_images[i]) for i in pool] if self.label_images is not None else None,
-                self.label_max_seq_length,
-                prefix="label_",
+        if label_bags:
+            batch.update(
+                self._bags(
+                    [self.label_texts[i] for i in pool],
+                    [list(self.label_images[i]) for i in pool] if self.label_images is not None else None,
+                    self.label_max_seq_length,
+                    prefix="label_",
+                )
             )
-        )
         batch.update(targets=targets, label_ids=torch.from_numpy(pool), indices=torch.from_numpy(rows))
         return batch
 
@@ -186,6 +192,36 @@ def mine_mufin_shortlist(
     return ids
 
 
+class MUFINLabelRefreshCallback(TrainerCallback):
+    """Module IV's cached label side: re-encode every label bag (``Z^1``, ``z^1``) into the model's label store every
+    ``refresh_steps`` optimizer steps (0: never during the stage; the store Module II left is used throughout).
+
+    With :class:`MUFINDataCollator`'s ``stored_label_bags`` a ranker step encodes only its queries: the pool's label
+    bags come from the store, without gradient (the text and vision encoders still learn through the query side, which
+    shares their weights; the cross-attention and classifiers learn as before). A refresh costs one forward pass over
+    all labels, so ``refresh_steps`` trades the label side's staleness against that pass. Memory: the store's ``4 D``
+    bytes per bag row and per label, as after Module II.
+    """
+
+    def __init__(self, refresh_steps: int = 0, batch_size: int = 64):
+        if refresh_steps < 0:
+            raise ValueError(f"refresh_steps must be >= 0 (0: never re-encoded during the stage), got {refresh_steps}")
+        self.refresh_steps, self.batch_size = refresh_steps, batch_size
+        self.refreshes = 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model.label_vectors is None:  # e.g. a resumed stage: Module II's store was not kept
+            model.encode_label_bags(batch_size=self.batch_size, show_progress_bar=not args.disable_tqdm)
+        return control
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.refresh_steps and state.global_step % self.refresh_steps == 0 and state.global_step < state.max_steps:
+            model.encode_label_bags(batch_size=self.batch_size, show_progress_bar=False)
+            self.refreshes += 1
+            logger.info("MUFIN Module IV: label bags re-encoded at step %d", state.global_step)
+        return control
+
+
 class MUFINCentroidCallback(TrainerCallback):
     """Recompute the label centroids ``mu_l`` from the training items with the final weights when training ends.
 
@@ -206,4 +242,4 @@ class MUFINCentroidCallback(TrainerCallback):
         return control
 
 
-__all__ = ["MUFINCentroidCallback", "MUFINDataCollator", "mine_mufin_shortlist"]
+__all__ = ["MUFINCentroidCallback", "MUFINDataCollator", "MUFINLabelRefreshCallback", "mine_mufin_shortlist"]

@@ -396,9 +396,17 @@ def test_saved_label_images_are_read_lazily_one_batch_at_a_time(trained_like, tm
     torch.testing.assert_close(reloaded.label_bag_rows, trained_like.label_bag_rows, atol=1e-5, rtol=1e-5)
     reloaded.save_pretrained(tmp_path / "b")  # unchanged: the file is copied as it is
     assert filecmp.cmp(tmp_path / "a" / LABEL_IMAGES_FILE, tmp_path / "b" / LABEL_IMAGES_FILE, shallow=False)
-    # labels added after training, saved, reloaded (lazy again) and one removed: a lazy selection, packed on save
+    # labels added after training stay lazy (the file's bags unread, the new ones in memory after them), saved,
+    # reloaded (lazy again) and one removed: a lazy selection, packed on save
     rng = np.random.default_rng(8)
-    reloaded.add_labels(["red car", None], uids=["n1", "n2"], images=[[random_image(rng)], [random_image(rng)]])
+    new_images = [[random_image(rng)], [random_image(rng)]]
+    reads.clear()
+    reloaded.add_labels(["red car", None], uids=["n1", "n2"], images=new_images)
+    assert isinstance(reloaded.label_images, LazyLabelImages) and reads == []  # nothing of the file read to add two labels
+    assert reloaded.label_images.counts().tolist() == [len(bag) for bag in images] + [1, 1]
+    assert reloaded.label_images[21] == new_images[1] and reloaded.label_images[19:21] == [
+        [image_file_bytes(image) for image in images[19]], new_images[0]
+    ]
     reloaded.save_pretrained(tmp_path / "grown")
     grown = AutoModel.from_pretrained(tmp_path / "grown")
     expected = [list(bag) for bag in grown.label_images]
@@ -407,6 +415,10 @@ def test_saved_label_images_are_read_lazily_one_batch_at_a_time(trained_like, tm
     grown.save_pretrained(tmp_path / "shrunk")
     shrunk = AutoModel.from_pretrained(tmp_path / "shrunk")
     assert [list(bag) for bag in shrunk.label_images] == expected[:20] + expected[21:]
+    assert expected[20:] == [[image_file_bytes(bag[0])] for bag in new_images]
+    # a selection of an extended view keeps the order of its sources, file and tail alike
+    view = reloaded.label_images.select([21, 0, 20])
+    assert view.counts().tolist() == [1, len(images[0]), 1] and view[0] == new_images[1] and view[2] == new_images[0]
 
 
 def test_label_images_not_saved_refuse_a_text_only_rebuild(encoders, tmp_path):

@@ -15,7 +15,9 @@ centroid index + a shortlist ``R_i`` of ``--hard_negative_top_k`` labels per tra
 Module III, the cross-attention and classifiers start at their initialisation (identity, xavier, alpha 0.5); Module
 IV, fine-tuning for ``--num_train_epochs`` with ``--num_positives`` positives and ``--ranker_negatives`` shortlist
 negatives per item (cosine-embedding loss), encoders at ``--ranker_learning_rate``, the cross-attention at 10x and
-the classifier vectors at 100x that rate (the official code's 5e-5 / 5e-4 / 5e-3). After Module IV the label
+the classifier vectors at 100x that rate (the official code's 5e-5 / 5e-4 / 5e-3); with ``--ranker_label_side
+store`` the pool labels' bags come from the label store (no label through the encoders in a step), re-encoded every
+``--ranker_label_refresh_steps``. After Module IV the label
 centroids are recomputed and the label bags re-encoded with the final encoder, so the saved index holds one embedding
 space. Prediction fuses the shortlist score and the classifier score, ``0.7 c + 0.3 a``; labels without a training
 positive are scored zero-shot (``w_l = z_l^1``). Writes OUT/ (loadable with AutoModel.from_pretrained(OUT,
@@ -34,7 +36,7 @@ from typing import Optional
 from ...data import XCData, XMCDataset
 from ...models import MUFINModel
 from ..evaluation import XMCEvaluator
-from ..mufin import MUFINCentroidCallback, MUFINDataCollator, mine_mufin_shortlist
+from ..mufin import MUFINCentroidCallback, MUFINDataCollator, MUFINLabelRefreshCallback, mine_mufin_shortlist
 from ..script_utils import (
     build_evaluator,
     load_data,
@@ -113,10 +115,24 @@ class MUFINTrainingArguments(XMCTrainingArguments):
     num_positives: int = field(default=2, metadata={"help": "Positives per item and step (|P_l| / |S_i| = 2 in the paper)."})
     ranker_negatives: int = field(default=12, metadata={"help": "Module IV shortlist negatives per item (|T_i|)."})
     hard_negative_top_k: int = field(default=100, metadata={"help": "Module II shortlist size per training item (|R_i|)."})
+    ranker_label_side: str = field(
+        default="encoder",
+        metadata={
+            "help": "Module IV's label side: 'encoder' (the paper: each step's pool labels through the encoders, with gradient) or 'store' (their bags "
+            "from the label store, encoded without gradient and re-encoded every --ranker_label_refresh_steps: a step encodes its queries only)."
+        },
+    )
+    ranker_label_refresh_steps: int = field(
+        default=0, metadata={"help": "With --ranker_label_side store: re-encode all labels every N Module IV steps (0: only Module II's encoding)."}
+    )
 
     def __post_init__(self):
         if self.siamese_max_steps is not None and self.siamese_max_steps != -1 and self.siamese_max_steps < 1:
             raise ValueError(f"--siamese_max_steps must be -1 (use --siamese_epochs) or at least 1, got {self.siamese_max_steps}")
+        if self.ranker_label_side not in ("encoder", "store"):
+            raise ValueError(f"--ranker_label_side must be 'encoder' or 'store', got {self.ranker_label_side!r}")
+        if self.ranker_label_refresh_steps < 0:
+            raise ValueError(f"--ranker_label_refresh_steps must be >= 0 (0: only Module II's encoding), got {self.ranker_label_refresh_steps}")
         super().__post_init__()
 
 
@@ -148,6 +164,7 @@ def build_collator(model: MUFINModel, data: XCData, args: MUFINTrainingArguments
         label_images=data.label_images,
         stage=stage,
         batch_over=args.siamese_batch_over,
+        stored_label_bags=args.ranker_label_side == "store",
     )
 
 
@@ -235,8 +252,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     evaluator.label_images = data.label_images
     collator = pretrain_and_mine(model, data, training_args, **stage_evaluation(data, evaluator))
     # after Module IV the centroids are recomputed with the final encoder: evaluation and the saved index use one space
-    refresh = MUFINCentroidCallback(data.train.texts, data.train.images, data.train.targets, batch_size=data_args.eval_batch_size)
-    return train_and_evaluate(model, data, evaluator, _stage_args(training_args, "ranker"), data_collator=collator, callbacks=[refresh])
+    callbacks = [MUFINCentroidCallback(data.train.texts, data.train.images, data.train.targets, batch_size=data_args.eval_batch_size)]
+    if training_args.ranker_label_side == "store":  # the pool's label bags come from the store, re-encoded on this schedule
+        callbacks.insert(0, MUFINLabelRefreshCallback(training_args.ranker_label_refresh_steps, batch_size=data_args.eval_batch_size))
+    return train_and_evaluate(model, data, evaluator, _stage_args(training_args, "ranker"), data_collator=collator, callbacks=callbacks)
 
 
 if __name__ == "__main__":
