@@ -90,8 +90,13 @@ VARIANTS = {
         "batch_size": 4095,
         "args": ["--encoder_type", "boe", "--classifier_batch_size", "255", "--label_embeddings_dtype", "float16", *RESUMABLE],
     },
+    # mufin.md [CODE]: Module I batches of 1023 items (--doc_first), a 100-label shortlist per item from Module II;
+    # text only (the synthetic task has no images). Module IV reads the pool's label bags from the label store
+    # (the official cheaper ranker's frozen label features): a step at batch 1023 would otherwise encode ~14K label
+    # texts with gradient
+    ("mufin", "text"): {"batch_size": 1023, "args": ["--ranker_label_side", "store"]},
 }
-DEFAULT_VARIANT = {"dexml": "in_batch", "prime": "default", "unidec": "default", "siamesexml": "transformer"}
+DEFAULT_VARIANT = {"dexml": "in_batch", "prime": "default", "unidec": "default", "siamesexml": "transformer", "mufin": "text"}
 GIB = 1024**3
 
 
@@ -316,10 +321,14 @@ def train_worker(cfg: dict) -> dict:
     rec.wrap(callbacks_module, "mine_hard_negatives", "hard_negative_mining")
     # SiameseXML's Module II (its recipe's names): the label graph, the label state and the training shortlists
     # (and the bag-of-embeddings encoder's IDF pass over the training and label texts)
+    # MUFIN's Module II (centroids, the label bags and their index, the shortlists) and the centroid refresh after
+    # Module IV (every training item encoded again)
     for attr, stage in (("label_correlation_matrix", "label_graph"), ("build_label_state", "label_state"), ("mine_classifier_shortlist", "hard_negative_mining"),
-                        ("bag_of_embeddings_document_frequency", "boe_idf")):
+                        ("bag_of_embeddings_document_frequency", "boe_idf"), ("mine_mufin_shortlist", "hard_negative_mining")):
         if hasattr(recipe, attr):
             rec.wrap(recipe, attr, stage)
+    if hasattr(recipe, "MUFINCentroidCallback"):
+        rec.wrap(recipe.MUFINCentroidCallback, "on_train_end", "label_state")
     rec.wrap(trainer_module.XMCTrainer, "train", "train")
     rec.wrap(trainer_module.XMCTrainer, "evaluate", "evaluate")
     rec.wrap(XMCPreTrainedModel, "build_label_index", "index_build")
@@ -337,6 +346,8 @@ def train_worker(cfg: dict) -> dict:
         "--index_kind", cfg["index_kind"], "--ivf_nprobe", str(cfg["ivf_nprobe"]),
         *cfg["args"],
     ]
+    if cfg["method"] == "mufin":  # Module I and Module IV get --steps each; the recipe's fusion as given, no channel
+        argv += ["--siamese_max_steps", str(cfg["steps"])]
     if cfg["method"] == "siamesexml":  # --max_steps bounds Module I only: Module IV gets the same budget of steps
         # [C]'s fusion weight as given, so no validation split is held out to tune it: the pipeline of the committed rows
         argv += ["--classifier_max_steps", str(cfg["steps"]), "--fusion_weight", "0.5"]
@@ -518,9 +529,10 @@ REAL_EPOCH_QUERIES = 2_200_000  # LF-AmazonTitles-1.3M's training queries (prime
 
 def step_rate(row: dict) -> dict:
     """Seconds per training step (the ``steps`` stage over the row's steps, first steps' warm-up included) and one
-    epoch of the real dataset's queries at the row's batch size; empty for SiameseXML, whose run holds two trainings."""
+    epoch of the real dataset's queries at the row's batch size; empty for SiameseXML and MUFIN, whose runs hold two
+    trainings."""
     seconds = (row["stages"].get("train:train.steps") or {}).get("seconds")
-    if not seconds or not row.get("steps") or row["method"] == "siamesexml":
+    if not seconds or not row.get("steps") or row["method"] in ("siamesexml", "mufin"):
         return {}
     epoch_steps = math.ceil(REAL_EPOCH_QUERIES / row["batch_size"])
     return {
