@@ -91,10 +91,10 @@ VARIANTS = {
         "args": ["--encoder_type", "boe", "--classifier_batch_size", "255", "--label_embeddings_dtype", "float16", *RESUMABLE],
     },
     # mufin.md [CODE]: Module I batches of 1023 items (--doc_first), a 100-label shortlist per item from Module II;
-    # text only (the synthetic task has no images). Module IV reads the pool's label bags from the label store
+    # text only (the synthetic task has no images). Module IV reads the pool's label bags from a cache of Module II's encoding
     # (the official cheaper ranker's frozen label features): a step at batch 1023 would otherwise encode ~14K label
     # texts with gradient
-    ("mufin", "text"): {"batch_size": 1023, "args": ["--ranker_label_side", "store"]},
+    ("mufin", "text"): {"batch_size": 1023, "args": ["--ranker_label_side", "cache"]},
 }
 DEFAULT_VARIANT = {"dexml": "in_batch", "prime": "default", "unidec": "default", "siamesexml": "transformer", "mufin": "text"}
 GIB = 1024**3

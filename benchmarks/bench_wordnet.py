@@ -51,10 +51,10 @@ ROWS = {
     # centroid refresh after Module IV each encode the 95,793 training queries. The lexical channel is for text
     # models (MUFIN ranks through its own image-aware predict): dense only
     "mufin": ("wordnet", "mufin", "MUFIN (text only), 100 + 100 steps", ["--max_steps", "100", "--per_device_train_batch_size", "64", "--lexical_channel", "none"]),
-    # Module IV with the pool's label bags from the label store (--ranker_label_side store: a step encodes its 64
+    # Module IV with the pool's label bags as Module II encoded them (--ranker_label_side cache: a step encodes its 64
     # queries only, not their ~900 label texts), never re-encoded during the stage; with the lexical channel
-    "mufin-store": ("wordnet", "mufin", "MUFIN (text only), 100 + 100 steps, --ranker_label_side store",
-                    ["--max_steps", "100", "--per_device_train_batch_size", "64", "--ranker_label_side", "store"]),
+    "mufin-cache": ("wordnet", "mufin", "MUFIN (text only), 100 + 100 steps, --ranker_label_side cache",
+                    ["--max_steps", "100", "--per_device_train_batch_size", "64", "--ranker_label_side", "cache"]),
     "debtags-dexml": ("debtags", "dexml", "DEXML, Debtags, 0.5 epoch", []),
     "reuters-dexml": ("reuters", "dexml", "DEXML, Reuters, 1 epoch", []),
     # the backbone's dropout off (no masks drawn: 10-14% of a CPU step): the same budgets, for quality on all three

@@ -416,62 +416,99 @@ def test_module_one_gets_its_own_step_budget(tmp_path):
         MUFINTrainingArguments(output_dir=str(tmp_path), siamese_max_steps=0, use_cpu=True)
 
 
-def test_ranker_stage_reads_the_pool_from_the_label_store(task):
-    """--ranker_label_side store: the batch carries the pool's ids only, and the model's scores from its stored Z^1 /
-    z^1 equal those of the same batch with the label bags encoded in it (eval mode: the store is encoded without
-    dropout); an empty store is a clear error."""
+def test_ranker_stage_reads_the_pool_from_the_ranker_label_cache(task):
+    """--ranker_label_side cache: the batch carries the pool's ids only, and the model's scores from its cached Z^1 /
+    z^1 equal those of the same batch with the label bags encoded in it (eval mode: the cache is encoded without
+    dropout); an empty cache is a clear error; the loss still trains the query side and the classifiers."""
     data, *_ = task
     model = tiny_model(task).eval()
     n = len(data.train.texts)
     shortlist = np.stack([np.setdiff1d(np.arange(NUM_LABELS), data.train.targets[r].indices)[:6] for r in range(n)])
-    full, stored = (collator(model, data, "ranker", num_positives=1, num_negatives=3, stored_label_bags=s) for s in (False, True))
-    for col in (full, stored):
+    full, cached = (collator(model, data, "ranker", num_positives=1, num_negatives=3, cached_label_bags=c) for c in (False, True))
+    for col in (full, cached):
         col.set_shortlist(shortlist)
     features = [{"index": i} for i in range(12)]
-    full_batch, stored_batch = full(features), stored(features)
-    assert not any(key.startswith("label_") and key != "label_ids" for key in stored_batch)  # nothing of the labels to encode
-    assert torch.equal(full_batch["label_ids"], stored_batch["label_ids"]) and torch.equal(full_batch["pair_mask"], stored_batch["pair_mask"])
-    drop = ("indices",)
-    with pytest.raises(ValueError, match="encode_label_bags"):
-        model(**{k: v for k, v in stored_batch.items() if k not in drop}, stage="ranker")
-    model.encode_label_bags()
+    full_batch, cached_batch = full(features), cached(features)
+    assert not any(key.startswith("label_") and key != "label_ids" for key in cached_batch)  # nothing of the labels to encode
+    assert torch.equal(full_batch["label_ids"], cached_batch["label_ids"]) and torch.equal(full_batch["pair_mask"], cached_batch["pair_mask"])
+    inputs = {k: v for k, v in cached_batch.items() if k != "indices"}
+    with pytest.raises(ValueError, match="cache_ranker_labels"):
+        model(**inputs, stage="ranker")
+    model.cache_ranker_labels()
     with torch.no_grad():
-        expected = model(**{k: v for k, v in full_batch.items() if k not in drop}, stage="ranker")
-        got = model(**{k: v for k, v in stored_batch.items() if k not in drop}, stage="ranker")
+        expected = model(**{k: v for k, v in full_batch.items() if k != "indices"}, stage="ranker")
+        got = model(**inputs, stage="ranker")
     torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
-    # the stored side carries no gradient: the loss still trains the query side and the classifiers
     model.train()
-    loss = model(**{k: v for k, v in stored_batch.items() if k not in drop}, stage="ranker").loss
-    loss.backward()
+    model(**inputs, stage="ranker").loss.backward()
     grad = model.classifier.free_vectors.weight.grad
     assert (grad.to_dense() if grad.is_sparse else grad).abs().sum() > 0
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.cross_attention.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.encoder.parameters())  # through the queries
 
 
-def test_label_refresh_callback_re_encodes_the_store_on_its_schedule(task):
-    """MUFINLabelRefreshCallback re-encodes every label bag every N steps (not at the stage's last step, which the
-    centroid refresh follows), fills an empty store when the stage begins, and refuses a negative schedule."""
+def test_label_refresh_callback_keeps_the_cache_through_weight_updates_and_re_encodes_it_on_schedule(task):
+    """MUFINLabelRefreshCallback takes Module II's store when the stage begins (no second encoding), keeps it while the
+    trainer invalidates the store at every step, re-encodes it every N steps (not at the stage's last step, which
+    the centroid refresh follows), drops it when the stage ends, and refuses a negative schedule."""
     from types import SimpleNamespace
 
     from hf_xmc.training.mufin import MUFINLabelRefreshCallback
 
     model = tiny_model(task)
+    model.encode_label_bags()  # what Module II leaves
+    store = model.label_vectors
     callback = MUFINLabelRefreshCallback(refresh_steps=3)
     args, control = SimpleNamespace(disable_tqdm=True), SimpleNamespace()
     callback.on_train_begin(args, SimpleNamespace(global_step=0, max_steps=9), control, model=model)
-    assert model.label_vectors is not None  # the empty store was filled before the first step
-    before = model.label_vectors.clone()
+    assert model.ranker_label_cache[2] is store  # taken as it is, not encoded again
     with torch.no_grad():
         for p in model.encoder.parameters():
             p.add_(0.05 * torch.randn_like(p))
     for step in (1, 2):
+        model.invalidate_label_index()  # what XMCTrainer.compute_loss does before every step
         callback.on_step_end(args, SimpleNamespace(global_step=step, max_steps=9), control, model=model)
-    assert torch.equal(model.label_vectors, before) and callback.refreshes == 0
+    assert model.ranker_label_cache[2] is store and callback.refreshes == 0
     callback.on_step_end(args, SimpleNamespace(global_step=3, max_steps=9), control, model=model)
-    assert callback.refreshes == 1 and not torch.allclose(model.label_vectors, before)
-    torch.testing.assert_close(model.label_vectors, model.encode_items(model.label_texts, model.label_images))
+    assert callback.refreshes == 1 and not torch.allclose(model.ranker_label_cache[2], store)
+    torch.testing.assert_close(model.ranker_label_cache[2], model.encode_items(model.label_texts, model.label_images))
     callback.on_step_end(args, SimpleNamespace(global_step=9, max_steps=9), control, model=model)
     assert callback.refreshes == 1  # the last step: the centroid callback re-encodes everything after it
+    callback.on_train_end(args, SimpleNamespace(global_step=9, max_steps=9), control, model=model)
+    assert model.ranker_label_cache is None
+    fresh = tiny_model(task)  # a resumed stage: no store left by Module II, the cache is encoded
+    callback.on_train_begin(args, SimpleNamespace(global_step=0, max_steps=9), control, model=fresh)
+    torch.testing.assert_close(fresh.ranker_label_cache[2], fresh.encode_items(fresh.label_texts, fresh.label_images))
     with pytest.raises(ValueError, match="refresh_steps"):
         MUFINLabelRefreshCallback(refresh_steps=-1)
+
+
+def test_train_mufin_with_the_cached_label_side(tiny_task, tiny_encoder_dir, tmp_path):
+    """--ranker_label_side cache through the script: Module IV trains from the cache through the trainer (whose steps
+    invalidate the label store), re-encodes it on schedule, and the saved model predicts as its evaluation did."""
+    _, data_dir = tiny_task
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, os.path.join(ROOT, "training_scripts", "train_mufin.py"),
+        "--train_file", f"{data_dir}/trn.json.gz", "--test_file", f"{data_dir}/tst.json.gz", "--label_file", f"{data_dir}/lbl.json.gz",
+        "--model_name_or_path", tiny_encoder_dir, "--output_dir", str(out), "--num_train_epochs", "2", "--per_device_train_batch_size", "32",
+        "--max_seq_length", "16", "--seed", "1", "--ranker_label_side", "cache", "--ranker_label_refresh_steps", "10", "--disable_tqdm", "true",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("label bags re-encoded at step") == 2  # steps 10 and 20 of 30 (the run logs to stdout)
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["test_P@1"] > 100.0 / 40 * 2  # well above chance on the tiny task's 40 labels
+    data = load_xc_dataset(f"{data_dir}/trn.json.gz", f"{data_dir}/tst.json.gz", f"{data_dir}/lbl.json.gz")
+    model = MUFINModel.from_pretrained(out)
+    assert model.ranker_label_cache is None
+    from hf_xmc.metrics import xmc_metrics
+
+    predicted = model.predict(data.test.texts, k=5)
+    assert xmc_metrics(predicted.label_ids, data.test.targets, ks=(1,))["P@1"] == pytest.approx(results["test_P@1"], abs=1e-6)
+    from hf_xmc.training.recipes.mufin import MUFINTrainingArguments
+
+    for bad, message in (({"ranker_label_side": "store"}, "--ranker_label_side must be"), ({"ranker_label_refresh_steps": -1}, "--ranker_label_refresh_steps must be")):
+        with pytest.raises(ValueError, match=message):
+            MUFINTrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, **bad)

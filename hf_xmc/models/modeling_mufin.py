@@ -51,7 +51,13 @@ from .io_utils import progress_bar_disabled
 from .label_store import LABEL_EMBEDDINGS_FILE, LABEL_EMBEDDINGS_INDEX_FILE
 from .modeling_xmc import XMCPrediction, XMCPreTrainedModel
 from .mufin_blocks import MUFINAttention, MUFINClassifier, masked_sum_normalize, pad_bags
-from .mufin_label_store import LABEL_BAGS_FILE, LABEL_CENTROIDS_FILE, LABEL_IMAGES_FILE, MUFINLabelStoreMixin
+from .mufin_label_store import (
+    LABEL_BAGS_FILE,
+    LABEL_CENTROIDS_FILE,
+    LABEL_IMAGES_FILE,
+    MUFINLabelStoreMixin,
+    gather_bags,
+)
 from .mufin_vision import build_vision_tower, freeze_vision_tower, pretrained_vision_tower
 from .processing_mufin import LazyLabelImages, MUFINProcessor, is_single_image, to_rgb
 from .xmc_losses import mufin_ranker_loss, mufin_triplet_loss
@@ -191,6 +197,8 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
         self.label_centroids: Optional[torch.Tensor] = None
         self.label_centroid_counts: Optional[torch.Tensor] = None
         self.shortlist_row_labels: Optional[torch.Tensor] = None  # label id of each shortlist index row
+        # Module IV's cached label side (bag rows, offsets, z^1): stale on purpose between refreshes (cache_ranker_labels)
+        self.ranker_label_cache: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self.training_stage = "siamese"
         self.post_init()
 
@@ -588,14 +596,15 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
             rates["classifier."] = base_lr * self.classifier_learning_rate_multiplier
         return rates
 
-    def stored_label_side(self, label_ids: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(Z^1 bags, mask, z^1)`` of ``label_ids`` from the label store (encoded without gradient by
-        :meth:`encode_label_bags`), on ``like``'s device and dtype: Module IV's cached label side, where a step sends
+    def cached_label_side(self, label_ids: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(Z^1 bags, mask, z^1)`` of ``label_ids`` from :attr:`ranker_label_cache` (encoded without gradient by
+        :meth:`cache_ranker_labels`), on ``like``'s device and dtype: Module IV's cached label side, where a step sends
         the pool's ids only and no label passes through the encoders."""
-        if self.label_vectors is None:
-            raise ValueError("a ranker batch without label bags reads them from the label store: call model.encode_label_bags() first")
-        bags, mask = self.label_bags(label_ids)
-        vectors = self.label_vectors[label_ids.cpu().long()]
+        if self.ranker_label_cache is None:
+            raise ValueError("a ranker batch without label bags reads them from the ranker label cache: call model.cache_ranker_labels() first")
+        rows, offsets, vectors = self.ranker_label_cache
+        bags, mask = gather_bags(rows, offsets, label_ids)
+        vectors = vectors[label_ids.cpu().long()]
         return bags.to(like.device, like.dtype), mask.to(like.device), vectors.to(like.device, like.dtype)
 
     def set_training_stage(self, stage: str) -> None:
@@ -629,7 +638,7 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
             input_ids / attention_mask / text_item_index / pixel_values / image_item_index / num_items:
                 the query items' bags (:meth:`prepare_bags`): B items.
             label_*: the label pool's bags, same layout: P labels. Ranker stage: without them the pool's bags and
-                vectors come from the label store (:meth:`stored_label_side`; no gradient through the label side).
+                vectors come from the ranker label cache (:meth:`cached_label_side`; no gradient through the label side).
             label_ids: ``(P,)`` label ids of the pool (they select ``eta`` / ``alpha`` in the ranker stage).
             targets: ``(B, P)`` bool, True where pool label l is a positive of query i (all positives, so in-batch
                 negatives are never false negatives).
@@ -654,7 +663,7 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
         if label_input_ids is None and label_pixel_values is None:
             if stage != "ranker" or label_ids is None:
                 return MUFINModelOutput(query_embeds=query_vectors)
-            label_bags, label_mask, label_vectors = self.stored_label_side(label_ids, query_vectors)
+            label_bags, label_mask, label_vectors = self.cached_label_side(label_ids, query_vectors)
         else:
             label_bags, label_mask, label_vectors = self.embed_bags(
                 input_ids=label_input_ids, attention_mask=label_attention_mask, text_item_index=label_text_item_index,

@@ -59,6 +59,19 @@ def label_centroids_from_embeddings(embeddings: Union[torch.Tensor, np.ndarray],
     return torch.from_numpy(np.ascontiguousarray(centroids, dtype=np.float32)), torch.from_numpy(counts.astype(np.int64))
 
 
+def gather_bags(bag_rows: torch.Tensor, offsets: torch.Tensor, label_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ragged bags ``bag_rows[offsets[l]:offsets[l + 1]]`` of ``label_ids`` ``(n,)`` as padded bags ``(n, m, D)`` +
+    mask (m = the longest of them)."""
+    label_ids = label_ids.cpu().long()
+    start = offsets[label_ids]
+    count = offsets[label_ids + 1] - start
+    width = int(count.max()) if label_ids.numel() else 1
+    slots = torch.arange(width)
+    mask = slots.unsqueeze(0) < count.unsqueeze(1)
+    rows = (start.unsqueeze(1) + slots.unsqueeze(0)).clamp(max=bag_rows.shape[0] - 1)
+    return bag_rows[rows] * mask.unsqueeze(-1), mask
+
+
 def open_label_images(path: str) -> LazyLabelImages:
     """The label images of ``path`` as a :class:`LazyLabelImages` view: only the offsets are read (checked against the
     bytes they slice); the images stay in the file until used."""
@@ -226,16 +239,30 @@ class MUFINLabelStoreMixin:
     @torch.no_grad()
     def encode_label_bags(self, batch_size: int = 64, show_progress_bar: Optional[bool] = None) -> None:
         """Encode the attached labels' bags with the current weights (eval mode) into the store: ``Z_l^1`` (ragged
-        rows + offsets) and ``z_l^1``; the shortlist index is dropped (rebuilt on next use). Module IV's cached label
-        side re-encodes through here between refreshes, where no index is needed. Memory: ``4 D`` bytes per bag row
-        and per label."""
+        rows + offsets) and ``z_l^1``; the shortlist index is dropped (rebuilt on next use). Memory: ``4 D`` bytes per
+        bag row and per label."""
+        self.label_bag_rows, self.label_bag_offsets, self.label_vectors = self._encode_label_bags(batch_size, show_progress_bar)
+        self.label_index = None
+
+    def _encode_label_bags(self, batch_size: int, show_progress_bar: Optional[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(bag rows, offsets, vectors)`` of every attached label with the current weights."""
         texts = self._require_labels()
         vectors, bags = self.encode_items(texts, self.label_images, batch_size, show_progress_bar, return_bags=True)
         counts = torch.tensor([b.shape[0] for b in bags])
-        self.label_bag_rows = torch.cat(bags).contiguous()
-        self.label_bag_offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)])
-        self.label_vectors = vectors.contiguous()
-        self.label_index = None
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)])
+        return torch.cat(bags).contiguous(), offsets, vectors.contiguous()
+
+    @torch.no_grad()
+    def cache_ranker_labels(self, batch_size: int = 64, show_progress_bar: Optional[bool] = None, reuse_store: bool = False) -> None:
+        """Fill Module IV's cached label side (:attr:`ranker_label_cache`, what ``forward`` reads when a ranker batch
+        carries the pool's ids without its bags): every label bag encoded with the current weights, or with
+        ``reuse_store`` the label store's bags as they are, when it has them (Module II just encoded them). Unlike the
+        store, the cache survives weight updates: it is stale on purpose until the next call. Memory: ``4 D`` bytes per
+        bag row and per label (shared with the store until either is re-encoded)."""
+        if reuse_store and self.label_vectors is not None:
+            self.ranker_label_cache = (self.label_bag_rows, self.label_bag_offsets, self.label_vectors)
+        else:
+            self.ranker_label_cache = self._encode_label_bags(batch_size, show_progress_bar)
 
     def _reindex_labels(self) -> None:
         """The shortlist index again over the cached label bags and centroids (``set_label_precision``)."""
@@ -249,15 +276,7 @@ class MUFINLabelStoreMixin:
 
     def label_bags(self, label_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached ``Z^1`` of ``label_ids`` ``(n,)`` as padded bags ``(n, m, D)`` + mask (m = the longest of them)."""
-        label_ids = label_ids.cpu().long()
-        start = self.label_bag_offsets[label_ids]
-        count = self.label_bag_offsets[label_ids + 1] - start
-        width = int(count.max()) if label_ids.numel() else 1
-        slots = torch.arange(width)
-        mask = slots.unsqueeze(0) < count.unsqueeze(1)
-        rows = (start.unsqueeze(1) + slots.unsqueeze(0)).clamp(max=self.label_bag_rows.shape[0] - 1)
-        bags = self.label_bag_rows[rows] * mask.unsqueeze(-1)
-        return bags, mask
+        return gather_bags(self.label_bag_rows, self.label_bag_offsets, label_ids)
 
     def shortlist_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The shortlist index rows (unit vectors) and the label id of each.

@@ -50,9 +50,9 @@ class MUFINDataCollator(XMCDataCollator):
             ``"labels"`` (they index :attr:`anchor_labels`, the labels with a training positive; each brings
             ``num_positives`` of its positive items; train on :meth:`anchor_label_dataset`). Ranker batches are
             always over items.
-        stored_label_bags: ranker batches carry the pool's ``label_ids`` without its bags: the model reads ``Z^1`` /
-            ``z^1`` from its label store (``MUFINModel.stored_label_side``), so no label text or image is tokenised,
-            pre-processed or encoded in a step (see :class:`MUFINLabelRefreshCallback`).
+        cached_label_bags: ranker batches carry the pool's ``label_ids`` without its bags: the model reads ``Z^1`` /
+            ``z^1`` from its ranker label cache (``MUFINModel.cached_label_side``), so no label text or image is
+            tokenised, pre-processed or encoded in a step (see :class:`MUFINLabelRefreshCallback`).
         (other arguments: :class:`~hf_xmc.training.collator.XMCDataCollator`; ``tokenizer`` is unused)
     """
 
@@ -61,7 +61,7 @@ class MUFINDataCollator(XMCDataCollator):
     label_images: Optional[Sequence[Sequence[Any]]] = None
     stage: str = "siamese"
     batch_over: str = "items"
-    stored_label_bags: bool = False
+    cached_label_bags: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -136,7 +136,7 @@ class MUFINDataCollator(XMCDataCollator):
         negatives = self.sample_item_negatives(rows, rng)
         parts = [p for p in positives + negatives if len(p)]
         pool = np.unique(np.concatenate(parts)).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-        batch = self._batch(rows, pool, label_bags=not (self.stage == "ranker" and self.stored_label_bags))
+        batch = self._batch(rows, pool, label_bags=not (self.stage == "ranker" and self.cached_label_bags))
         if self.stage == "ranker":
             pair_mask = torch.zeros(len(rows), len(pool), dtype=torch.bool)
             for b, (pos, neg) in enumerate(zip(positives, negatives)):
@@ -193,14 +193,15 @@ def mine_mufin_shortlist(
 
 
 class MUFINLabelRefreshCallback(TrainerCallback):
-    """Module IV's cached label side: re-encode every label bag (``Z^1``, ``z^1``) into the model's label store every
-    ``refresh_steps`` optimizer steps (0: never during the stage; the store Module II left is used throughout).
+    """Module IV's cached label side: the model's ranker label cache (every label's ``Z^1``, ``z^1``) taken from the
+    label store Module II encoded when the stage begins, re-encoded every ``refresh_steps`` optimizer steps (0: never
+    during the stage), dropped when it ends.
 
-    With :class:`MUFINDataCollator`'s ``stored_label_bags`` a ranker step encodes only its queries: the pool's label
-    bags come from the store, without gradient (the text and vision encoders still learn through the query side, which
+    With :class:`MUFINDataCollator`'s ``cached_label_bags`` a ranker step encodes only its queries: the pool's label
+    bags come from the cache, without gradient (the text and vision encoders still learn through the query side, which
     shares their weights; the cross-attention and classifiers learn as before). A refresh costs one forward pass over
-    all labels, so ``refresh_steps`` trades the label side's staleness against that pass. Memory: the store's ``4 D``
-    bytes per bag row and per label, as after Module II.
+    all labels, so ``refresh_steps`` trades the label side's staleness against that pass. Memory: ``4 D`` bytes per
+    bag row and per label while the stage runs (beside the label store, once evaluation re-encodes it).
     """
 
     def __init__(self, refresh_steps: int = 0, batch_size: int = 64):
@@ -210,15 +211,19 @@ class MUFINLabelRefreshCallback(TrainerCallback):
         self.refreshes = 0
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if model.label_vectors is None:  # e.g. a resumed stage: Module II's store was not kept
-            model.encode_label_bags(batch_size=self.batch_size, show_progress_bar=not args.disable_tqdm)
+        # Module II's store, when there (the weights have not moved since); else (a resumed stage) encoded now
+        model.cache_ranker_labels(batch_size=self.batch_size, show_progress_bar=not args.disable_tqdm, reuse_store=True)
         return control
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if self.refresh_steps and state.global_step % self.refresh_steps == 0 and state.global_step < state.max_steps:
-            model.encode_label_bags(batch_size=self.batch_size, show_progress_bar=False)
+            model.cache_ranker_labels(batch_size=self.batch_size, show_progress_bar=False)
             self.refreshes += 1
             logger.info("MUFIN Module IV: label bags re-encoded at step %d", state.global_step)
+        return control
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        model.ranker_label_cache = None  # the stage is over: predictions use the label store, rebuilt from the final weights
         return control
 
 

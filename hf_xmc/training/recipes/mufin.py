@@ -16,8 +16,8 @@ Module III, the cross-attention and classifiers start at their initialisation (i
 IV, fine-tuning for ``--num_train_epochs`` with ``--num_positives`` positives and ``--ranker_negatives`` shortlist
 negatives per item (cosine-embedding loss), encoders at ``--ranker_learning_rate``, the cross-attention at 10x and
 the classifier vectors at 100x that rate (the official code's 5e-5 / 5e-4 / 5e-3); with ``--ranker_label_side
-store`` the pool labels' bags come from the label store (no label through the encoders in a step), re-encoded every
-``--ranker_label_refresh_steps``. After Module IV the label
+cache`` the pool labels' bags come from a cache of Module II's encoding (no label through the encoders in a step),
+re-encoded every ``--ranker_label_refresh_steps``. After Module IV the label
 centroids are recomputed and the label bags re-encoded with the final encoder, so the saved index holds one embedding
 space. Prediction fuses the shortlist score and the classifier score, ``0.7 c + 0.3 a``; labels without a training
 positive are scored zero-shot (``w_l = z_l^1``). Writes OUT/ (loadable with AutoModel.from_pretrained(OUT,
@@ -118,19 +118,19 @@ class MUFINTrainingArguments(XMCTrainingArguments):
     ranker_label_side: str = field(
         default="encoder",
         metadata={
-            "help": "Module IV's label side: 'encoder' (the paper: each step's pool labels through the encoders, with gradient) or 'store' (their bags "
-            "from the label store, encoded without gradient and re-encoded every --ranker_label_refresh_steps: a step encodes its queries only)."
+            "help": "Module IV's label side: 'encoder' (the paper: each step's pool labels through the encoders, with gradient) or 'cache' (their bags "
+            "as Module II encoded them, without gradient, re-encoded every --ranker_label_refresh_steps: a step encodes its queries only)."
         },
     )
     ranker_label_refresh_steps: int = field(
-        default=0, metadata={"help": "With --ranker_label_side store: re-encode all labels every N Module IV steps (0: only Module II's encoding)."}
+        default=0, metadata={"help": "With --ranker_label_side cache: re-encode all labels every N Module IV steps (0: only Module II's encoding)."}
     )
 
     def __post_init__(self):
         if self.siamese_max_steps is not None and self.siamese_max_steps != -1 and self.siamese_max_steps < 1:
             raise ValueError(f"--siamese_max_steps must be -1 (use --siamese_epochs) or at least 1, got {self.siamese_max_steps}")
-        if self.ranker_label_side not in ("encoder", "store"):
-            raise ValueError(f"--ranker_label_side must be 'encoder' or 'store', got {self.ranker_label_side!r}")
+        if self.ranker_label_side not in ("encoder", "cache"):
+            raise ValueError(f"--ranker_label_side must be 'encoder' or 'cache', got {self.ranker_label_side!r}")
         if self.ranker_label_refresh_steps < 0:
             raise ValueError(f"--ranker_label_refresh_steps must be >= 0 (0: only Module II's encoding), got {self.ranker_label_refresh_steps}")
         super().__post_init__()
@@ -164,7 +164,7 @@ def build_collator(model: MUFINModel, data: XCData, args: MUFINTrainingArguments
         label_images=data.label_images,
         stage=stage,
         batch_over=args.siamese_batch_over,
-        stored_label_bags=args.ranker_label_side == "store",
+        cached_label_bags=args.ranker_label_side == "cache",
     )
 
 
@@ -253,7 +253,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     collator = pretrain_and_mine(model, data, training_args, **stage_evaluation(data, evaluator))
     # after Module IV the centroids are recomputed with the final encoder: evaluation and the saved index use one space
     callbacks = [MUFINCentroidCallback(data.train.texts, data.train.images, data.train.targets, batch_size=data_args.eval_batch_size)]
-    if training_args.ranker_label_side == "store":  # the pool's label bags come from the store, re-encoded on this schedule
+    if training_args.ranker_label_side == "cache":  # the pool's label bags come from the cache, re-encoded on this schedule
         callbacks.insert(0, MUFINLabelRefreshCallback(training_args.ranker_label_refresh_steps, batch_size=data_args.eval_batch_size))
     return train_and_evaluate(model, data, evaluator, _stage_args(training_args, "ranker"), data_collator=collator, callbacks=callbacks)
 
