@@ -200,8 +200,10 @@ class MUFINLabelRefreshCallback(TrainerCallback):
     With :class:`MUFINDataCollator`'s ``cached_label_bags`` a ranker step encodes only its queries: the pool's label
     bags come from the cache, without gradient (the text and vision encoders still learn through the query side, which
     shares their weights; the cross-attention and classifiers learn as before). A refresh costs one forward pass over
-    all labels, so ``refresh_steps`` trades the label side's staleness against that pass. Memory: ``4 D`` bytes per
-    bag row and per label while the stage runs (beside the label store, once evaluation re-encodes it).
+    all labels, so ``refresh_steps`` trades the label side's staleness against that pass. A resumed stage starts
+    from Module II's encoding again (the recipe mines again with Module I's weights read back): the same cache as an
+    uninterrupted run with ``refresh_steps`` 0, an older one until the next refresh otherwise. Memory: ``4 D`` bytes
+    per bag row and per label while the stage runs (beside the label store, once evaluation re-encodes it).
     """
 
     def __init__(self, refresh_steps: int = 0, batch_size: int = 64):
