@@ -484,6 +484,26 @@ def test_label_refresh_callback_keeps_the_cache_through_weight_updates_and_re_en
         MUFINLabelRefreshCallback(refresh_steps=-1)
 
 
+def test_ranker_label_cache_survives_the_same_labels_attached_again(task):
+    """The Module IV trainer attaches the run's labels once more (set_labels): the cache of Module II's encoding stays
+    for the same texts and images, and goes when the labels differ (other images, none, another text)."""
+    data, *_ = task
+    model = tiny_model(task)
+    model.set_labels(data.label_texts, data.label_uids, list(data.train.images[:NUM_LABELS]))
+    model.cache_ranker_labels()
+    cache = model.ranker_label_cache
+    model.set_labels(list(data.label_texts), data.label_uids, list(data.train.images[:NUM_LABELS]))  # the same labels again
+    assert model.ranker_label_cache is cache
+    for texts, images in (
+        (data.label_texts, list(data.train.images[1 : NUM_LABELS + 1])),  # other images
+        (data.label_texts, None),  # the images dropped
+        (["x"] + list(data.label_texts[1:]), None),  # another text
+    ):
+        model.cache_ranker_labels()
+        model.set_labels(texts, data.label_uids, images)
+        assert model.ranker_label_cache is None
+
+
 def test_train_mufin_with_the_cached_label_side(tiny_task, tiny_encoder_dir, tmp_path):
     """--ranker_label_side cache through the script: Module IV trains from the cache through the trainer (whose steps
     invalidate the label store), re-encodes it on schedule, and the saved model predicts as its evaluation did."""
@@ -498,6 +518,7 @@ def test_train_mufin_with_the_cached_label_side(tiny_task, tiny_encoder_dir, tmp
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=600, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("label bags re-encoded at step") == 2  # steps 10 and 20 of 30 (the run logs to stdout)
+    assert "no cached label bags yet" not in proc.stdout  # Module II's encoding was kept for Module IV, not done again
     results = json.loads((out / "eval_results.json").read_text())
     assert results["test_P@1"] > 100.0 / 40 * 2  # well above chance on the tiny task's 40 labels
     data = load_xc_dataset(f"{data_dir}/trn.json.gz", f"{data_dir}/tst.json.gz", f"{data_dir}/lbl.json.gz")

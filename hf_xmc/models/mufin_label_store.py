@@ -108,7 +108,8 @@ class MUFINLabelStoreMixin:
 
     def set_labels(self, texts: Optional[Sequence[Optional[str]]], uids: Optional[Sequence[str]] = None, images: Optional[Sequence[Any]] = None) -> None:
         """Attach the label space: a text (``None`` or blank = none) and/or a bag of images per label, in label-id
-        order. Drops the cached bags and index.
+        order. Drops the cached bags and index (and Module IV's ranker label cache, unless the same labels come again:
+        the training stage's trainer attaches the labels it was given once more).
 
         A model with classifiers for ``label_space_size`` labels takes those labels first, in their training order;
         labels after them (added without retraining) are scored zero-shot (``w_l = z_l^1``) in the same index.
@@ -126,7 +127,13 @@ class MUFINLabelStoreMixin:
         if not self.config.zero_shot and n > known:
             logger.info("%d labels after the %d with classifiers are scored zero-shot (w_l = z_l^1)", n - known, known)
         norm_texts, bags = self._normalize_items(texts, images)  # validates: every label needs a descriptor
-        super().set_labels(["" if t is None else t for t in norm_texts], uids)
+        texts = ["" if t is None else t for t in norm_texts]
+        if self.ranker_label_cache is not None:  # Module IV's cache is of the labels it was encoded from
+            current = self.label_images if self.label_images is not None else [[] for _ in texts]
+            same_images = bags is current or (isinstance(bags, list) and isinstance(current, list) and bags == current)
+            if texts != self.label_texts or not same_images:
+                self.ranker_label_cache = None
+        super().set_labels(texts, uids)
         self.label_images = bags if has_images(bags) else None
         self.label_images_missing = False
         rows = self.label_centroids.shape[0] if self.label_centroids is not None else n

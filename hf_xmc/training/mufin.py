@@ -193,9 +193,9 @@ def mine_mufin_shortlist(
 
 
 class MUFINLabelRefreshCallback(TrainerCallback):
-    """Module IV's cached label side: the model's ranker label cache (every label's ``Z^1``, ``z^1``) taken from the
-    label store Module II encoded when the stage begins, re-encoded every ``refresh_steps`` optimizer steps (0: never
-    during the stage), dropped when it ends.
+    """Module IV's cached label side: the model's ranker label cache (every label's ``Z^1``, ``z^1``; the recipe fills
+    it from the label store Module II encoded, :func:`mine_mufin_shortlist`; empty, it is filled when the stage
+    begins), re-encoded every ``refresh_steps`` optimizer steps (0: never during the stage), dropped when it ends.
 
     With :class:`MUFINDataCollator`'s ``cached_label_bags`` a ranker step encodes only its queries: the pool's label
     bags come from the cache, without gradient (the text and vision encoders still learn through the query side, which
@@ -213,8 +213,11 @@ class MUFINLabelRefreshCallback(TrainerCallback):
         self.refreshes = 0
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        # Module II's store, when there (the weights have not moved since); else (a resumed stage) encoded now
-        model.cache_ranker_labels(batch_size=self.batch_size, show_progress_bar=not args.disable_tqdm, reuse_store=True)
+        # the recipe caches Module II's encoding right after mining (the trainer's set_labels then drops the store);
+        # without it (the callback used on its own) the labels are encoded now
+        if model.ranker_label_cache is None:
+            logger.info("MUFIN Module IV: no cached label bags yet: taken from the label store or encoded now")
+            model.cache_ranker_labels(batch_size=self.batch_size, show_progress_bar=not args.disable_tqdm, reuse_store=True)
         return control
 
     def on_step_end(self, args, state, control, model=None, **kwargs):

@@ -231,6 +231,8 @@ def pretrain_and_mine(model: MUFINModel, data: XCData, args: MUFINTrainingArgume
     collator.set_shortlist(
         mine_mufin_shortlist(model, data.train.texts, data.train.images, data.train.targets, top_k=args.hard_negative_top_k, show_progress_bar=not args.disable_tqdm)
     )
+    if args.ranker_label_side == "cache":  # Module II's label encoding, kept for Module IV before its trainer resets the labels
+        model.cache_ranker_labels(reuse_store=True)
     model.set_training_stage("ranker")
     return collator
 
