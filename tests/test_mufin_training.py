@@ -533,3 +533,13 @@ def test_train_mufin_with_the_cached_label_side(tiny_task, tiny_encoder_dir, tmp
     for bad, message in (({"ranker_label_side": "store"}, "--ranker_label_side must be"), ({"ranker_label_refresh_steps": -1}, "--ranker_label_refresh_steps must be")):
         with pytest.raises(ValueError, match=message):
             MUFINTrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, **bad)
+
+
+def test_ranker_label_side_auto_caches_from_ten_thousand_labels(tmp_path):
+    """--ranker_label_side auto: the cached label side on large label spaces, the paper's end-to-end one on small."""
+    from hf_xmc.training.recipes.mufin import RANKER_CACHE_MIN_LABELS, MUFINTrainingArguments, resolve_ranker_label_side
+
+    assert RANKER_CACHE_MIN_LABELS == 10_000
+    assert [resolve_ranker_label_side("auto", n) for n in (90, 9_999, 10_000, 1_300_000)] == ["encoder", "encoder", "cache", "cache"]
+    assert [resolve_ranker_label_side(side, 1_300_000) for side in ("encoder", "cache")] == ["encoder", "cache"]
+    assert MUFINTrainingArguments(output_dir=str(tmp_path), use_cpu=True, ranker_label_side="auto").ranker_label_side == "auto"
