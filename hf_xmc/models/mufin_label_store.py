@@ -105,6 +105,7 @@ class MUFINLabelStoreMixin:
     label_centroids: Optional[torch.Tensor]
     label_centroid_counts: Optional[torch.Tensor]
     shortlist_row_labels: Optional[torch.Tensor]
+    ranker_label_cache: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # Module IV's (bag rows, offsets, z^1)
 
     def set_labels(self, texts: Optional[Sequence[Optional[str]]], uids: Optional[Sequence[str]] = None, images: Optional[Sequence[Any]] = None) -> None:
         """Attach the label space: a text (``None`` or blank = none) and/or a bag of images per label, in label-id
