@@ -24,6 +24,13 @@ clustering and the hard-negative mining at the first epoch instead of later ones
 2. a second fresh process: ``AutoModel.from_pretrained(dir, trust_remote_code=True)``, ``predict(k=100)`` on the test
    set (P@1, R@100), latency at batch 1 and 256.
 
+``mufin:multimodal`` runs on a task with images (``--images_per_item 4.91 --labels_per_point 1 15``:
+MM-AmazonTitles-300K's shape, 586,781 items, 303,296 labels, 8.13 labels and 4.91 images per item, up to 15): each
+item and label points at Binomial(15, 4.91 / 15) files of a pool of ``--image_pool`` generated PNG images of
+``--image_size`` pixels (mostly the pool images of its labels, so images carry the labels as the texts' planted words
+do), read and decoded from disk at every pass as a real dataset's would be, through a random ViT of ``--vision_layers``
+layers (0: patch and position embeddings, LayerNorm, pooler) with its image processor.
+
 Every run builds an ``ivf`` label index (``--index_kind``, ``--ivf_nprobe 16``) for hard-negative mining, evaluation
 and the saved model: exact search of 2.2M training queries against 1.3M labels is about 10^15 multiply-adds, hours on
 2 CPU cores, where IVF at nprobe 16 (recall@100 ~0.90, ``bench_index.py``) takes minutes; the memory is the same.
@@ -95,6 +102,9 @@ VARIANTS = {
     # (the official cheaper ranker's frozen label features): a step at batch 1023 would otherwise encode ~14K label
     # texts with gradient
     ("mufin", "text"): {"batch_size": 1023, "args": ["--ranker_label_side", "cache"]},
+    # the same on items and labels with images (--images_per_item: MM-AmazonTitles-300K's 4.91), through a random ViT
+    # trained whole (a tower built at random stays random frozen)
+    ("mufin", "multimodal"): {"batch_size": 1023, "args": ["--ranker_label_side", "cache", "--vision_trainable_layers", "-1"], "images": True},
 }
 DEFAULT_VARIANT = {"dexml": "in_batch", "prime": "default", "unidec": "default", "siamesexml": "transformer", "mufin": "text"}
 GIB = 1024**3
@@ -229,8 +239,57 @@ class StageRecorder:
 
 
 # --------------------------------------------------------------------------------------------------- data + encoder
-def make_task(data_dir: str, num_labels: int, num_train: int, num_test: int, seed: int = 0, topic_size: int | None = None) -> dict:
-    """Write the synthetic task (trn/tst/lbl.json.gz) and a tiny encoder into ``data_dir`` unless already there."""
+#: most images per item or label (MM-AmazonTitles-300K: "up to 15", mufin.md 6)
+MAX_IMAGES = 15
+
+
+def write_image_pool(directory: str, count: int, size: int, seed: int = 0) -> list[str]:
+    """``count`` small RGB PNG files of ``size`` x ``size`` pixels (a colour field with one inverted column, both from
+    the image's number) that the synthetic items and labels point at; files already there are kept. Returns their
+    absolute paths. Memory: the paths (~100 bytes each); disk: ~100 bytes a file at 32 x 32."""
+    import numpy as np
+    from PIL import Image
+
+    os.makedirs(directory, exist_ok=True)
+    colours = np.random.default_rng(seed).integers(0, 256, size=(count, 3), dtype=np.uint8)
+    paths = []
+    for j in range(count):
+        path = os.path.abspath(os.path.join(directory, f"img{j:06d}.png"))
+        if not os.path.exists(path):
+            pixels = np.empty((size, size, 3), dtype=np.uint8)
+            pixels[:] = colours[j]
+            pixels[:, j % size] = 255 - colours[j]
+            Image.fromarray(pixels).save(path + ".tmp", format="PNG")
+            os.replace(path + ".tmp", path)
+        paths.append(path)
+    return paths
+
+
+def draw_images(pool: list[str], owners: list, mean_images: float, seed: int, label_share: float = 0.8) -> list[list[str]]:
+    """One image list per owner (an item's label ids, or ``[l]`` for label ``l``): Binomial(15, mean / 15) images each
+    (MM-AmazonTitles-300K: up to 15, 4.91 an item on average), each the pool image of one of the owner's labels
+    (``pool[l % len(pool)]``) with probability ``label_share``, else a random pool image: images carry the labels the
+    way the texts' planted words do. The lists hold references to the pool's strings: 8 bytes an image in memory."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    counts = rng.binomial(MAX_IMAGES, min(mean_images / MAX_IMAGES, 1.0), size=len(owners))
+    out = []
+    for labels, k in zip(owners, counts.tolist()):
+        if not k:
+            out.append([])
+            continue
+        from_labels = rng.random(k) < label_share if len(labels) else np.zeros(k, dtype=bool)
+        picks = np.where(from_labels, np.asarray(labels)[rng.integers(0, max(len(labels), 1), size=k)] if len(labels) else 0,
+                         rng.integers(0, len(pool), size=k)) % len(pool)
+        out.append([pool[j] for j in picks.tolist()])
+    return out
+
+
+def make_task(data_dir: str, num_labels: int, num_train: int, num_test: int, seed: int = 0, topic_size: int | None = None,
+              images_per_item: float = 0.0, image_pool: int = 4096, image_size: int = 32, labels_per_point: tuple[int, int] = (1, 43)) -> dict:
+    """Write the synthetic task (trn/tst/lbl.json.gz) into ``data_dir`` unless already there; with ``images_per_item``
+    every item and label also points at images of a pool of ``image_pool`` generated PNG files (``draw_images``)."""
     done = os.path.join(data_dir, "task.json")
     if os.path.exists(done):
         with open(done) as f:
@@ -244,11 +303,19 @@ def make_task(data_dir: str, num_labels: int, num_train: int, num_test: int, see
     # 1-43 labels per query (mean 22, as LF-AmazonTitles-1.3M's 22.2); Zipf 0.6 over label ranks: the top label in
     # ~2.5% of the queries, the rarest in ~14 at 1.3M labels (a=1.1 puts one label in almost every query at this depth)
     data = make_synthetic_xmc(
-        num_labels, num_train, num_test, labels_per_point=(1, 43), zipf_a=0.6, noise_words=4, seed=seed, topic_size=topic_size
+        num_labels, num_train, num_test, labels_per_point=labels_per_point, zipf_a=0.6, noise_words=4, seed=seed, topic_size=topic_size
     )
+    label_images = None
+    if images_per_item:
+        pool = write_image_pool(os.path.join(data_dir, "images"), image_pool, image_size, seed=seed)
+        for offset, split in enumerate((data.train, data.test)):
+            targets = split.targets
+            owners = [targets.indices[targets.indptr[i]:targets.indptr[i + 1]] for i in range(targets.shape[0])]
+            split.images = draw_images(pool, owners, images_per_item, seed=seed + 1 + offset)
+        label_images = draw_images(pool, [[label] for label in range(num_labels)], images_per_item, seed=seed + 3, label_share=0.5)
     write_xc_raw(os.path.join(data_dir, "trn.json.gz"), data.train)
     write_xc_raw(os.path.join(data_dir, "tst.json.gz"), data.test)
-    write_xc_labels(os.path.join(data_dir, "lbl.json.gz"), data.label_uids, data.label_texts)
+    write_xc_labels(os.path.join(data_dir, "lbl.json.gz"), data.label_uids, data.label_texts, images=label_images)
     counts = np.asarray(data.train.targets.sum(axis=0)).ravel()
     stats = {
         "num_labels": num_labels, "num_train": num_train, "num_test": num_test,
@@ -258,6 +325,11 @@ def make_task(data_dir: str, num_labels: int, num_train: int, num_test: int, see
         "word_letters": len(data.label_texts[0].split()[1]), "seconds": round(time.perf_counter() - start, 1),
         "topic_size": topic_size,
     }
+    if images_per_item:
+        stats.update(
+            images_per_item=round(sum(map(len, data.train.images)) / max(num_train, 1), 2),
+            images_per_label=round(sum(map(len, label_images)) / num_labels, 2), image_pool=image_pool, image_size=image_size,
+        )
     with open(done, "w") as f:
         json.dump(stats, f, indent=2)
     return stats
@@ -289,6 +361,24 @@ def make_encoder(directory: str, word_letters: int, layers: int, hidden: int = 3
         intermediate_size=hidden, max_position_embeddings=64,
     )
     BertModel(config).save_pretrained(directory)
+    return directory
+
+
+def make_vision_encoder(directory: str, image_size: int, layers: int, hidden: int = 384) -> str:
+    """A random ViT (``layers`` transformer layers, hidden ``hidden``, 2 x 2 patches of ``image_size`` / 2) and its
+    image processor: the vision side's counterpart of ``make_encoder`` (patch and position embeddings, LayerNorm and
+    pooler at 0 layers), so encoding millions of images costs what decoding and resizing them costs."""
+    if os.path.exists(os.path.join(directory, "config.json")):
+        return directory
+    import torch
+    from transformers import ViTConfig, ViTImageProcessor, ViTModel
+
+    os.makedirs(directory, exist_ok=True)
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=image_size, patch_size=image_size // 2, hidden_size=hidden, num_hidden_layers=layers,
+                       num_attention_heads=6, intermediate_size=hidden)
+    ViTModel(config).save_pretrained(directory)  # with its pooler: MUFIN reads pooler_output (vision_pooling "pooler")
+    ViTImageProcessor(size={"height": image_size, "width": image_size}).save_pretrained(directory)
     return directory
 
 
@@ -348,6 +438,8 @@ def train_worker(cfg: dict) -> dict:
     ]
     if cfg["method"] == "mufin":  # Module I and Module IV get --steps each; the recipe's fusion as given, no channel
         argv += ["--siamese_max_steps", str(cfg["steps"])]
+        if cfg.get("vision_encoder"):
+            argv += ["--vision_model_name_or_path", cfg["vision_encoder"]]
     if cfg["method"] == "siamesexml":  # --max_steps bounds Module I only: Module IV gets the same budget of steps
         # [C]'s fusion weight as given, so no validation split is held out to tune it: the pipeline of the committed rows
         argv += ["--classifier_max_steps", str(cfg["steps"]), "--fusion_weight", "0.5"]
@@ -381,8 +473,9 @@ def reload_worker(cfg: dict) -> dict:
         with rec.stage("reload"):
             model = AutoModel.from_pretrained(cfg["output_dir"], trust_remote_code=True)
         test = read_xc_raw(os.path.join(cfg["data_dir"], "tst.json.gz"), num_labels=len(model.label_texts))
+        images = {"images": test.images} if test.images is not None else {}  # MUFIN's items with images
         with rec.stage("predict"):
-            pred = model.predict(test.texts, k=100, batch_size=1024)
+            pred = model.predict(test.texts, k=100, batch_size=1024, **images)
         metrics = xmc_metrics(pred.label_ids, test.targets, None, ks=(1, 5), recall_ks=(100,))
         latency = {}
         texts = test.texts
@@ -390,9 +483,10 @@ def reload_worker(cfg: dict) -> dict:
             times = []
             reps = 50 if batch == 1 else 8
             for r in range(reps):
-                chunk = [texts[(r * batch + j) % len(texts)] for j in range(batch)]
+                rows = [(r * batch + j) % len(texts) for j in range(batch)]
+                chunk = {"images": [test.images[i] for i in rows]} if images else {}
                 start = time.perf_counter()
-                model.predict(chunk, k=100, batch_size=batch)
+                model.predict([texts[i] for i in rows], k=100, batch_size=batch, **chunk)
                 times.append(time.perf_counter() - start)
             latency[f"batch_{batch}_ms"] = round(1000 * float(np.median(times)), 2)
     return {"stages": rec.stages, "P@1": float(metrics["P@1"]), "P@5": float(metrics["P@5"]), "R@100": float(metrics["R@100"]), "latency": latency}
@@ -471,8 +565,11 @@ def merge_parts(parts: list[dict]) -> dict:
     return merged
 
 
-def run_variant(method: str, variant: str, args, task: dict, encoder: str) -> dict:
+def run_variant(method: str, variant: str, args, task: dict, encoder: str, vision_encoder: str | None = None) -> dict:
     spec = VARIANTS[(method, variant)]
+    if bool(spec.get("images")) != bool(task.get("images_per_item")):
+        need = "needs a task with images (--images_per_item, e.g. 4.91)" if spec.get("images") else "runs on a text-only task (--images_per_item 0)"
+        raise SystemExit(f"bench_scale.py: {method}:{variant} {need}")
     batch_size = args.batch_size or spec["batch_size"]
     steps = args.all_label_steps if variant == "all_label" else args.steps
     extra = list(spec["args"]) + shlex.split(args.train_args)
@@ -482,11 +579,12 @@ def run_variant(method: str, variant: str, args, task: dict, encoder: str) -> di
     cfg = {
         "method": method, "variant": variant, "data_dir": args.data_dir, "encoder": encoder, "output_dir": out_dir,
         "steps": steps, "batch_size": batch_size, "max_seq_length": args.max_seq_length, "args": extra,
-        "index_kind": args.index_kind, "ivf_nprobe": args.ivf_nprobe,
+        "index_kind": args.index_kind, "ivf_nprobe": args.ivf_nprobe, "vision_encoder": vision_encoder if spec.get("images") else None,
     }
     row = {
         "method": method, "variant": variant, "num_labels": task["num_labels"], "num_train": task["num_train"],
         "num_test": task["num_test"], "steps": steps, "batch_size": batch_size, "encoder_layers": args.encoder_layers,
+        "vision_layers": args.vision_layers if spec.get("images") else None,
         "encoder": os.path.basename(os.path.normpath(args.encoder)) if args.encoder else f"random-{args.encoder_layers}l",
         "train_args": args.train_args, "device": _device_name(),
         "index_kind": args.index_kind, "ivf_nprobe": args.ivf_nprobe if args.index_kind == "ivf" else None,
@@ -608,6 +706,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--ivf_nprobe", type=int, default=16, help="Lists an ivf index scans (recall@100 ~0.90 at 16 at 1.3M labels).")
     parser.add_argument("--encoder_layers", type=int, default=0, help="Transformer layers of the random encoder (hidden 384).")
     parser.add_argument(
+        "--labels_per_point", type=int, nargs=2, default=(1, 43),
+        help="Fewest and most labels per item (1 43: LF-AmazonTitles-1.3M's mean 22.2; 1 15 for MM-AmazonTitles-300K's 8.13).",
+    )
+    parser.add_argument(
+        "--images_per_item", type=float, default=0.0,
+        help="Mean images per item and label (MM-AmazonTitles-300K: 4.91, up to 15), from a pool of generated PNG files "
+        "(0: a text-only task). mufin:multimodal needs them.",
+    )
+    parser.add_argument("--image_pool", type=int, default=4096, help="Distinct image files the items and labels point at.")
+    parser.add_argument("--image_size", type=int, default=32, help="Side of the generated images and of the random ViT's input.")
+    parser.add_argument("--vision_layers", type=int, default=0, help="Transformer layers of the random ViT (hidden 384).")
+    parser.add_argument(
         "--encoder", default=None,
         help="An encoder directory to use instead of the random one (e.g. all-MiniLM-L6-v2 for the GPU run).",
     )
@@ -647,22 +757,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
     shape = f"L{args.num_labels}-N{args.num_train}-T{args.num_test}"
     if args.topic_size:
         shape += f"-topic{args.topic_size}"
+    if tuple(args.labels_per_point) != (1, 43):
+        shape += "-lpp{}-{}".format(*args.labels_per_point)
+    if args.images_per_item:
+        shape += f"-img{args.images_per_item:g}x{args.image_pool}x{args.image_size}"
     args.data_dir = args.data_dir or os.path.join(REPO, "outputs", "scale", shape)
     args.work_dir = args.work_dir or os.path.join(args.data_dir, "runs")
     print(f"task {shape} in {args.data_dir}", flush=True)
-    task = make_task(args.data_dir, args.num_labels, args.num_train, args.num_test, topic_size=args.topic_size)
+    task = make_task(args.data_dir, args.num_labels, args.num_train, args.num_test, topic_size=args.topic_size,
+                     images_per_item=args.images_per_item, image_pool=args.image_pool, image_size=args.image_size,
+                     labels_per_point=tuple(args.labels_per_point))
     print(json.dumps(task), flush=True)
     if args.encoder:
         encoder = args.encoder
     else:
         encoder = make_encoder(os.path.join(args.data_dir, f"encoder-{args.encoder_layers}l"), task["word_letters"], args.encoder_layers)
+    vision_encoder = None
+    if args.images_per_item:
+        vision_encoder = make_vision_encoder(os.path.join(args.data_dir, f"vit-{args.vision_layers}l"), args.image_size, args.vision_layers)
 
     rows: list[dict] = []
     if args.merge and os.path.exists(args.out):
         rows = [r for r in read_json(args.out) if (r["method"], r["variant"]) not in variants]
     for method, variant in variants:
         print(f"--- {method}:{variant}", flush=True)
-        row = run_variant(method, variant, args, task, encoder)
+        row = run_variant(method, variant, args, task, encoder, vision_encoder)
         row["task"] = task
         rows = [r for r in rows if (r["method"], r["variant"]) != (method, variant)] + [row]
         write_json(args.out, rows, sort_keys=False)  # after every row: a run stopped later keeps what it measured

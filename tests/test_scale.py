@@ -242,3 +242,52 @@ def test_bench_scale_resumed_row_adds_up_its_parts(tmp_path):
     # without --resume the row starts fresh: earlier parts and the model directory are removed
     assert bench_scale.earlier_parts(log, str(out_dir), resume=False) == []
     assert not out_dir.exists() and not list(tmp_path.glob("siamesexml-boe.train.*"))
+
+
+def test_synthetic_images_point_at_the_pool_images_of_their_labels(tmp_path):
+    """``draw_images``: Binomial(15, mean / 15) images per owner, each its labels' pool image with probability
+    ``label_share`` (1: always; 0: never a deliberate pick), the pool written once as PNG files of the asked size."""
+    import numpy as np
+    from PIL import Image
+
+    from benchmarks import bench_scale
+
+    pool = bench_scale.write_image_pool(str(tmp_path / "images"), 16, 8)
+    assert len(pool) == 16 and Image.open(pool[3]).size == (8, 8)
+    assert bench_scale.write_image_pool(str(tmp_path / "images"), 16, 8) == pool  # files already there are kept
+    owners = [np.array([1, 21]), np.array([5]), np.array([], dtype=np.int64)] * 200
+    images = bench_scale.draw_images(pool, owners, 4.9, seed=0, label_share=1.0)
+    counts = np.array([len(x) for x in images])
+    assert counts.max() <= bench_scale.MAX_IMAGES and abs(counts.mean() - 4.9) < 0.5
+    for labels, paths in zip(owners, images):
+        allowed = {pool[label % 16] for label in labels.tolist()} if len(labels) else set(pool)
+        assert set(paths) <= allowed
+    assert {pool[1], pool[5]} <= {p for paths in images for p in paths}
+    assert bench_scale.draw_images(pool, owners, 4.9, seed=0, label_share=1.0) == images  # seeded
+
+
+def test_bench_scale_multimodal_mufin_reads_and_ranks_images(tmp_path):
+    """mufin:multimodal on a small synthetic task with images: the task's items and labels point at the generated
+    PNG files, every stage runs through a random ViT, the saved model keeps the label images and the reloaded model
+    ranks test items given with their images."""
+    from benchmarks import bench_scale
+    from hf_xmc.data import read_xc_raw
+
+    data = tmp_path / "task"
+    rows = bench_scale.main([
+        "--methods", "mufin:multimodal", "--num_labels", "400", "--num_train", "200", "--num_test", "40", "--steps", "2",
+        "--batch_size", "16", "--labels_per_point", "1", "4", "--images_per_item", "3", "--image_pool", "32",
+        "--image_size", "16", "--index_kind", "exact", "--data_dir", str(data), "--out", str(tmp_path / "scale.json"),
+    ])
+    row = rows[0]
+    assert row["completed"], row.get("error")
+    assert row["task"]["image_pool"] == 32 and 2 < row["task"]["images_per_item"] < 4 and row["vision_layers"] == 0
+    test = read_xc_raw(str(data / "tst.json.gz"), num_labels=400)
+    assert sum(map(len, test.images)) > 0 and all(p.startswith(str(data / "images")) for paths in test.images for p in paths)
+    for stage in ("train:train.steps", "train:hard_negative_mining", "train:train.label_state", "reload:predict"):
+        assert row["stages"][stage]["seconds"] >= 0, stage
+    assert (data / "runs" / "mufin-multimodal" / "mufin_label_images.safetensors").exists()
+    assert row["R@100"] > 0 and row["latency_ms"]["batch_256_ms"] > 0
+    with pytest.raises(SystemExit, match="needs a task with images"):
+        bench_scale.main(["--methods", "mufin:multimodal", "--num_labels", "400", "--num_train", "200", "--num_test", "40",
+                          "--data_dir", str(tmp_path / "text"), "--out", str(tmp_path / "text.json")])
