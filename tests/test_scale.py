@@ -268,8 +268,8 @@ def test_synthetic_images_point_at_the_pool_images_of_their_labels(tmp_path):
 
 def test_bench_scale_multimodal_mufin_reads_and_ranks_images(tmp_path):
     """mufin:multimodal on a small synthetic task with images: the task's items and labels point at the generated
-    PNG files, every stage runs through a random ViT, the saved model keeps the label images and the reloaded model
-    ranks test items given with their images."""
+    PNG files, every stage runs through a random ViT, the saved model keeps the label images and its ivf index (the
+    script's --index_kind), and the reloaded model ranks test items given with their images."""
     from benchmarks import bench_scale
     from hf_xmc.data import read_xc_raw
 
@@ -277,7 +277,7 @@ def test_bench_scale_multimodal_mufin_reads_and_ranks_images(tmp_path):
     rows = bench_scale.main([
         "--methods", "mufin:multimodal", "--num_labels", "400", "--num_train", "200", "--num_test", "40", "--steps", "2",
         "--batch_size", "16", "--labels_per_point", "1", "4", "--images_per_item", "3", "--image_pool", "32",
-        "--image_size", "16", "--index_kind", "exact", "--data_dir", str(data), "--out", str(tmp_path / "scale.json"),
+        "--image_size", "16", "--data_dir", str(data), "--out", str(tmp_path / "scale.json"),
     ])
     row = rows[0]
     assert row["completed"], row.get("error")
@@ -286,7 +286,10 @@ def test_bench_scale_multimodal_mufin_reads_and_ranks_images(tmp_path):
     assert sum(map(len, test.images)) > 0 and all(p.startswith(str(data / "images")) for paths in test.images for p in paths)
     for stage in ("train:train.steps", "train:hard_negative_mining", "train:train.label_state", "reload:predict"):
         assert row["stages"][stage]["seconds"] >= 0, stage
-    assert (data / "runs" / "mufin-multimodal" / "mufin_label_images.safetensors").exists()
+    run = data / "runs" / "mufin-multimodal"
+    assert (run / "mufin_label_images.safetensors").exists()
+    meta = json.loads((run / "label_index.json").read_text())  # --index_kind ivf --ivf_nprobe 16 reach MUFIN's script
+    assert (meta["kind"], meta["ivf_nprobe"]) == ("ivf", 16)
     assert row["R@100"] > 0 and row["latency_ms"]["batch_256_ms"] > 0
     with pytest.raises(SystemExit, match="needs a task with images"):
         bench_scale.main(["--methods", "mufin:multimodal", "--num_labels", "400", "--num_train", "200", "--num_test", "40",

@@ -99,6 +99,11 @@ class MUFINModelArguments:
     save_label_images: bool = field(
         default=True, metadata={"help": "Store the label images (their file bytes) with the model, so a reload can re-encode the labels from texts and images."}
     )
+    index_kind: str = field(
+        default="exact",
+        metadata={"help": "Index over the label bags and centroids (Module II's shortlists, evaluation, the saved model): exact | ivf | hnsw | torch (ivf or hnsw at 10^5+ labels on a CPU)."},
+    )
+    ivf_nprobe: int = field(default=64, metadata={"help": "Lists an ivf index scans per query."})
 
 
 @dataclass
