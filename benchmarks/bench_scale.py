@@ -669,6 +669,8 @@ def format_table(rows: list[dict]) -> str:
         name = f"{r['method']}:{r['variant']}" + ("" if r["completed"] else " (failed)")
         if (r.get("task") or {}).get("topic_size"):
             name += f" (topics of {r['task']['topic_size']})"
+        if (r.get("task") or {}).get("images_per_item"):
+            name += f" ({r['task']['images_per_item']} images an item)"
         if r.get("train_args"):  # rows of one table that differ only in extra flags (an A/B) stay apart
             name += f" `{r['train_args']}`"
         kind = r.get("index_kind", "exact")  # rows from before --index_kind searched exactly

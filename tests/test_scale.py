@@ -291,6 +291,7 @@ def test_bench_scale_multimodal_mufin_reads_and_ranks_images(tmp_path):
     meta = json.loads((run / "label_index.json").read_text())  # --index_kind ivf --ivf_nprobe 16 reach MUFIN's script
     assert (meta["kind"], meta["ivf_nprobe"]) == ("ivf", 16)
     assert row["R@100"] > 0 and row["latency_ms"]["batch_256_ms"] > 0
+    assert f"mufin:multimodal ({row['task']['images_per_item']} images an item)" in bench_scale.format_table(rows)
     with pytest.raises(SystemExit, match="needs a task with images"):
         bench_scale.main(["--methods", "mufin:multimodal", "--num_labels", "400", "--num_train", "200", "--num_test", "40",
                           "--data_dir", str(tmp_path / "text"), "--out", str(tmp_path / "text.json")])

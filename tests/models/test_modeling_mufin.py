@@ -478,6 +478,17 @@ def test_index_rows_and_shortlist_against_dense_reference(trained_like):
         np.testing.assert_allclose(best[i, ids[i]], scores[i], atol=1e-5)
     small_ids, _ = model.shortlist(queries, size=100)
     assert ((small_ids >= 0).sum(1) <= 20).all()  # |R| <= min(shortlist, L)
+    import hf_xmc.models.mufin_label_store as store
+
+    chunk = store.SHORTLIST_CHUNK
+    store.SHORTLIST_CHUNK = 2  # queries searched two at a time: the same shortlists as one search
+    try:
+        chunked_ids, chunked_scores = model.shortlist(queries, size=8)
+    finally:
+        store.SHORTLIST_CHUNK = chunk
+    one_ids, one_scores = model.shortlist(queries, size=8)
+    np.testing.assert_array_equal(chunked_ids, one_ids)
+    np.testing.assert_allclose(chunked_scores, one_scores, atol=1e-6)
     model.config.shortlist_index = "vector"
     try:
         assert model.build_shortlist_index().num_labels == 20  # P-I-vec: z_l^1 only
