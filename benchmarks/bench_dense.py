@@ -41,6 +41,8 @@ MINED = ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negati
 #: DEXML's default negatives and batches: MINED, mined again every epoch, clusters of 16 from the first mining pass
 DEXML_NEGATIVES = [*MINED, "--hard_negative_refresh_interval", "1", "--cluster_batching", "true", "--cluster_start_epoch", "0.05",
                    "--cluster_init_size", "16", "--cluster_curriculum_epochs", "100", "--cluster_refresh_interval", "1"]
+#: SiameseXML's Module I with DEXML's decoupled softmax (the ``softmax_module1`` recipe and its longer twin)
+SOFTMAX_MODULE1 = ["--siamese_loss", "softmax", "--learning_rate", "3e-4", "--label_sampling_power", "1.0", "--bf16", "true"]
 #: named flag sets appended to a row's command (the script's defaults fill in the rest, at the commit that ran the row)
 RECIPES: dict[str, list[str]] = {
     # in-batch negatives only: the other queries' positives of the batch (train_dexml.py's default before the hard negatives)
@@ -85,10 +87,10 @@ RECIPES: dict[str, list[str]] = {
     # SiameseXML's Module I with DEXML's decoupled softmax (scale 20) over the in-batch labels instead of the point
     # likelihood with one hard negative, at DEXML's rate (3e-4 for 1e-4) and labels drawn in proportion to their points
     # (power 1 for [P]'s 0.45), in bf16: the script's defaults from 2026-11-29
-    "softmax_module1": ["--siamese_loss", "softmax", "--learning_rate", "3e-4", "--label_sampling_power", "1.0", "--bf16", "true"],
+    "softmax_module1": SOFTMAX_MODULE1,
     # the same with twice Module I's epochs (4 instead of the script's 2; Module IV keeps its 10): the dense Debtags
     # model was 1.3 P@1 under the tree peer after 2
-    "module1_epochs4": ["--siamese_loss", "softmax", "--learning_rate", "3e-4", "--label_sampling_power", "1.0", "--bf16", "true"],
+    "module1_epochs4": SOFTMAX_MODULE1,
     # the one-GPU budget (hf_xmc.training.presets.GPU_PRESETS: batch 512, 1,200 or 900 steps, sized to ~10 minutes of
     # one H100): alone, without the dataset's CPU step budget; runs only where CUDA is available
     "gpu_preset": ["--preset", "gpu"],

@@ -279,9 +279,12 @@ def draw_images(pool: list[str], owners: list, mean_images: float, seed: int, la
         if not k:
             out.append([])
             continue
-        from_labels = rng.random(k) < label_share if len(labels) else np.zeros(k, dtype=bool)
-        picks = np.where(from_labels, np.asarray(labels)[rng.integers(0, max(len(labels), 1), size=k)] if len(labels) else 0,
-                         rng.integers(0, len(pool), size=k)) % len(pool)
+        if len(labels):
+            from_labels = rng.random(k) < label_share
+            own = np.asarray(labels)[rng.integers(0, len(labels), size=k)]
+            picks = np.where(from_labels, own, rng.integers(0, len(pool), size=k)) % len(pool)
+        else:  # an owner without labels: random pool images only
+            picks = rng.integers(0, len(pool), size=k)
         out.append([pool[j] for j in picks.tolist()])
     return out
 
