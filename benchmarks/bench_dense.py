@@ -91,6 +91,9 @@ RECIPES: dict[str, list[str]] = {
     # the same with twice Module I's epochs (4 instead of the script's 2; Module IV keeps its 10): the dense Debtags
     # model was 1.3 P@1 under the tree peer after 2
     "module1_epochs4": SOFTMAX_MODULE1,
+    # the softmax Module I with mined label negatives: each drawn label brings one of its 10 nearest labels (by the
+    # untrained encoder's label-text vectors) into the 64-label batch, in place of a random draw
+    "mined_labels": [*SOFTMAX_MODULE1, "--label_negatives_per_draw", "1"],
     # the one-GPU budget (hf_xmc.training.presets.GPU_PRESETS: batch 512, 1,200 or 900 steps, sized to ~10 minutes of
     # one H100): alone, without the dataset's CPU step budget; runs only where CUDA is available
     "gpu_preset": ["--preset", "gpu"],
@@ -126,6 +129,8 @@ RECIPE_BUDGETS: dict[tuple[str, ...], list[str]] = {
     ("reuters", "softmax_module1", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
     ("debtags", "module1_epochs4", "siamesexml"): ["--num_train_epochs", "4", "--classifier_epochs", "10"],
     ("reuters", "module1_epochs4", "siamesexml"): ["--num_train_epochs", "4", "--classifier_epochs", "10"],
+    ("debtags", "mined_labels", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
+    ("reuters", "mined_labels", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
 }
 TRAIN_FILTERS = {"wordnet": "filter_labels_train.txt"}
 

@@ -24,6 +24,7 @@ from hf_xmc.training.siamesexml import (
     label_correlation_matrix,
     label_sampling_probabilities,
     mine_classifier_shortlist,
+    mine_label_neighbors,
 )
 from tests.models.test_modeling_siamesexml import make_siamesexml
 
@@ -181,6 +182,46 @@ def test_label_batch_marks_shared_positives(tiny_encoder_dir, tiny_task):
     assert torch.equal(batch["targets"], expected)
     assert batch["targets"][0, 1] and batch["targets"][1, 0]  # the shared positive counts for both labels
     assert batch["centroid_input_ids"].shape[0] == 6
+
+
+def test_label_batch_with_mined_neighbors(tiny_encoder_dir):
+    from transformers import AutoTokenizer
+
+    targets = sp.csr_matrix(np.eye(6))  # label l's only point is point l
+    neighbors = np.array([[1, 2], [0, -1], [-1, -1], [4, 5], [3, -1], [3, 4]])
+    collator = SiameseLabelCollator(
+        AutoTokenizer.from_pretrained(tiny_encoder_dir), [f"p{i}" for i in range(6)], targets, [f"l{i}" for i in range(6)],
+        max_seq_length=8, label_max_seq_length=8, draws_per_epoch=7, label_neighbors=neighbors, neighbors_per_draw=1,
+    )
+    collator._draws, collator._draws_epoch = np.array([0, 5, 2, 5, 3, 5, 4]), 0
+    for _ in range(5):
+        labels = collator([{"index": i} for i in range(7)])["label_ids"].tolist()
+        assert len(labels) == 7 and labels[0::2] == [0, 2, 3, 4]  # the drawn labels every other slot
+        assert labels[1] in (1, 2) and labels[5] in (4, 5)  # each followed by one of its neighbours
+        assert labels[3] == 5  # label 2 has none: the slot keeps its own draw
+    batch = collator([{"index": i} for i in range(7)])
+    assert torch.equal(batch["targets"], torch.from_numpy(targets[batch["indices"].numpy()][:, batch["label_ids"].numpy()].toarray() > 0))
+    with pytest.raises(ValueError, match="needs label_neighbors"):
+        SiameseLabelCollator(None, ["a"] * 6, targets, ["x"] * 6, draws_per_epoch=2, neighbors_per_draw=1)
+
+
+def test_mine_label_neighbors_are_the_nearest_labels_with_points(tiny_encoder_dir, tiny_task):
+    data = tiny_task[0]
+    model = make_siamesexml(tiny_encoder_dir, data)
+    targets = sp.csr_matrix(data.train.targets).tolil()
+    targets[:, 3] = 0  # label 3 loses its points: never a neighbour, no neighbours of its own
+    targets = targets.tocsr()
+    neighbors = mine_label_neighbors(model, data.label_texts, targets, k=4)
+    assert neighbors.shape == (len(data.label_texts), 4) and (neighbors[3] == -1).all()
+    vectors = model.encode_labels()
+    with_points = np.flatnonzero(targets.getnnz(axis=0) > 0)
+    for label in with_points[:10]:
+        scores = vectors[with_points] @ vectors[label]
+        others = [int(j) for j in with_points[torch.argsort(scores, descending=True, stable=True).numpy()] if j != label]
+        assert label not in neighbors[label] and 3 not in neighbors[label]
+        assert sorted(neighbors[label].tolist()) == sorted(others[:4]) or np.allclose(
+            sorted((vectors[neighbors[label]] @ vectors[label]).tolist()), sorted((vectors[others[:4]] @ vectors[label]).tolist()), atol=1e-5
+        )  # the 4 nearest (ties may swap equal-scored labels)
 
 
 def test_label_correlation_walk():
@@ -341,9 +382,13 @@ def test_training_script_end_to_end_and_a_resumed_run(tiny_encoder_dir, tiny_tas
         "--train_file", f"{directory}/trn.json.gz", "--test_file", f"{directory}/tst.json.gz", "--label_file", f"{directory}/lbl.json.gz",
         "--model_name_or_path", tiny_encoder_dir, "--output_dir", str(out), "--encoder_type", "boe", "--index_kind", "ivf",
         "--num_train_epochs", "1", "--classifier_epochs", "2", "--max_seq_length", "16", "--save_strategy", "epoch",
-        "--disable_tqdm", "true", "--report_to", "none", "--seed", "1",
+        "--disable_tqdm", "true", "--report_to", "none", "--seed", "1", "--label_negatives_per_draw", "1",
     ]
+    mined = []
+    real_mine = recipe.mine_label_neighbors
+    monkeypatch.setattr(recipe, "mine_label_neighbors", lambda *a, **k: mined.append(1) or real_mine(*a, **k))
     metrics = recipe.main(argv)
+    assert mined == [1]  # Module I's batches carried mined label negatives
     saved = json.load(open(out / "eval_results.json"))
     for key in ("test_P@1", "test_P@5", "test_PSP@5", "test_R@100", "train_runtime", "test_samples_per_second"):
         assert key in saved and saved[key] == pytest.approx(metrics[key])
@@ -370,6 +415,7 @@ def test_training_script_end_to_end_and_a_resumed_run(tiny_encoder_dir, tiny_tas
         resumed = recipe.main(argv + ["--resume_from_checkpoint", "true"])
     assert caplog.text.count("the search index is read back, not built again") == 2  # [z~ ; v] and the points
     assert len(data.train) not in builds  # the neighbour index over the training points was not built again
+    assert mined == [1]  # nor Module I's label neighbours (Module I finished)
     assert torch.equal(AutoModel.from_pretrained(out).encoder.idf, model.encoder.idf)
     for key in ("test_P@1", "test_PSP@5", "test_R@100"):
         assert resumed[key] == pytest.approx(metrics[key], abs=1e-6)

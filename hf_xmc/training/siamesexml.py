@@ -72,12 +72,21 @@ class SiameseLabelCollator(XMCDataCollator):
     the centroid estimate ``N(f(x'_l) + f(z_l))``; ``targets[b, j]`` is True when point ``b`` is relevant to batch label
     ``j`` (repeated labels and shared positives included).
 
-    Args (besides :class:`~hf_xmc.training.collator.XMCDataCollator`'s): ``power`` (0.45), ``draws_per_epoch``.
-    Memory: the epoch's draws (8 bytes each) and the CSC copy of the targets.
+    Mined label negatives: with ``label_neighbors`` (``(L, K)`` label ids, ``-1``-padded: :func:`mine_label_neighbors`)
+    and ``neighbors_per_draw = m``, a batch of ``B`` draws keeps its first ``ceil(B / (1 + m))`` drawn labels, each
+    followed by ``m`` labels picked uniformly from its ``K`` neighbours (the batch stays ``B`` labels, so a step costs
+    the same): the softmax over the batch's labels then sets a label against the labels most like it instead of ``B``
+    random ones. A drawn label without neighbours keeps the draws it would have displaced.
+
+    Args (besides :class:`~hf_xmc.training.collator.XMCDataCollator`'s): ``power`` (0.45), ``draws_per_epoch``,
+    ``label_neighbors``, ``neighbors_per_draw``.
+    Memory: the epoch's draws (8 bytes each), the CSC copy of the targets and ``8 K`` bytes per label of neighbours.
     """
 
     power: float = 0.45
     draws_per_epoch: int = 0
+    label_neighbors: Optional[np.ndarray] = None
+    neighbors_per_draw: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -87,6 +96,12 @@ class SiameseLabelCollator(XMCDataCollator):
             raise ValueError(f"draws_per_epoch must be >= 1, got {self.draws_per_epoch}")
         self._draws: Optional[np.ndarray] = None
         self._draws_epoch: Optional[int] = None
+        if self.neighbors_per_draw < 0:
+            raise ValueError(f"neighbors_per_draw must be >= 0, got {self.neighbors_per_draw}")
+        if self.neighbors_per_draw and self.label_neighbors is None:
+            raise ValueError("neighbors_per_draw > 0 needs label_neighbors (mine_label_neighbors)")
+        if self.label_neighbors is not None and self.label_neighbors.shape[0] != len(self.probabilities):
+            raise ValueError(f"label_neighbors has {self.label_neighbors.shape[0]} rows for {len(self.probabilities)} labels")
 
     def epoch_draws(self) -> np.ndarray:
         """The epoch's label draws (int64, ``draws_per_epoch``)."""
@@ -100,10 +115,24 @@ class SiameseLabelCollator(XMCDataCollator):
         start, stop = self._label_points.indptr[labels], self._label_points.indptr[labels + 1]
         return self._label_points.indices[start + (rng.random(len(labels)) * (stop - start)).astype(np.int64)].astype(np.int64)
 
+    def with_neighbors(self, labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The batch's labels with mined negatives: every ``(1 + m)``-th slot a drawn label, the ``m`` slots after it
+        its neighbours (a slot whose label has no neighbour keeps its own draw)."""
+        group = 1 + self.neighbors_per_draw
+        seeds = labels[::group]
+        candidates = self.label_neighbors[seeds]  # (S, K)
+        valid = (candidates >= 0).sum(axis=1)
+        picks = (rng.random((len(seeds), group - 1)) * np.maximum(valid, 1)[:, None]).astype(np.int64)
+        mined = np.take_along_axis(candidates, picks, axis=1)  # valid neighbours come first in each row
+        grouped = np.concatenate([seeds[:, None], mined], axis=1).reshape(-1)[: len(labels)]
+        return np.where(grouped >= 0, grouped, labels)
+
     def __call__(self, features: list[dict[str, int]]) -> dict[str, torch.Tensor]:
         draws = np.array([f["index"] for f in features], dtype=np.int64)
         labels = self.epoch_draws()[draws]
         rng = self.batch_rng(draws)
+        if self.neighbors_per_draw:
+            labels = self.with_neighbors(labels, rng)
         points, second = self._random_points(labels, rng), self._random_points(labels, rng)
         targets = torch.from_numpy(self.targets[points][:, labels].toarray() > 0)
         q = tokenize_texts(self.tokenizer, [self.texts[r] for r in points], self.max_seq_length, padding=True, return_tensors="pt")
@@ -205,6 +234,33 @@ def build_label_state(
     points = model.encode_queries(train_texts, batch_size=batch_size, show_progress_bar=show_progress_bar, dtype=dtype)
     model.set_label_state(labels, label_centroids(points, train_targets))
     return points
+
+
+@torch.no_grad()
+def mine_label_neighbors(
+    model, label_texts: Sequence[str], train_targets: sp.spmatrix, k: int = 10, batch_size: int = 128, show_progress_bar: Optional[bool] = None
+) -> np.ndarray:
+    """Module I's mined label negatives: per label, its ``k`` nearest labels with training points by the encoder's
+    label-text vectors ``f(z)`` (itself left out), nearest first, ``-1``-padded; ``(L, k)`` int64. Searched with the
+    model's index kind (``config.index_kind``: exact on small label spaces, ivf at 10^6 labels).
+
+    Memory: ``4 D`` bytes per label with points for the vectors (and the index's copy), ``8 (k + 1)`` per label for
+    the hits.
+    """
+    from ..models.label_index import LabelIndex
+
+    with_points = np.flatnonzero(sp.csc_matrix(train_targets).getnnz(axis=0) > 0)
+    neighbors = np.full((len(label_texts), k), -1, dtype=np.int64)
+    if len(with_points) < 2 or k < 1:
+        return neighbors
+    vectors = model.encode_labels([label_texts[i] for i in with_points], batch_size=batch_size, show_progress_bar=show_progress_bar)
+    index = LabelIndex(vectors.float(), kind=model.config.index_kind, ivf_nprobe=model.config.ivf_nprobe)
+    _, hits = index.search(vectors.float(), k=k + 1)
+    found = np.where(hits >= 0, with_points[np.maximum(hits, 0)], -1)
+    found[found == with_points[:, None]] = -1  # the label itself
+    order = np.argsort(found < 0, axis=1, kind="stable")  # found labels first, in their rank order
+    neighbors[with_points] = np.take_along_axis(found, order, axis=1)[:, :k]
+    return neighbors
 
 
 @torch.no_grad()
@@ -430,4 +486,5 @@ __all__ = [
     "label_correlation_matrix",
     "label_sampling_probabilities",
     "mine_classifier_shortlist",
+    "mine_label_neighbors",
 ]

@@ -59,6 +59,7 @@ from hf_xmc.training.siamesexml import (
     build_label_state,
     label_correlation_matrix,
     mine_classifier_shortlist,
+    mine_label_neighbors,
 )
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class SiameseXMLTrainingArguments(XMCTrainingArguments):
     weight_decay: float = field(default=0.0, metadata={"help": "Weight decay ([C]: none)."})
     label_sampling_power: float = field(default=1.0, metadata={"help": "Module I draws labels with probability freq^power (1: in proportion to their points, as query batches do; [P] 0.45)."})
     label_draws_per_epoch: int = field(default=0, metadata={"help": "Label draws per Module I epoch (0 = max(labels, training points); [C]: the number of labels)."})
+    label_negatives_per_draw: int = field(default=0, metadata={"help": "Module I mined negatives: each drawn label brings this many of its nearest labels (by the encoder's label-text vectors at Module I's start) into the batch, which stays --per_device_train_batch_size labels (0 = random batches)."})
+    label_negative_top_k: int = field(default=10, metadata={"help": "Nearest labels per label that --label_negatives_per_draw picks from."})
     label_correlation: bool = field(default=True, metadata={"help": "Smooth label-text vectors with the label random walk M ([C])."})
     walk_length: int = field(default=400, metadata={"help": "Hops of the random walk per label ([C] 400)."})
     walk_restart: float = field(default=0.8, metadata={"help": "Restart probability before each hop ([C] 0.8)."})
@@ -151,6 +154,10 @@ def train_siamese(model: SiameseXMLModel, data, args: SiameseXMLTrainingArgument
     if args.num_train_epochs <= 0:
         return
     draws = args.label_draws_per_epoch or max(len(data.label_texts), len(data.train))
+    neighbors = None
+    if args.label_negatives_per_draw > 0 and not stage_finished(module1_dir(args), resume_argument(args)):
+        neighbors = mine_label_neighbors(model, data.label_texts, data.train.targets, args.label_negative_top_k, show_progress_bar=not args.disable_tqdm)
+        logger.info("SiameseXML Module I: %d mined label negatives per draw from each label's %d nearest labels", args.label_negatives_per_draw, args.label_negative_top_k)
     collator = SiameseLabelCollator.for_model(
         model,
         data.train,
@@ -158,6 +165,8 @@ def train_siamese(model: SiameseXMLModel, data, args: SiameseXMLTrainingArgument
         seed=args.seed,
         power=args.label_sampling_power,
         draws_per_epoch=draws,
+        label_neighbors=neighbors,
+        neighbors_per_draw=args.label_negatives_per_draw if neighbors is not None else 0,
     )
     logger.info("SiameseXML Module I: %d label draws per epoch, %g epochs", draws, args.num_train_epochs)
     trainer = XMCTrainer(model=model, args=_module_args(args, "siamese"), train_dataset=LabelDrawDataset(draws), data_collator=collator, **trainer_kwargs)
