@@ -568,6 +568,11 @@ def merge_parts(parts: list[dict]) -> dict:
     return merged
 
 
+def worker_stages(kind: str, stages: dict) -> dict:
+    """A worker's stage figures under the row's names: ``total.X`` -> ``kind:X``."""
+    return {f"{kind}:{k[len('total.'):] if k.startswith('total.') else k}": v for k, v in stages.items()}
+
+
 def run_variant(method: str, variant: str, args, task: dict, encoder: str, vision_encoder: str | None = None) -> dict:
     spec = VARIANTS[(method, variant)]
     if bool(spec.get("images")) != bool(task.get("images_per_item")):
@@ -603,16 +608,19 @@ def run_variant(method: str, variant: str, args, task: dict, encoder: str, visio
         if parts:
             train["stages"] = with_steps_stage(merge_parts(parts + [train["stages"]]))
             row["parts"] = len(parts) + 1
-        row["stages"].update({f"train:{k[len('total.'):] if k.startswith('total.') else k}": v for k, v in train["stages"].items()})
+        row["stages"].update(worker_stages("train", train["stages"]))
         row["saved_bytes"] = _saved_bytes(out_dir)
         row["eval"] = {k: train["train_metrics"][k] for k in ("test_P@1", "test_P@5", "test_R@100", "train_runtime") if k in train["train_metrics"]}
         reload = run_worker("reload", cfg, log + ".reload.log", args.timeout)
-        row["stages"].update({f"reload:{k[len('total.'):] if k.startswith('total.') else k}": v for k, v in reload["stages"].items()})
+        row["stages"].update(worker_stages("reload", reload["stages"]))
         row.update({"P@1": reload["P@1"], "P@5": reload["P@5"], "R@100": reload["R@100"], "latency_ms": reload["latency"], "completed": True})
         row.update(step_rate(row))
     except (RuntimeError, subprocess.TimeoutExpired) as err:
         message = str(err)
         row["error"] = message if len(message) <= 2000 else message.split("\n", 1)[0] + "\n...\n" + message[-1800:]
+        if not row["stages"] and os.path.exists(cfg["stages_file"]):  # the training process died (killed, out of memory):
+            with open(cfg["stages_file"]) as f:  # its last snapshot says how far it got and at what peak
+                row["stages"].update(worker_stages("train", merge_parts(parts + [json.load(f)]) if parts else json.load(f)))
     peaks = [v["peak_rss_gib"] for v in row["stages"].values() if v.get("peak_rss_gib") is not None]
     row["peak_rss_gib"] = max(peaks) if peaks else None
     return row
@@ -682,8 +690,8 @@ def format_table(rows: list[dict]) -> str:
             name, f"{r['num_labels']:,}", f"{r['num_train']:,}", f"{r['steps']} x {r['batch_size']}", index, cell(r, "train:data_load"),
             cell(r, "train:train.label_state"), cluster, cell(r, "train:train.hard_negative_mining"), cell(r, "train:train.steps"),
             cell(r, "train:evaluate"), cell(r, "train:save"), cell(r, "reload:reload"), cell(r, "reload:predict"),
-            r["peak_rss_gib"] if r["peak_rss_gib"] is not None else "-", f"{(r['saved_bytes'] or 0) / 1e9:.2f}",
-            "None" if r["P@1"] is None else round(r["P@1"], 2), "None" if r["R@100"] is None else round(r["R@100"], 2),
+            r["peak_rss_gib"] if r["peak_rss_gib"] is not None else "-", f"{r['saved_bytes'] / 1e9:.2f}" if r["saved_bytes"] else "-",
+            "-" if r["P@1"] is None else round(r["P@1"], 2), "-" if r["R@100"] is None else round(r["R@100"], 2),
             lat.get("batch_1_ms", "-"), lat.get("batch_256_ms", "-"), rate.get("seconds_per_step", "-"), _hours(rate.get("epoch_seconds_real")),
         ])
     return markdown_table(header, cells)

@@ -244,6 +244,31 @@ def test_bench_scale_resumed_row_adds_up_its_parts(tmp_path):
     assert not out_dir.exists() and not list(tmp_path.glob("siamesexml-boe.train.*"))
 
 
+def test_bench_scale_row_killed_midway_keeps_its_last_snapshot(tmp_path, monkeypatch):
+    """A training process the kernel kills (out of memory) leaves no result: the failed row takes its stage figures
+    and peak from the recorder's last snapshot."""
+    import argparse
+
+    from benchmarks import bench_scale
+
+    snapshot = {"total": {"seconds": 90.0, "peak_rss_gib": 19.9, "calls": 1},
+                "total.hard_negative_mining": {"seconds": 60.0, "peak_rss_gib": 19.9, "calls": 1}}
+
+    def killed(kind, cfg, log_path, timeout):
+        with open(cfg["stages_file"], "w") as f:
+            json.dump(snapshot, f)
+        raise RuntimeError(f"{kind} worker failed (exit -9):\n...")
+
+    monkeypatch.setattr(bench_scale, "run_worker", killed)
+    args = argparse.Namespace(batch_size=0, all_label_steps=2, steps=5, train_args="", work_dir=str(tmp_path), data_dir=str(tmp_path),
+                              max_seq_length=16, index_kind="ivf", ivf_nprobe=16, encoder_layers=0, vision_layers=0, encoder=None,
+                              resume=False, timeout=60)
+    task = {"num_labels": 100, "num_train": 200, "num_test": 20}
+    row = bench_scale.run_variant("mufin", "text", args, task, encoder="enc")
+    assert not row["completed"] and "exit -9" in row["error"]
+    assert row["stages"]["train:hard_negative_mining"] == snapshot["total.hard_negative_mining"] and row["peak_rss_gib"] == 19.9
+
+
 def test_synthetic_images_point_at_the_pool_images_of_their_labels(tmp_path):
     """``draw_images``: Binomial(15, mean / 15) images per owner, each its labels' pool image with probability
     ``label_share`` (1: always; 0: never a deliberate pick), the pool written once as PNG files of the asked size."""

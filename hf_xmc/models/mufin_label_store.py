@@ -289,30 +289,38 @@ class MUFINLabelStoreMixin:
         """Cached ``Z^1`` of ``label_ids`` ``(n,)`` as padded bags ``(n, m, D)`` + mask (m = the longest of them)."""
         return gather_bags(self.label_bag_rows, self.label_bag_offsets, label_ids)
 
-    def shortlist_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The shortlist index rows (unit vectors) and the label id of each.
+    def shortlist_blocks(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The shortlist index rows as unit-vector row blocks, and the label id of each row.
 
         ``shortlist_index="bag"``: every row of every ``Z_l^1`` plus ``mu_l`` for labels with training positives, i.e.
-        ``sum_l (m_l + 1)`` rows (``m_l`` for labels without positives); ``"vector"``: one ``z_l^1`` per label.
+        ``sum_l (m_l + 1)`` rows (``m_l`` for labels without positives); ``"vector"``: one ``z_l^1`` per label. The
+        index searches the blocks as they are: ``4 D`` bytes per row once, where one concatenated copy held them twice
+        while it was built (4 GB more at 1.3M labels with text-only bags).
         """
         num_labels = self.label_vectors.shape[0]
         if self.config.shortlist_index == "vector":
-            return F.normalize(self.label_vectors, dim=-1), torch.arange(num_labels)
+            return [_unit_rows(self.label_vectors.float().clone())], torch.arange(num_labels)
         counts = self.label_bag_offsets[1:] - self.label_bag_offsets[:-1]
-        vectors = [self.label_bag_rows]
+        blocks = [_unit_rows(self.label_bag_rows.float().clone())]
         owners = [torch.repeat_interleave(torch.arange(num_labels), counts)]
         if self.label_centroids is not None:
             has = (self.label_centroid_counts > 0).nonzero().squeeze(1)
-            vectors.append(self.label_centroids[has])
-            owners.append(has)
-        return F.normalize(torch.cat(vectors).float(), dim=-1), torch.cat(owners)
+            if len(has):
+                blocks.append(_unit_rows(self.label_centroids[has].float()))
+                owners.append(has)
+        return blocks, torch.cat(owners)
+
+    def shortlist_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shortlist index rows (unit vectors, :meth:`shortlist_blocks` in one tensor) and the label id of each."""
+        blocks, owners = self.shortlist_blocks()
+        return (blocks[0] if len(blocks) == 1 else torch.cat(blocks)), owners
 
     def build_shortlist_index(self, kind: Optional[str] = None) -> LabelIndex:
         """(Re)build the shortlist index from the cached label bags and centroids (no encoding)."""
         if self.label_vectors is None:
             raise ValueError("no label bags are cached: call build_label_index(label_texts, label_images=...) first")
-        vectors, self.shortlist_row_labels = self.shortlist_vectors()
-        self.label_index = LabelIndex(vectors, **self.config.index_params(kind))
+        blocks, self.shortlist_row_labels = self.shortlist_blocks()
+        self.label_index = LabelIndex(blocks, **self.config.index_params(kind))
         return self.label_index
 
     def _require_shortlist_index(self) -> LabelIndex:
@@ -349,19 +357,29 @@ class MUFINLabelStoreMixin:
         return centroids
 
     @torch.no_grad()
-    def shortlist(self, query_vectors: Union[torch.Tensor, np.ndarray], size: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+    def shortlist(
+        self, query_vectors: Union[torch.Tensor, np.ndarray], size: Optional[int] = None, exclude: Optional[Any] = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``R_t`` and ``a_tl`` for query vectors ``x^1``: one index query each, ``shortlist_fetch_factor * size`` raw
         hits collapsed to at most ``size`` unique labels scored by their best row. Returns ``(label_ids, scores)``,
         ``(n, size)`` int64 / float32, best first, ``-1`` / ``-inf`` padded.
+
+        ``exclude``: an ``(n, L)`` scipy CSR matrix of labels left out per query (Module II: the item's positives),
+        dropped chunk by chunk from ``size`` + (most labels excluded in a row) unique labels, then ``size`` kept: what
+        filtering a wider result would give, without it (at 2.2M items and up to 43 positives, that wider result
+        and its filtering held ~12 GB).
 
         Searched ``SHORTLIST_CHUNK`` queries at a time: memory is the ``12 size`` bytes per query of the result plus
         ``12 shortlist_fetch_factor size`` bytes per query of one chunk's raw hits (Module II's 586K training items at
         MM-AmazonTitles-300K's shape: 0.8 GB of result, 17 MB of hits, where one call held 2.4 GB of hits)."""
         size = size or self.config.shortlist_size
         index = self._require_shortlist_index()
-        fetch = min(self.config.shortlist_fetch_factor * size, index.num_labels)
+        extra = int(np.diff(exclude.indptr).max()) if exclude is not None and exclude.shape[0] else 0
+        fetch = min(self.config.shortlist_fetch_factor * (size + extra), index.num_labels)
         row_labels = self.shortlist_row_labels.numpy()
         n = len(query_vectors)
+        if exclude is not None and exclude.shape[0] != n:
+            raise ValueError(f"exclude has {exclude.shape[0]} rows for {n} queries")
         ids = np.full((n, size), -1, dtype=np.int64)
         scores = np.full((n, size), -np.inf, dtype=np.float32)
         for start in range(0, n, SHORTLIST_CHUNK):
@@ -371,7 +389,11 @@ class MUFINLabelStoreMixin:
                 valid = raw_rows[j] >= 0
                 labels, row_scores = row_labels[raw_rows[j][valid]], raw_scores[j][valid]
                 _, first = np.unique(labels, return_index=True)  # hits are sorted: a label's first hit is its max
-                first = np.sort(first)[:size]
+                first = np.sort(first)[: size + extra]
+                if extra:
+                    left_out = exclude.indices[exclude.indptr[start + j] : exclude.indptr[start + j + 1]]
+                    first = first[~np.isin(labels[first], left_out)]
+                first = first[:size]
                 ids[start + j, : first.size], scores[start + j, : first.size] = labels[first], row_scores[first]
         return ids, scores
 
@@ -429,10 +451,15 @@ class MUFINLabelStoreMixin:
             text_rows = torch.tensor([1 if t else 0 for t in self.label_texts])
             self.label_images_missing = bool(((self.label_bag_offsets[1:] - self.label_bag_offsets[:-1]) > text_rows).any())
         if bags_path is not None:
-            vectors, self.shortlist_row_labels = self.shortlist_vectors()
+            blocks, self.shortlist_row_labels = self.shortlist_blocks()
             # the saved faiss file is reused when it matches these rows and the installed faiss, else rebuilt
-            self.label_index = LabelIndex.load(vectors, meta_path=fetch(INDEX_META_FILE), index_path=self._saved_index_path(fetch),
+            self.label_index = LabelIndex.load(blocks, meta_path=fetch(INDEX_META_FILE), index_path=self._saved_index_path(fetch),
                                                kind=self.config.index_kind, codes=self.config.label_codes)
+
+
+def _unit_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` scaled to unit norm in place (``F.normalize``'s result without its copy)."""
+    return rows.div_(rows.norm(dim=-1, keepdim=True).clamp_min(1e-12))
 
 
 __all__ = ["LABEL_BAGS_FILE", "LABEL_CENTROIDS_FILE", "LABEL_IMAGES_FILE", "MUFINLabelStoreMixin", "label_centroids_from_embeddings"]

@@ -489,6 +489,21 @@ def test_index_rows_and_shortlist_against_dense_reference(trained_like):
     one_ids, one_scores = model.shortlist(queries, size=8)
     np.testing.assert_array_equal(chunked_ids, one_ids)
     np.testing.assert_allclose(chunked_scores, one_scores, atol=1e-6)
+    # Module II's positives left out chunk by chunk: what filtering a shortlist wider by the most positives of a row gives
+    from scipy import sparse
+
+    from hf_xmc.data import filter_predictions
+
+    positives = sparse.csr_matrix((np.ones(3), ([0, 0, 2], [one_ids[0, 0], one_ids[0, 3], one_ids[2, 1]])), shape=(3, 20))
+    wide_ids, wide_scores = model.shortlist(queries, size=10)
+    expected, _ = filter_predictions(wide_ids, wide_scores, positives, 8)
+    store.SHORTLIST_CHUNK = 2
+    try:
+        left_out, _ = model.shortlist(queries, size=8, exclude=positives)
+    finally:
+        store.SHORTLIST_CHUNK = chunk
+    np.testing.assert_array_equal(left_out, expected)
+    assert one_ids[0, 0] not in left_out[0] and one_ids[2, 1] not in left_out[2] and (left_out[1] == one_ids[1]).all()
     model.config.shortlist_index = "vector"
     try:
         assert model.build_shortlist_index().num_labels == 20  # P-I-vec: z_l^1 only
