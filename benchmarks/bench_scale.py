@@ -620,7 +620,8 @@ def run_variant(method: str, variant: str, args, task: dict, encoder: str, visio
         row["error"] = message if len(message) <= 2000 else message.split("\n", 1)[0] + "\n...\n" + message[-1800:]
         if not row["stages"] and os.path.exists(cfg["stages_file"]):  # the training process died (killed, out of memory):
             with open(cfg["stages_file"]) as f:  # its last snapshot says how far it got and at what peak
-                row["stages"].update(worker_stages("train", merge_parts(parts + [json.load(f)]) if parts else json.load(f)))
+                snapshot = json.load(f)
+            row["stages"].update(worker_stages("train", with_steps_stage(merge_parts(parts + [snapshot])) if parts else snapshot))
     peaks = [v["peak_rss_gib"] for v in row["stages"].values() if v.get("peak_rss_gib") is not None]
     row["peak_rss_gib"] = max(peaks) if peaks else None
     return row

@@ -253,9 +253,9 @@ def mine_label_neighbors(
     neighbors = np.full((len(label_texts), k), -1, dtype=np.int64)
     if len(with_points) < 2 or k < 1:
         return neighbors
-    vectors = model.encode_labels([label_texts[i] for i in with_points], batch_size=batch_size, show_progress_bar=show_progress_bar)
-    index = LabelIndex(vectors.float(), kind=model.config.index_kind, ivf_nprobe=model.config.ivf_nprobe)
-    _, hits = index.search(vectors.float(), k=k + 1)
+    vectors = model.encode_labels([label_texts[i] for i in with_points], batch_size=batch_size, show_progress_bar=show_progress_bar).float()
+    index = LabelIndex(vectors, kind=model.config.index_kind, ivf_nprobe=model.config.ivf_nprobe)
+    _, hits = index.search(vectors, k=k + 1)
     found = np.where(hits >= 0, with_points[np.maximum(hits, 0)], -1)
     found[found == with_points[:, None]] = -1  # the label itself
     order = np.argsort(found < 0, axis=1, kind="stable")  # found labels first, in their rank order
