@@ -94,6 +94,9 @@ RECIPES: dict[str, list[str]] = {
     # the softmax Module I with mined label negatives: each drawn label brings one of its 10 nearest labels (by the
     # untrained encoder's label-text vectors) into the 64-label batch, in place of a random draw
     "mined_labels": [*SOFTMAX_MODULE1, "--label_negatives_per_draw", "1"],
+    # the softmax Module I with Module IV's classifiers trained by DEXML's decoupled softmax (scale 20) of each positive
+    # against all of the point's 100 shortlist negatives, instead of [P]'s point likelihood over its 3 x |P_i| hardest
+    "softmax_classifiers": [*SOFTMAX_MODULE1, "--classifier_loss", "softmax", "--classifier_negatives", "all"],
     # the one-GPU budget (hf_xmc.training.presets.GPU_PRESETS: batch 512, 1,200 or 900 steps, sized to ~10 minutes of
     # one H100): alone, without the dataset's CPU step budget; runs only where CUDA is available
     "gpu_preset": ["--preset", "gpu"],
@@ -131,6 +134,8 @@ RECIPE_BUDGETS: dict[tuple[str, ...], list[str]] = {
     ("reuters", "module1_epochs4", "siamesexml"): ["--num_train_epochs", "4", "--classifier_epochs", "10"],
     ("debtags", "mined_labels", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
     ("reuters", "mined_labels", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
+    ("debtags", "softmax_classifiers", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
+    ("reuters", "softmax_classifiers", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
 }
 TRAIN_FILTERS = {"wordnet": "filter_labels_train.txt"}
 
