@@ -50,20 +50,21 @@ class SiameseXMLConfig(XMCConfig):
             1 - beta of Eq. (6): weight of the centroid term (label-text term: 1 - it; [P] beta = 0.7).
         classifier_c / classifier_d (`float`, *optional*, defaults to 0.75 / 3.0):
             Constants of Module IV's point likelihood ([C]); each term is scaled by 1 / d.
-        classifier_negatives (`str`, *optional*, defaults to `"hardest"`):
-            Which shortlist negatives Module IV trains on: `"hardest"` ([P]: the ``classifier_hard_negative_factor x
-            |P_i|`` highest-scoring ones) or `"threshold"` ([C]: every one whose scaled loss is at least
-            ``classifier_negative_threshold``). [P] is the default: with [C]'s mask the ~100 negatives above cosine 0.44
-            outweigh the few positives, and the classifiers lost to the paper's rule on Debtags (fused P@1 72.0 vs 76.7,
-            bag of embeddings) and on the contract's tiny task (34.2 vs 42.9).
+        classifier_negatives (`str`, *optional*, defaults to `"all"`):
+            Which shortlist negatives Module IV trains on: `"all"` (every one), `"hardest"` ([P]: the
+            ``classifier_hard_negative_factor x |P_i|`` highest-scoring ones) or `"threshold"` ([C]: every one whose
+            scaled loss is at least ``classifier_negative_threshold``). With the point likelihood, [P]'s rule beat [C]'s
+            mask (the ~100 negatives above cosine 0.44 outweigh the few positives: fused P@1 72.0 vs 76.7 on Debtags with
+            the bag of embeddings, 34.2 vs 42.9 on the contract's tiny task); with the default softmax every negative
+            counts by how wrong it is, and all of them won (docs/benchmarks.md).
         classifier_negative_threshold (`float`, *optional*, defaults to 0.05):
             [C]'s mask: negatives with a scaled loss below it (cosine < ~0.439 at c = 0.75, d = 3) are ignored.
         classifier_hard_negative_factor (`int`, *optional*, defaults to 3):
             kappa of [P]'s Module IV (2-5): hardest negatives per positive.
-        classifier_loss (`str`, *optional*, defaults to `"likelihood"`):
-            Module IV's loss over the kept slots: `"likelihood"` ([P] Eq. 5 with ``classifier_c`` / ``classifier_d``),
-            `"bce"` (binary cross-entropy of ``classifier_scale x cos``, the spec's alternative) or `"softmax"` (DEXML's
-            decoupled softmax of ``classifier_scale x cos`` over each point's positives and kept negatives).
+        classifier_loss (`str`, *optional*, defaults to `"softmax"`):
+            Module IV's loss over the kept slots: `"softmax"` (DEXML's decoupled softmax of ``classifier_scale x cos``
+            over each point's positives and kept negatives), `"likelihood"` ([P] Eq. 5 with ``classifier_c`` /
+            ``classifier_d``) or `"bce"` (binary cross-entropy of ``classifier_scale x cos``, the spec's alternative).
         classifier_scale (`float`, *optional*, defaults to 20.0):
             Logit scale of the `"bce"` and `"softmax"` losses (1 / temperature; DEXML's 0.05 temperature is 20).
         shortlist_size (`int`, *optional*, defaults to 500):
@@ -101,10 +102,10 @@ class SiameseXMLConfig(XMCConfig):
     siamese_centroid_weight: float = 0.3
     classifier_c: float = 0.75
     classifier_d: float = 3.0
-    classifier_negatives: str = "hardest"
+    classifier_negatives: str = "all"
     classifier_negative_threshold: float = 0.05
     classifier_hard_negative_factor: int = 3
-    classifier_loss: str = "likelihood"
+    classifier_loss: str = "softmax"
     classifier_scale: float = 20.0
     shortlist_size: int = 500
     shortlist_per_source: int = 300
