@@ -106,6 +106,8 @@ OWN_BUDGET = {"gpu_preset"}
 #: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget): a hard-negative
 #: step encodes 64 more labels (~1.5x an in-batch step) and a mining pass ~150K texts (~2.7 min in bfloat16), so 440
 #: steps take about the wall time of the in-batch recipe's 800
+#: SiameseXML's script defaults (2 Module I epochs, 10 classifier epochs), where the dataset's step budget would cut them
+SIAMESEXML_SCRIPT_BUDGET = ["--num_train_epochs", "2", "--classifier_epochs", "10"]
 RECIPE_BUDGETS: dict[tuple[str, ...], list[str]] = {
     ("wordnet", "hard_negatives"): ["--max_steps", "440"],
     ("wordnet", "hard_negatives_refreshed"): ["--max_steps", "380"],  # a second mining pass costs ~60 hard-negative steps
@@ -126,16 +128,11 @@ RECIPE_BUDGETS: dict[tuple[str, ...], list[str]] = {
     # (W) stage keeps its 10)
     ("debtags", "script_budget", "dexml"): ["--num_train_epochs", "3"],
     ("debtags", "script_budget", "prime"): ["--num_train_epochs", "3"],
-    ("debtags", "script_budget", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
-    ("reuters", "script_budget", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
-    ("debtags", "softmax_module1", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
-    ("reuters", "softmax_module1", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
     ("debtags", "module1_epochs4", "siamesexml"): ["--num_train_epochs", "4", "--classifier_epochs", "10"],
     ("reuters", "module1_epochs4", "siamesexml"): ["--num_train_epochs", "4", "--classifier_epochs", "10"],
-    ("debtags", "mined_labels", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
-    ("reuters", "mined_labels", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
-    ("debtags", "softmax_classifiers", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
-    ("reuters", "softmax_classifiers", "siamesexml"): ["--num_train_epochs", "2", "--classifier_epochs", "10"],
+    # every other SiameseXML recipe on the two small datasets: the script's own 2 Module I + 10 classifier epochs
+    **{(dataset, recipe, "siamesexml"): SIAMESEXML_SCRIPT_BUDGET for dataset in ("debtags", "reuters")
+       for recipe in ("script_budget", "softmax_module1", "mined_labels", "softmax_classifiers")},
 }
 TRAIN_FILTERS = {"wordnet": "filter_labels_train.txt"}
 
