@@ -80,7 +80,8 @@ RECIPES: dict[str, list[str]] = {
     # Debtags and Reuters); on WordNet-XMC's 53K labels it is dexml_mining itself
     "dexml_mining_gated": [*DEXML_NEGATIVES, "--cluster_min_labels", "10000", "--bf16", "true"],
     # the script's own budget where bench_validation.py cut it (SiameseXML on Debtags and Reuters: 2 epochs of Module I
-    # and 10 of Module IV instead of 0.25 + 2 and 0.5 + 5; DEXML and PRIME on Debtags: 3 epochs instead of half), bf16
+    # and 10 of Module IV instead of 0.25 + 2 and 0.5 + 5; DEXML and PRIME on Debtags: 3 epochs instead of half; DEXML,
+    # PRIME and UniDEC on Reuters: 3 epochs instead of 1), bf16
     "script_budget": ["--bf16", "true"],
     # the default (bf16) with the steps that fill the issue's 40 wall minutes on 2 cores instead of the float32 row's 31
     "forty_minutes": ["--bf16", "true"],
@@ -128,6 +129,8 @@ RECIPE_BUDGETS: dict[tuple[str, ...], list[str]] = {
     # (W) stage keeps its 10)
     ("debtags", "script_budget", "dexml"): ["--num_train_epochs", "3"],
     ("debtags", "script_budget", "prime"): ["--num_train_epochs", "3"],
+    # on Reuters too (the dataset's flags give one epoch): DEXML, PRIME and UniDEC at their scripts' 3 epochs
+    **{("reuters", "script_budget", method): ["--num_train_epochs", "3"] for method in ("dexml", "prime", "unidec")},
     ("debtags", "module1_epochs4", "siamesexml"): ["--num_train_epochs", "4", "--classifier_epochs", "10"],
     ("reuters", "module1_epochs4", "siamesexml"): ["--num_train_epochs", "4", "--classifier_epochs", "10"],
     # every other SiameseXML recipe on the two small datasets: the script's own 2 Module I + 10 classifier epochs
