@@ -149,3 +149,18 @@ def test_the_readme_lora_table_is_the_peft_page_block():
 
     readme, page = (os.path.join(harness.REPO, *p) for p in (("README.md",), ("docs", "peft.md")))
     assert block(readme) == block(page) and "| debtags | dexml | lora-r8 |" in block(readme)
+
+
+def test_alternating_step_seconds_gives_each_setting_the_mean_of_its_own_steps_after_warm_up():
+    from benchmarks.bench_throughput import alternating_step_seconds, step_seconds
+
+    # step k ran setting k % 2: setting 0 takes 1 s, setting 1 takes 3 s; the first two steps of each are slow warm-up
+    durations = [9.0, 9.0, 9.0, 9.0] + [1.0, 3.0] * 5
+    times = [0.0]
+    for d in durations[1:]:
+        times.append(times[-1] + d)
+    assert alternating_step_seconds(times, 2, warmup=2) == [1.0, 3.0]
+    # one warm-up step each keeps steps 2 and 3 (9 s) in the means: (9 + 5 x 1) / 6 and (9 + 5 x 3) / 6
+    assert alternating_step_seconds(times, 2, warmup=1) == [14 / 6, 24 / 6]
+    # step_seconds times from the end of step ``warmup`` on: from the end of step 3, ten steps of 1 and 3 s
+    assert step_seconds(times, 3) == 2.0
