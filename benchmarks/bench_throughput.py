@@ -51,13 +51,13 @@ BATCH, SEQ, TEMPERATURE, LR = 64, 32, 0.05, 3e-4
 RECIPES = ("dexml", "prime", "unidec", "siamesexml")
 # SiameseXML's Module IV (frozen encoder, per-label classifiers) timed on its own (Module I skipped with
 # --num_train_epochs 0, Module II's shortlists mined before the first step), its default objective and the paper's
-# alternating step by step in one trainer: both see the same machine load, batches and state.
+# alternating step by step in one trainer: both see the same machine load, batch stream and model state.
 MODULE4 = "siamesexml_module4"
 MODULE4_OBJECTIVES = {
     "hf_xmc siamesexml Module IV": {"classifier_loss": "softmax", "classifier_negatives": "all"},
     "hf_xmc siamesexml Module IV ([P] likelihood, hardest)": {"classifier_loss": "likelihood", "classifier_negatives": "hardest"},
 }
-MODULE4_STEP_FACTOR = 4  # a Module IV step is ~5x shorter than an encoder step: more of them for the same precision
+MODULE4_STEP_FACTOR = 4  # a Module IV step is ~7x shorter than an encoder step: more of them for the same precision
 BF16_SUFFIX, BF16_ROW = "-bf16", " (bf16 autocast)"
 
 
