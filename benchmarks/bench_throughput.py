@@ -90,7 +90,7 @@ class StopBenchmark(Exception):
 
 
 def step_seconds(times: list[float], warmup: int) -> float:
-    """Mean seconds per step after the first ``warmup`` step ends."""
+    """Mean seconds per step after the first ``warmup + 1`` steps (``times`` are step ends: the first step has no start)."""
     steady = times[warmup:]
     return (steady[-1] - steady[0]) / (len(steady) - 1)
 
@@ -179,7 +179,7 @@ def worker_sentence_transformers(encoder: str, steps: int, warmup: int, work: st
 
 def alternating_step_seconds(times: list[float], settings: int, warmup: int) -> list[float]:
     """Mean seconds of the steps of each of ``settings`` settings taken round robin (step ``k`` ran setting
-    ``k % settings``; ``times`` are step ends), after each setting's first ``warmup`` steps."""
+    ``k % settings``; ``times`` are step ends, so step 0 has no start), after each setting's first ``warmup`` steps."""
     durations = [(k, times[k] - times[k - 1]) for k in range(1, len(times))]
     means = []
     for i in range(settings):
