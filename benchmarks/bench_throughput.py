@@ -35,6 +35,7 @@ re-renders the table of ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -53,10 +54,8 @@ RECIPES = ("dexml", "prime", "unidec", "siamesexml")
 # --num_train_epochs 0, Module II's shortlists mined before the first step), its default objective and the paper's
 # alternating step by step in one trainer: both see the same machine load, batch stream and model state.
 MODULE4 = "siamesexml_module4"
-MODULE4_OBJECTIVES = {
-    "hf_xmc siamesexml Module IV": {"classifier_loss": "softmax", "classifier_negatives": "all"},
-    "hf_xmc siamesexml Module IV ([P] likelihood, hardest)": {"classifier_loss": "likelihood", "classifier_negatives": "hardest"},
-}
+MODULE4_PAPER = {"classifier_loss": "likelihood", "classifier_negatives": "hardest"}  # the script's default: its own
+MODULE4_ROWS = ("hf_xmc siamesexml Module IV", "hf_xmc siamesexml Module IV ([P] likelihood, hardest)")
 MODULE4_STEP_FACTOR = 4  # a Module IV step is ~7x shorter than an encoder step: more of them for the same precision
 BF16_SUFFIX, BF16_ROW = "-bf16", " (bf16 autocast)"
 
@@ -190,7 +189,8 @@ def alternating_step_seconds(times: list[float], settings: int, warmup: int) -> 
 
 def worker_recipe(method: str, encoder: str, steps: int, warmup: int, work: str, bf16: bool = False) -> list[float]:
     """The recipe's own ``main`` through the training-script contract (``--bf16 true`` with ``bf16``), timed by a
-    callback on its XMCTrainer (``siamesexml_module4``: Module IV alone, alternating :data:`MODULE4_OBJECTIVES`)."""
+    callback on its XMCTrainer (``siamesexml_module4``: Module IV alone, alternating the script's default objective
+    with :data:`MODULE4_PAPER`)."""
     import importlib
 
     from benchmarks.sweep_defaults import training_command
@@ -199,7 +199,10 @@ def worker_recipe(method: str, encoder: str, steps: int, warmup: int, work: str,
 
     module4 = method == MODULE4
     if module4:  # Module IV alone: no Module I, so the only trainer (and timer) is Module IV's
-        method, alternate = "siamesexml", list(MODULE4_OBJECTIVES.values())
+        from hf_xmc.training.recipes.siamesexml import SiameseXMLModelArguments
+
+        defaults = {f.name: f.default for f in dataclasses.fields(SiameseXMLModelArguments) if f.name in MODULE4_PAPER}
+        method, alternate = "siamesexml", [defaults, MODULE4_PAPER]
         timer = StepTimes(len(alternate) * (warmup + MODULE4_STEP_FACTOR * steps) + 1, alternate)
     else:
         timer = StepTimes(warmup + steps + 1)
@@ -332,8 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
         if len(times) < args.warmup + 2:
             raise SystemExit(f"{name}: only {len(times)} steps ran")
         if kind.removesuffix(BF16_SUFFIX) == MODULE4:  # one row per objective, from the same run
-            suffix = name.removeprefix(f"hf_xmc {MODULE4}")
-            rows = [row + suffix for row in MODULE4_OBJECTIVES]
+            rows = [row + (BF16_ROW if kind.endswith(BF16_SUFFIX) else "") for row in MODULE4_ROWS]
             seconds = alternating_step_seconds(times, len(rows), args.warmup)
         else:
             rows, seconds = [name], [step_seconds(times, args.warmup)]
