@@ -315,6 +315,55 @@ def test_module2_store_resumes_mining_where_it_stopped(tiny_encoder_dir, tiny_ta
     assert done == 0 and (fresh == -1).all()
 
 
+def test_module2_shortlists_leave_out_the_excluded_pairs(tiny_encoder_dir, tiny_task):
+    # exclude each point's first shortlisted label (as --train_filter_file's "the point's own label" would): it is
+    # gone, the rest moves up by one and the next label fills the last slot; the neighbour votes are unchanged
+    data = tiny_task[0]
+    targets = sp.csr_matrix(data.train.targets)
+    model = make_siamesexml(tiny_encoder_dir, data)
+    points = build_label_state(model, data.train.texts, targets, None)
+    plain = mine_classifier_shortlist(model, points, targets, size=11, knn_neighbors=3)
+    n = len(data.train)
+    exclude = sp.csr_matrix((np.ones(n, dtype=bool), (np.arange(n), plain[:, 0])), shape=targets.shape)
+    got = mine_classifier_shortlist(model, points, targets, size=10, knn_neighbors=3, exclude=exclude)
+    np.testing.assert_array_equal(got, plain[:, 1:])
+    with pytest.raises(ValueError, match="exclude has shape"):
+        mine_classifier_shortlist(model, points, targets, size=10, knn_neighbors=3, exclude=exclude[:, :5])
+
+
+def test_resume_with_another_seed_refuses_the_stored_shortlists(tiny_encoder_dir, tiny_task, tmp_path, capsys):
+    # another --seed at the same --validation_size holds out other points: the stored shortlists' rows would be other
+    # points' (and another --train_filter_file's negatives other ones); the resumed run is refused in one line, exit 2
+    from hf_xmc.models.provenance import StaleDerivedPartError
+    from hf_xmc.training.recipes import siamesexml as recipe
+    from hf_xmc.training.script_utils import run_script
+
+    data, directory = tiny_task
+    out = tmp_path / "out"
+    argv = [
+        "--train_file", f"{directory}/trn.json.gz", "--test_file", f"{directory}/tst.json.gz", "--label_file", f"{directory}/lbl.json.gz",
+        "--model_name_or_path", tiny_encoder_dir, "--output_dir", str(out), "--num_train_epochs", "0", "--classifier_max_steps", "1",
+        "--max_seq_length", "16", "--save_strategy", "steps", "--save_steps", "1", "--disable_tqdm", "true", "--report_to", "none",
+        "--validation_size", "40",
+    ]
+    recipe.main([*argv, "--seed", "1"])
+    record = json.load(open(out / "module2" / "module2.json"))["fingerprint"]
+    assert record["seed"] == 1 and record["train_filter"] is None and record["validation"]
+    capsys.readouterr()
+    assert run_script(recipe.main, [*argv, "--seed", "2", "--resume_from_checkpoint", "true"], prog="train_siamesexml.py") == 2
+    lines = capsys.readouterr().err.strip().splitlines()  # (a model load's progress bars may come before it)
+    err = lines[-1]
+    assert [line for line in lines if "train_siamesexml.py" in line or "Traceback" in line] == [err]
+    assert err.startswith("train_siamesexml.py: ") and "module2/shortlist.npy" in err
+    assert "training shortlists" in err and "seed" in err and "refused" in err and "--resume_from_checkpoint" in err
+    # the same seed with a training filter the shortlists were not mined without: refused for the filter alone
+    filt = tmp_path / "filter_labels_train.txt"
+    filt.write_text("0 1\n")
+    with pytest.raises(StaleDerivedPartError, match=r"other train_filter than"):
+        recipe.main([*argv, "--seed", "1", "--resume_from_checkpoint", "true", "--train_filter_file", str(filt)])
+    assert json.load(open(out / "module2" / "module2.json"))["fingerprint"] == record  # nothing was mined over it
+
+
 def test_module2_float16_store_halves_the_point_vectors(tiny_encoder_dir, tiny_task):
     # at scale the label store is float16 and Module II keeps the training-point vectors at that precision too: the
     # label state, the [z~ ; v] rows and the shortlists must match the float32 path up to float16 rounding

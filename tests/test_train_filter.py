@@ -131,3 +131,41 @@ def test_fusion_weights_are_tuned_without_the_filter_pairs(indexed_model, tiny_t
     bare = XMCDataset(texts=holdout.texts, targets=holdout.targets, uids=holdout.uids)
     tuned = tune_fusion_weights(indexed_model, channel, bare, data.train.targets, (0.0,), (0.0,))
     assert tuned["dense"] == pytest.approx(100.0)
+
+
+def test_siamesexml_module2_shortlists_never_hold_a_filter_pair(tiny_encoder_dir, tiny_task, tmp_path, monkeypatch):
+    # Module IV trains on Module II's shortlist negatives: a filter pair there (an LF dataset's own label, rank 1)
+    # would be a negative. The tiny task has 40 labels and the shortlist 100 slots, so every label that is neither
+    # a positive nor a filter pair of the point is shortlisted, and a filter pair would be too if it were not removed.
+    from hf_xmc.training.recipes import siamesexml as recipe
+
+    data, task_dir = tiny_task
+    n, num_labels = len(data.train), len(data.label_texts)
+    targets = sp.csr_matrix(data.train.targets)
+    pairs = []
+    for r in range(n):
+        candidates = [(r * 7 + 3 + 9 * j) % num_labels for j in range(6)]
+        pairs += [(r, c) for c in [c for c in candidates if c not in set(targets[r].indices)][:3]]
+    path = tmp_path / "filter_labels_train.txt"
+    path.write_text("".join(f"{r} {c}\n" for r, c in pairs))
+    seen = {}
+    real_mine = recipe.mine
+
+    def mine(model, d, args):
+        seen["data"], seen["collator"] = d, real_mine(model, d, args)
+        return seen["collator"]
+
+    monkeypatch.setattr(recipe, "mine", mine)
+    recipe.main([
+        "--train_file", f"{task_dir}/trn.json.gz", "--test_file", f"{task_dir}/tst.json.gz", "--label_file", f"{task_dir}/lbl.json.gz",
+        "--train_filter_file", str(path), "--model_name_or_path", tiny_encoder_dir, "--output_dir", str(tmp_path / "out"),
+        "--num_train_epochs", "0", "--classifier_max_steps", "1", "--max_seq_length", "16", "--save_strategy", "no",
+        "--disable_tqdm", "true", "--report_to", "none", "--seed", "1",
+    ])
+    train = seen["data"].train  # the points left after the validation split, with their filter rows
+    shortlist, filt, positives = seen["collator"].shortlist, sp.csr_matrix(train.filter_matrix), sp.csr_matrix(train.targets)
+    assert shortlist.shape[0] == len(train) and filt.nnz >= 2 * len(train)
+    for r in range(len(train)):
+        got = set(shortlist[r][shortlist[r] >= 0].tolist())
+        assert not got & set(filt[r].indices.tolist())
+        assert got == set(range(num_labels)) - set(positives[r].indices.tolist()) - set(filt[r].indices.tolist())

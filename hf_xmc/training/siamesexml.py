@@ -6,7 +6,8 @@
 - Module II: :func:`label_correlation_matrix` (the random walk with restart that smooths label-text vectors over
   correlated labels), :func:`build_label_state` (``z~ = N(M f(Z))`` and the centroids ``v_l``) and
   :func:`mine_classifier_shortlist` (per training point, its shortlist from the index over ``[z~ ; v]`` plus the
-  votes of its nearest training points, positives removed); :class:`ModuleIIStore` keeps them on disk for a resumed run.
+  votes of its nearest training points, positives and the training filter's pairs removed); :class:`ModuleIIStore`
+  keeps them on disk for a resumed run, with a fingerprint of what they were mined from.
 - Module III is the model's initialisation (``eta = 0``); Module IV trains on
   :class:`~hf_xmc.training.classifier_stage.ClassifierStageCollator` batches.
 - :func:`bag_of_embeddings_idf`: document frequencies of the tokenizer's tokens for the bag-of-embeddings encoder.
@@ -277,11 +278,14 @@ def mine_classifier_shortlist(
     first: int = 0,
     on_chunk: Optional[Callable[[int], None]] = None,
     neighbour_index_dir: Optional[str] = None,
+    exclude: Optional[sp.spmatrix] = None,
 ) -> np.ndarray:
     """Module II's static shortlist of every training point: ``(1 - gamma) (cos_z + cos_v)`` from the model's index over
     ``[z~ ; v]`` plus ``gamma`` times the votes of its ``knn_neighbors`` nearest training points (each neighbour adds
     its cosine to each of its labels, divided by the point's largest vote; ``gamma = knn_weight``, [C] 0.025), best
-    ``size`` negatives kept (positives removed). Returns ``(N, size)`` int32 label ids, ``-1``-padded.
+    ``size`` negatives kept (positives removed, and the pairs of ``exclude``: an ``(N, L)`` matrix such as
+    ``--train_filter_file``'s, labels that are the point itself, never Module IV negatives). Returns ``(N, size)``
+    int32 label ids, ``-1``-padded.
 
     Resuming: ``out`` (e.g. :meth:`ModuleIIStore.open_shortlist`'s memory map) is filled in place from row ``first``
     on (rows before it are kept), and ``on_chunk(rows_done)`` is called after each chunk of ``chunk_size`` points.
@@ -289,7 +293,8 @@ def mine_classifier_shortlist(
     built and saved there (:meth:`LabelIndex.cached`).
 
     Memory: ``4 x size`` bytes per point, plus one chunk of hits; the neighbour index uses ``point_vectors`` in place
-    and its faiss copy holds them at their precision (``2 D`` bytes per point in float16, ``4 D`` in float32).
+    and its faiss copy holds them at their precision (``2 D`` bytes per point in float16, ``4 D`` in float32); with
+    ``exclude``, a CSR union of the targets and its pairs (``8`` bytes per pair).
     """
     from ..models.label_index import LabelIndex
 
@@ -297,10 +302,16 @@ def mine_classifier_shortlist(
     n = point_vectors.shape[0]
     if targets.shape[0] != n:
         raise ValueError(f"{n} point vectors for {targets.shape[0]} target rows")
+    removed = targets  # the pairs never shortlisted: the positives (the votes still come from the targets alone) ...
+    if exclude is not None:
+        if exclude.shape != targets.shape:
+            raise ValueError(f"exclude has shape {exclude.shape}, expected the targets' {targets.shape}")
+        # ... and the training filter's: searched past and filtered out like positives
+        removed = sp.csr_matrix(((targets != 0) + (sp.csr_matrix(exclude) != 0)).astype(np.float32))
     neighbours = None
     if knn_neighbors > 0 and knn_weight > 0:
         neighbours = LabelIndex.cached(point_vectors, neighbour_index_dir, kind=model.config.index_kind, ivf_nprobe=model.config.ivf_nprobe)
-    max_positives = int(np.diff(targets.indptr).max()) if targets.nnz else 0
+    max_positives = int(np.diff(removed.indptr).max()) if removed.nnz else 0
     if out is None:
         out = np.full((n, size), -1, dtype=np.int32)
     elif tuple(out.shape) != (n, size):
@@ -332,7 +343,7 @@ def mine_classifier_shortlist(
             np.maximum.at(best, vote_query, summed)
             extra = (vote_query, vote_label, summed * (knn_weight / np.maximum(best[vote_query], 1e-12)))
         ids, scores = model.shortlist(queries, size + max_positives, source_weights=weights, extra_hits=extra)
-        ids, _ = filter_predictions(ids, scores, targets[start:stop], size)
+        ids, _ = filter_predictions(ids, scores, removed[start:stop], size)
         out[start:stop] = ids
         if on_chunk is not None:
             on_chunk(stop)
@@ -346,7 +357,7 @@ class ModuleIIStore:
 
     - ``label_state.safetensors`` (``z~`` and ``v``, float32: ``8 D`` bytes per label), ``points.npy`` (the training-point
       vectors at the label store's precision: ``2 D`` or ``4 D`` bytes per point) and ``module2.json`` (the settings they
-      were made with, written last): once, before mining;
+      were made with and the fingerprint of the shortlists' inputs, written last): once, before mining;
     - ``shortlist.npy``: the ``(N, S)`` int32 shortlists (``4 S`` bytes per point), filled in place through a memory map,
       and ``progress.json``: how many leading rows are final, rewritten after each mined chunk is flushed to disk;
     - ``label_index/`` and ``point_index/``: the faiss files of the shortlist index over ``[z~ ; v]`` and of the
@@ -357,16 +368,43 @@ class ModuleIIStore:
     Every file is written to a temporary name and renamed, so a run killed at any point leaves a readable store. A store
     made with other settings (data shape, shortlist size, neighbour votes, label graph, seed) is not read: Module II
     starts over. ``writer=False`` (the processes other than the first of a multi-process run) only reads.
+
+    ``fingerprint`` (:func:`hf_xmc.models.provenance.fingerprint_of`: the digests of the training targets and the
+    training filter, the validation split's fingerprint and the seed) is what the shortlists are mined from; it is
+    recorded in ``module2.json`` and a resumed run made from other inputs is refused in one line
+    (:meth:`check_inputs`, the ``training_shortlists`` part's ``refuse`` policy): its rows would be other points, its
+    negatives another filter's. A store recorded without one (made before fingerprints) is trusted as loaded.
     """
 
     LABEL_INDEX_DIR = "label_index"
     POINT_INDEX_DIR = "point_index"
 
-    def __init__(self, directory: str, settings: dict, writer: bool = True):
+    FINGERPRINT_KEY = "fingerprint"
+    REFUSED_HINT = ("resume with the run's own --seed, data files and --train_filter_file, or start over without "
+                    "--resume_from_checkpoint (or in another --output_dir)")
+
+    def __init__(self, directory: str, settings: dict, writer: bool = True, fingerprint: Optional[dict] = None):
         self.directory = directory
         self.settings = dict(settings)
         self.writer = writer
+        self.fingerprint = dict(fingerprint) if fingerprint is not None else None
         self._shortlist: Optional[np.ndarray] = None
+
+    def _record(self) -> Optional[dict]:
+        """``module2.json`` as written: the settings and, when recorded, the fingerprint (None without a store)."""
+        return self._read_json("module2.json")
+
+    def check_inputs(self) -> None:
+        """Refuse (:class:`~hf_xmc.models.provenance.StaleDerivedPartError`, one line) a store whose shortlists were
+        mined from other inputs than this run's ``fingerprint``; nothing to check without a store, a recorded
+        fingerprint or a current one."""
+        from ..models.provenance import check_derived
+
+        record = self._record()
+        if self.fingerprint is None or not record:
+            return
+        check_derived("training_shortlists", record.get(self.FINGERPRINT_KEY), self.fingerprint,
+                      subject=self._path("shortlist.npy"), hint=self.REFUSED_HINT)
 
     def index_dir(self, name: str) -> Optional[str]:
         """Where the index ``name`` (:attr:`LABEL_INDEX_DIR` / :attr:`POINT_INDEX_DIR`) is kept; None for a process that
@@ -400,10 +438,12 @@ class ModuleIIStore:
 
     def load_label_state(self, model) -> Optional[torch.Tensor]:
         """Set the stored ``z~`` and ``v`` on ``model`` and return the stored point vectors, or None when there is no
-        complete store of these settings."""
+        complete store of these settings (a store of other inputs is refused first: :meth:`check_inputs`)."""
         from safetensors.torch import load_file
 
-        if self._read_json("module2.json") != self.settings:
+        self.check_inputs()
+        record = self._record()
+        if record is None or {k: v for k, v in record.items() if k != self.FINGERPRINT_KEY} != self.settings:
             return None
         state = load_file(self._path("label_state.safetensors"))
         model.set_label_state(state["label_text_vectors"], state["label_centroids"], normalize=False)  # stored as set
@@ -412,7 +452,8 @@ class ModuleIIStore:
         return points
 
     def save_label_state(self, model, points: torch.Tensor) -> None:
-        """Write ``z~``, ``v`` and the point vectors, then the settings (which mark the store complete)."""
+        """Write ``z~``, ``v`` and the point vectors, then the settings and the fingerprint (which mark the store
+        complete)."""
         from safetensors.torch import save_file
 
         from ..models.io_utils import atomic_write
@@ -429,7 +470,10 @@ class ModuleIIStore:
                 np.save(f, points.cpu().numpy())
 
         atomic_write(self._path("points.npy"), write_points)
-        self._write_json("module2.json", self.settings)
+        record = dict(self.settings)
+        if self.fingerprint is not None:
+            record[self.FINGERPRINT_KEY] = self.fingerprint
+        self._write_json("module2.json", record)
 
     def open_shortlist(self, num_points: int, size: int, resume: bool = True) -> tuple[np.ndarray, int]:
         """The shortlist array to mine into and its first row still to mine: with ``resume`` (the label state came from

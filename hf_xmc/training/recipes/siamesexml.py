@@ -19,7 +19,9 @@ positive against the batch's other labels (--siamese_loss likelihood: [P]'s poin
 hardest in-batch negative per row).
 Module II: the encoder is frozen; label-text vectors smoothed by the label random walk (400 hops, restart 0.8, top
 10), label centroids, and a shortlist per training point from the index over both plus its 50 nearest training
-points' votes (kept under OUT/module2 when the run saves checkpoints: a resumed run reads them back). Module III: w_l = N(z~_l + eta_l), eta = 0. Module IV (--classifier_epochs at
+points' votes, its positives and its --train_filter_file pairs left out (kept under OUT/module2 when the run saves
+checkpoints, with a fingerprint of the targets, the filter, the validation split and the seed: a resumed run reads
+them back, and one with other inputs, e.g. another --seed, is refused in one line). Module III: w_l = N(z~_l + eta_l), eta = 0. Module IV (--classifier_epochs at
 --classifier_learning_rate, --classifier_batch_size points per batch): eta and the residual block on each point's
 positives (at most 10) and all of its 100 shortlist negatives, DEXML's decoupled softmax of 20 cos (--classifier_loss
 likelihood --classifier_negatives hardest: [P]'s point likelihood, c 0.75, d 3, over the 3 x |P_i| hardest;
@@ -36,9 +38,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import scipy.sparse as sp
 
 from hf_xmc.models import SiameseXMLModel
+from hf_xmc.models.provenance import array_digest, fingerprint_of
 from hf_xmc.training import XMCTrainer, XMCTrainingArguments
 from hf_xmc.training.classifier_stage import ClassifierStageCollator
 from hf_xmc.training.script_utils import (
@@ -174,9 +178,33 @@ def train_siamese(model: SiameseXMLModel, data, args: SiameseXMLTrainingArgument
     train_stage(trainer, resume_argument(args))
 
 
-def module2_store(model: SiameseXMLModel, targets, args: SiameseXMLTrainingArguments) -> Optional[ModuleIIStore]:
+def _csr_digest(matrix) -> str:
+    """The digest of a sparse matrix's pairs and values (its CSR parts, indices sorted), whatever its format."""
+    m = sp.csr_matrix(matrix)
+    if not m.has_sorted_indices:
+        m = m.sorted_indices()
+    return array_digest(np.asarray(m.shape), m.indptr, m.indices, m.data)
+
+
+def shortlist_fingerprint(data, args: SiameseXMLTrainingArguments) -> dict:
+    """What Module II's training shortlists are mined from (the ``training_shortlists`` part of
+    :mod:`hf_xmc.models.provenance`): the digests of the training targets and of the training filter (None without
+    one), the validation split's fingerprint (None without one) and the seed. A changed seed at the same validation
+    size moves other points into training: the stored rows would belong to other points."""
+    record = getattr(data, "validation_record", None)
+    filt = data.train.filter_matrix
+    return fingerprint_of(
+        targets=_csr_digest(data.train.targets),
+        train_filter=_csr_digest(sp.csr_matrix(filt, dtype=bool)) if filt is not None else None,
+        validation=record.get("fingerprint") if record else None,
+        seed=int(args.seed),
+    )
+
+
+def module2_store(model: SiameseXMLModel, targets, args: SiameseXMLTrainingArguments, fingerprint: Optional[dict] = None) -> Optional[ModuleIIStore]:
     """Module II's results on disk (OUT/module2) when the run saves checkpoints, so a resumed run reads them back;
-    the first process writes, the others read."""
+    the first process writes, the others read; ``fingerprint`` (:func:`shortlist_fingerprint`) is recorded with them
+    and checked on resume."""
     if args.save_strategy == "no":
         return None
     settings = {
@@ -186,14 +214,25 @@ def module2_store(model: SiameseXMLModel, targets, args: SiameseXMLTrainingArgum
         "walk_top_k": args.walk_top_k, "seed": args.seed, "train_shortlist_size": args.train_shortlist_size,
         "knn_neighbors": args.knn_neighbors, "knn_weight": args.knn_weight,
     }
-    return ModuleIIStore(os.path.join(args.output_dir, "module2"), settings, writer=args.process_index == 0)
+    return ModuleIIStore(os.path.join(args.output_dir, "module2"), settings, writer=args.process_index == 0, fingerprint=fingerprint)
+
+
+def check_resumed_store(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments) -> None:
+    """A resumed run whose stored Module II shortlists were mined from other inputs (another --seed, data or
+    --train_filter_file) is refused in one line before any module runs (:meth:`ModuleIIStore.check_inputs`)."""
+    if not resume_argument(args):
+        return
+    store = module2_store(model, data.train.targets, args, shortlist_fingerprint(data, args))
+    if store is not None:
+        store.check_inputs()
 
 
 def mine(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments):
-    """Module II (and III): label state and static shortlists from the frozen encoder; returns Module IV's collator."""
+    """Module II (and III): label state and static shortlists from the frozen encoder, the training filter's pairs
+    never negatives (as DEXML's, UniDEC's and PRIME's mined negatives); returns Module IV's collator."""
     targets = sp.csr_matrix(data.train.targets)
     show = not args.disable_tqdm
-    store = module2_store(model, targets, args)
+    store = module2_store(model, targets, args, shortlist_fingerprint(data, args))
     points = store.load_label_state(model) if store is not None and resume_argument(args) else None
     resumed = points is not None
     if not resumed:
@@ -210,6 +249,7 @@ def mine(model: SiameseXMLModel, data, args: SiameseXMLTrainingArguments):
         model, points, targets, args.train_shortlist_size, args.knn_neighbors, args.knn_weight, show_progress_bar=show,
         out=out, first=first, on_chunk=store.mark_done if store is not None else None,
         neighbour_index_dir=store.index_dir(store.POINT_INDEX_DIR) if store is not None else None,
+        exclude=data.train.filter_matrix,
     )
     logger.info("SiameseXML Module II: shortlists of %d negatives for %d training points", shortlist.shape[1], shortlist.shape[0])
     frozen = not args.train_encoder_in_classifier_stage
@@ -236,6 +276,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     data = load_data(data_args, training_args, tuned_by_recipe=["--fusion_weight"] if tune_beta else [])
     model = SiameseXMLModel.from_encoder_pretrained(model_args.model_name_or_path, label_space_size=len(data.label_texts), **model_config_kwargs(model_args, data_args))
     model.set_labels(data.label_texts, data.label_uids)
+    check_resumed_store(model, data, training_args)  # before the IDF pass and Module I: a refused resume costs nothing
     module1_restored = training_args.num_train_epochs > 0 and stage_finished(module1_dir(training_args), resume_argument(training_args))
     if model.config.encoder_type == "boe" and not module1_restored:  # a finished Module I's weights carry the IDF
         texts = list(data.train.texts) + list(data.label_texts)
