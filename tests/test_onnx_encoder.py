@@ -43,7 +43,7 @@ def test_onnx_query_encoder_ranks_as_torch_and_travels_with_the_model(tiny_encod
         assert [[r["id"] for r in row] for row in served] == torch_pred.label_ids[:3, :5].tolist()
         with torch.no_grad():
             next(model.parameters()).add_(0.5)  # the export is stale now: the worker must encode with it, and refuse
-        with pytest.raises(ValueError, match="exported from other weights"):
+        with pytest.raises(ValueError, match="made from other weights"):
             batcher.submit(texts[:3], 5).result(timeout=60)
     finally:
         batcher.close()
@@ -73,7 +73,7 @@ def test_an_export_of_other_weights_is_refused_and_unidec_exports_its_search_hea
     model.predict(["a"], backend="onnx")  # the session is open and checked
     with torch.no_grad():
         next(model.parameters()).add_(0.01)
-    with pytest.raises(ValueError, match="exported from other weights"):  # checked again after the weights changed
+    with pytest.raises(ValueError, match="made from other weights"):  # checked again after the weights changed
         model.predict(["a"], backend="onnx")
     model.save_pretrained(tmp_path / "saved")
     assert not (tmp_path / "saved" / ONNX_ENCODER_FILE).exists()  # a stale export is not carried
@@ -82,3 +82,34 @@ def test_an_export_of_other_weights_is_refused_and_unidec_exports_its_search_hea
     unidec.export_onnx(tmp_path / "u")
     texts = list(data.test.texts[:5])
     np.testing.assert_allclose(unidec.query_vectors_with("onnx", texts).numpy(), unidec.query_search_vectors(texts).numpy(), atol=1e-5)
+
+
+def test_an_export_traced_under_another_search_head_or_with_other_bytes_is_refused(tiny_encoder_dir, tiny_task, tmp_path):
+    """Issue 64 item 4: UniDEC's export freezes the head it was traced under; ONNX queries of the DE head must not
+    search the classifier index, and an .onnx file whose bytes changed after the export is not run."""
+    data = tiny_task[0]
+    texts = list(data.test.texts[:5])
+    unidec = UniDECModel.from_encoder_pretrained(tiny_encoder_dir, label_space_size=len(data.label_texts), max_seq_length=16)
+    unidec.set_labels(data.label_texts)
+    unidec.set_search_mode("de")
+    unidec.export_onnx(tmp_path / "u")
+    de = unidec.predict(texts, k=5, backend="onnx")
+    np.testing.assert_array_equal(de.label_ids, unidec.predict(texts, k=5).label_ids)
+    unidec.set_search_mode("classifier")
+    with pytest.raises(ValueError, match=r"onnx export was made from other query_head .*set_search_mode"):
+        unidec.predict(texts, backend="onnx")
+    unidec.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved" / ONNX_ENCODER_FILE).exists()  # an export of another head is not carried either
+    unidec.set_search_mode("de")  # back under the head it was traced with: served again
+    np.testing.assert_array_equal(unidec.predict(texts, k=5, backend="onnx").label_ids, de.label_ids)
+
+    model = make_model(tiny_encoder_dir, data)
+    model.save_pretrained(tmp_path / "m")
+    model.export_onnx(tmp_path / "m")
+    reference = model.predict(texts, k=5, backend="onnx").label_ids
+    reloaded = AutoModel.from_pretrained(tmp_path / "m")
+    np.testing.assert_array_equal(reloaded.predict(texts, k=5, backend="onnx").label_ids, reference)
+    onnx_file = tmp_path / "m" / ONNX_ENCODER_FILE
+    onnx_file.write_bytes(onnx_file.read_bytes() + b"\0")  # a file changed after its export (same weights, same head)
+    with pytest.raises(ValueError, match=r"query_encoder.onnx: the onnx export was made from other file"):
+        AutoModel.from_pretrained(tmp_path / "m").predict(texts, backend="onnx")

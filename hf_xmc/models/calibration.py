@@ -81,7 +81,8 @@ class ScoreCalibration:
         """The calibration a config's ``score_calibration`` describes (ValueError on a malformed one)."""
         if not isinstance(values, dict) or "method" not in values:
             raise ValueError(f"score_calibration must be a dict with a 'method', got {type(values).__name__}")
-        info = {k: v for k, v in values.items() if k not in ("method", "x", "y", "a", "b")}
+        # the fingerprint of the ranking it was fitted on is the model's to check (XMCPreTrainedModel.score_calibration)
+        info = {k: v for k, v in values.items() if k not in ("method", "x", "y", "a", "b", "fingerprint")}
         try:
             if values["method"] == "isotonic":
                 return cls("isotonic", x=values["x"], y=values["y"], info=info)

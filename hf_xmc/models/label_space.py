@@ -78,6 +78,7 @@ class LabelSpaceMixin:
         self.label_uids = list(self.label_uids) + uids
         if self.lexical_channel is not None:
             self.lexical_channel.add_labels(texts)
+            self._sync_lexical_channel_labels()
         if vectors is None:  # the store's layout depends on the label count: rebuild from the label state
             self.build_label_index(batch_size=batch_size, show_progress_bar=show_progress_bar)
         else:
@@ -99,6 +100,7 @@ class LabelSpaceMixin:
         self.label_uids = [self.label_uids[i] for i in keep]
         if self.lexical_channel is not None:
             self.lexical_channel.select_labels(keep)
+            self._sync_lexical_channel_labels()
         if same_rows:
             self.label_index = index.select(keep)
             self.label_embedding_blocks = self.label_index.blocks

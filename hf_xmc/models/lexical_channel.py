@@ -58,6 +58,7 @@ import numpy as np
 
 from .io_utils import atomic_write
 from .model_files import ModelFileError, check_csr, check_listed_name, read_safetensors_with_metadata
+from .provenance import array_digest, digest
 
 try:  # the ranker's library: optional at load time (the channel then fuses dense + text scores only)
     import omikuji
@@ -241,6 +242,9 @@ class LexicalChannel:
         settings: fusion settings (:data:`DEFAULT_SETTINGS` keys).
         ranker_files: Omikuji's saved files (name -> bytes), kept so that a save writes the ranker back even when
             omikuji is not importable.
+        ranker_id: which trained ranker this is (made when it is trained, saved with it): part of :meth:`fingerprint`.
+        label_source: the digest of the model's label set the label rows were made from (``provenance.py``: the model
+            rebuilds the rows when its labels changed without the channel); None when unknown.
     """
 
     def __init__(
@@ -251,11 +255,17 @@ class LexicalChannel:
         ranker_labels: Optional[np.ndarray] = None,
         settings: Optional[dict] = None,
         ranker_files: Optional[dict[str, bytes]] = None,
+        ranker_id: Optional[str] = None,
+        label_source: Optional[str] = None,
     ):
         self.features = features
         self.label_rows = label_rows
         self.ranker = ranker
         self.ranker_files = ranker_files
+        if ranker_id is None and (ranker is not None or ranker_files):
+            ranker_id = digest(sorted((ranker_files or {}).items())) if ranker_files else new_ranker_id()
+        self.ranker_id = ranker_id
+        self.label_source = label_source
         self.ranker_labels = None if ranker_labels is None else np.asarray(ranker_labels, dtype=np.int64)
         unknown = set(settings or {}) - set(DEFAULT_SETTINGS)
         if unknown:
@@ -271,6 +281,28 @@ class LexicalChannel:
     @property
     def has_ranker(self) -> bool:
         return self.ranker is not None
+
+    def set_ranker(self, ranker) -> None:
+        """A newly trained ranker over the channel's labels (the ids are the model's); it gets a new :attr:`ranker_id`."""
+        self.ranker, self.ranker_files, self.ranker_labels, self.ranker_id = ranker, None, None, new_ranker_id()
+
+    def fingerprint(self) -> str:
+        """A digest of what the channel's scores depend on: its fusion settings, vocabulary and idf, label rows, and the
+        ranker it ranks with now (its id, or none: a ranker saved but not loadable without omikuji scores nothing).
+        The score calibration records it (``provenance.py``). The vocabulary and label-row digests are taken once per
+        state (the rows are replaced, never edited in place); the rest is a few dozen bytes."""
+        features = getattr(self, "_features_digest", None)
+        if features is None or features[0] is not self.features:
+            features = (self.features, array_digest(self.features.idf) + digest(self.features.terms)
+                        + f"{self.features.ngram_max}{self.features.sublinear_tf}")
+            self._features_digest = features
+        rows = getattr(self, "_rows_digest", None)
+        if rows is None or rows[0] is not self.label_rows:
+            rows = (self.label_rows, array_digest(self.label_rows.indptr, self.label_rows.indices, self.label_rows.data))
+            self._rows_digest = rows
+        ranker_map = array_digest(self.ranker_labels) if self.ranker_labels is not None else None
+        ranker = [self.ranker_id, ranker_map] if self.ranker is not None else None
+        return digest([sorted((k, float(v)) for k, v in self.settings.items()), features[1], rows[1], ranker])
 
     # ------------------------------------------------------------------ scoring
     def rank_with_ranker(self, queries: CsrRows, depth: int) -> tuple[np.ndarray, np.ndarray]:
@@ -355,7 +387,7 @@ class LexicalChannel:
         rows = self.features.transform(texts)
         same = len(rows) == len(self.label_rows) and np.array_equal(rows.indptr, self.label_rows.indptr) and np.array_equal(
             rows.indices, self.label_rows.indices) and np.allclose(rows.data, self.label_rows.data)
-        if not same and self.ranker_files:
+        if not same and (self.ranker is not None or self.ranker_files):
             logger.warning("new label texts: the lexical channel's ranker knew the old labels and is switched off")
             self.ranker_labels = np.full(max(len(self.label_rows), 1), -1, dtype=np.int64)
         self.label_rows = rows
@@ -397,6 +429,8 @@ class LexicalChannel:
             "sublinear_tf": json.dumps(self.features.sublinear_tf),
             "ranker": "omikuji" if files else "",
             "ranker_files": json.dumps(sorted(files or {})),
+            "ranker_id": self.ranker_id or "",
+            "label_source": self.label_source or "",
         }
         atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
@@ -448,7 +482,15 @@ class LexicalChannel:
                     raise
                 except BaseException as err:  # omikuji's RuntimeError, or a Rust panic (a BaseException) on garbage bytes
                     raise ModelFileError(f"{path}: the ranker's files do not load as an Omikuji model ({type(err).__name__}: {err})") from None
-        return cls(features, label_rows, ranker, ranker_labels, settings, ranker_files=files or None)
+        return cls(features, label_rows, ranker, ranker_labels, settings, ranker_files=files or None,
+                   ranker_id=metadata.get("ranker_id") or None, label_source=metadata.get("label_source") or None)
+
+
+def new_ranker_id() -> str:
+    """A fresh id for a newly trained ranker (16 hex digits)."""
+    import uuid
+
+    return uuid.uuid4().hex[:16]
 
 
 def load_omikuji(files: dict[str, bytes]):

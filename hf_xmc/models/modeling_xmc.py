@@ -80,6 +80,7 @@ from .model_files import (
     read_labels,
 )
 from .onnx_encoder import ONNX_ENCODER_FILE, ONNX_ENCODER_META, OnnxExportMixin
+from .provenance import changed_inputs, check_derived, digest, fingerprint_of
 from .training_hooks import XMCTrainingHooks
 
 logger = logging.get_logger(__name__)
@@ -376,6 +377,7 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         self.invalidate_label_index()
         if self.lexical_channel is not None and self.label_texts != previous:
             self.lexical_channel.replace_labels(self.label_texts)
+        self._sync_lexical_channel_labels()
 
     def invalidate_label_index(self) -> None:
         """Forget label vectors and index (they no longer match the weights, e.g. after an optimiser step)."""
@@ -397,17 +399,53 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         changes. Accumulated in float64: a float32 sum depends on the reduction order, so another thread count (or
         device) gave a different fingerprint for the same weights (a MiniLM bias sum of -0.0436 moved by 2e-6 from 2
         threads to 1, enough to refuse an ONNX export as stale). Memory: none beyond one reduction at a time (no float64
-        copy); time: one pass over the weights."""
-        tensors = [t.detach() if t.is_floating_point() else t.detach().double() for t in (*self.parameters(), *self.buffers())]
-        return tuple(v for t in tensors for v in (float(t.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(t, dtype=torch.float64))))
+        copy); time: one pass over the weights, taken again only when a weight was written since the last call (torch's
+        version counters and storage pointers: an optimiser step, ``load_state_dict`` or ``.to()`` changes them)."""
+        tensors = (*self.parameters(), *self.buffers())
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device.type) for t in tensors)
+        cached = getattr(self, "_weights_fingerprint_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        detached = [t.detach() if t.is_floating_point() else t.detach().double() for t in tensors]
+        value = tuple(v for t in detached for v in (float(t.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(t, dtype=torch.float64))))
+        self._weights_fingerprint_cache = (key, value)
+        return value
+
+    def weights_summary(self) -> list[float]:
+        """Four numbers that change with any weight, kept in the fingerprints of derived parts (a config stays small):
+        the plain and position-weighted totals of the tensors' norms and absolute sums (no cancellation, so float64
+        rounding stays far under the 1e-9 the check allows). Cached as :meth:`weights_fingerprint`."""
+        values = np.asarray(self.weights_fingerprint(), dtype=np.float64).reshape(-1, 2)
+        position = np.arange(1, len(values) + 1, dtype=np.float64) / max(len(values), 1)
+        sums, norms = np.abs(values[:, 0]), values[:, 1]
+        return [float(norms.sum()), float((position * norms).sum()), float(sums.sum()), float((position * sums).sum())]
+
+    def labels_digest(self) -> Optional[str]:
+        """A digest of the label set (uids and texts, in id order), or None without labels; taken once per label list
+        (``set_labels``, ``add_labels`` and ``remove_labels`` assign a new one). Memory: none kept but the digest."""
+        texts = self.label_texts
+        if texts is None:
+            return None
+        cached = getattr(self, "_labels_digest_cache", None)
+        if cached is None or cached[0] is not texts or cached[1] is not self.label_uids:
+            cached = (texts, self.label_uids, digest([*(self.label_uids or ()), "\x01", *texts]))
+            self._labels_digest_cache = cached
+        return cached[2]
+
+    def ranking_fingerprint(self) -> dict:
+        """What the ranking :meth:`predict` returns is made from: the weights, the labels, the search mode, the lexical
+        channel (its weights, rows and ranker, or None) and the query encoder. The score calibration records it when it
+        is attached and is dropped when it no longer matches (``provenance.py``)."""
+        channel = self.lexical_channel
+        return fingerprint_of(weights=self.weights_summary(), labels=self.labels_digest(), search_mode=self.search_mode,
+                              channel=channel.fingerprint() if channel is not None else None, query_encoder="transformer")
 
     def label_index_is_current(self, label_texts: Optional[Sequence[str]] = None) -> bool:
         """Whether the label index exists, was built with the current weights and (given ``label_texts``) over these
         labels: the evaluator then searches it as it is instead of encoding the labels again."""
         if self._label_index is None or (label_texts is not None and list(label_texts) != self.label_texts):
             return False
-        saved, now = self._label_index_weights, self.weights_fingerprint()
-        return len(saved) == len(now) and bool(np.allclose(saved, now, rtol=1e-9, atol=1e-12))  # float64 rounding only
+        return not changed_inputs({"weights": self._label_index_weights}, {"weights": self.weights_fingerprint()})
 
     def _require_labels(self) -> list[str]:
         if not self.label_texts:
@@ -488,20 +526,40 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
     def set_lexical_channel(self, channel: Optional[LexicalChannel]) -> None:
         """Attach a fitted lexical channel (``hf_xmc.training.lexical.fit_lexical_channel``) whose scores
         :meth:`predict` fuses with the dense ones, or ``None`` to rank by the dense score alone. ``config.lexical_channel``
-        keeps its fusion settings; ``save_pretrained`` writes it as ``lexical_channel.safetensors``."""
+        keeps its fusion settings; ``save_pretrained`` writes it as ``lexical_channel.safetensors``. A score calibration
+        fitted on the previous ranking no longer applies: it is dropped with a warning on the next use."""
         if channel is not None:
             labels = self._require_labels()
             if channel.num_labels != len(labels):
                 raise ValueError(f"the lexical channel scores {channel.num_labels} labels but the model has {len(labels)}")
+            channel.label_source = self.labels_digest()
         self.lexical_channel = channel
         self.config.lexical_channel = dict(channel.settings) if channel is not None else None
+
+    def current_lexical_channel(self) -> Optional[LexicalChannel]:
+        """The lexical channel as :meth:`predict` fuses it, checked against the model's labels first: label rows made for
+        another label set (labels changed without the channel) are rebuilt from the label texts (``provenance.py``:
+        policy ``rebuild``; a ranker trained on other labels is switched off, with a warning)."""
+        channel = self.lexical_channel
+        if channel is None or channel.label_source is None:
+            return channel
+        labels = self.labels_digest()
+        if not check_derived("lexical_channel", {"labels": channel.label_source}, {"labels": labels}, type(self).__name__):
+            channel.replace_labels(self._require_labels())
+            channel.label_source = labels
+        return channel
+
+    def _sync_lexical_channel_labels(self) -> None:
+        """Record that the channel's label rows now follow the model's labels (after the model updated them itself)."""
+        if self.lexical_channel is not None:
+            self.lexical_channel.label_source = self.labels_digest()
 
     def search_texts(self, texts: Sequence[str], query_vectors: torch.Tensor | np.ndarray, k: int = 5, return_dense: bool = False):
         """Top-k ``(scores, ids)`` of queries given as texts and their search vectors: the dense search, fused with the
         lexical channel when the model has one (its ``dense_depth`` dense hits and its ranker's hits re-scored). With
         ``return_dense``, returns ``(scores, ids, dense_scores, dense_ids)``: the dense search's own top-k too (the
         same arrays as the fused ones for a model without a channel)."""
-        channel = self.lexical_channel
+        channel = self.current_lexical_channel()
         if channel is None:
             scores, ids = self.search(query_vectors, k)
             return (scores, ids, scores, ids) if return_dense else (scores, ids)
@@ -546,7 +604,12 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
     # ------------------------------------------------------------------ calibrated scores (calibration.py)
     @property
     def score_calibration(self) -> Optional[ScoreCalibration]:
-        """The map from predict's scores to probabilities of relevance (``config.score_calibration``), or None."""
+        """The map from predict's scores to probabilities of relevance (``config.score_calibration``), or None. It is
+        tied to the ranking it was fitted on (:meth:`ranking_fingerprint`, recorded under its ``"fingerprint"``): once
+        the weights, labels, search mode, lexical channel (or its ranker: not loadable without omikuji) differ, it is
+        dropped with a one-line warning and this is None until it is fitted again (``provenance.py``, policy ``drop``).
+        A calibration saved before fingerprints is trusted as loaded. The check costs a few dictionary compares (the
+        weights' fingerprint is taken again only after a weight was written)."""
         values = self.config.score_calibration
         if not values:
             return None
@@ -554,24 +617,39 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         if cached is None or cached[0] is not values:
             cached = (values, ScoreCalibration.from_dict(values))
             self._score_calibration_cache = cached
+        recorded = values.get("fingerprint")
+        if recorded and not check_derived("score_calibration", recorded, self.ranking_fingerprint(), type(self).__name__,
+                                          "no probabilities or threshold= until it is fitted again (fit_score_calibration)"):
+            self.config.score_calibration = None
+            return None
         return cached[1]
 
     def set_score_calibration(self, calibration: Optional[ScoreCalibration]) -> None:
-        """Attach a fitted calibration (``hf_xmc.training.calibration.fit_score_calibration``), saved in the config;
-        None removes it."""
-        self.config.score_calibration = calibration.to_dict() if calibration is not None else None
+        """Attach a fitted calibration (``hf_xmc.training.calibration.fit_score_calibration``), saved in the config with
+        the fingerprint of the ranking it applies to (the current one: :meth:`ranking_fingerprint`); None removes it."""
+        if calibration is None:
+            self.config.score_calibration = None
+            return
+        self.config.score_calibration = {**calibration.to_dict(), "fingerprint": self.ranking_fingerprint()}
 
     def _prediction_depth(self, k: Optional[int], threshold: Optional[float]) -> int:
-        """``k`` checked, defaulted (5, or :data:`THRESHOLD_DEPTH` with a threshold), and the threshold checked."""
+        """``k`` checked (a whole number >= 1), defaulted (5, or :data:`THRESHOLD_DEPTH` with a threshold), and the
+        threshold checked (a finite probability, and a calibration to compare it with)."""
         if threshold is not None:
-            if not 0.0 <= float(threshold) <= 1.0:
+            if isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.integer, np.floating)):
+                raise ValueError(f"threshold is a probability in [0, 1], got {threshold!r}")
+            if not 0.0 <= float(threshold) <= 1.0:  # NaN fails both comparisons
                 raise ValueError(f"threshold is a probability in [0, 1], got {threshold}")
             if self.score_calibration is None:
                 raise ValueError(
                     f"{type(self).__name__} has no score calibration, so its scores are no probabilities to threshold: train with a "
                     "validation split (--score_calibration isotonic) or fit one (hf_xmc.training.calibration.fit_score_calibration)"
                 )
-        k = (THRESHOLD_DEPTH if threshold is not None else 5) if k is None else int(k)
+        if k is None:
+            return THRESHOLD_DEPTH if threshold is not None else 5
+        if isinstance(k, bool) or not hasattr(k, "__index__"):  # an int or numpy integer; 2.5 was cut to 2 silently
+            raise ValueError(f"k must be a whole number >= 1, got {k!r}")
+        k = int(k)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         return k

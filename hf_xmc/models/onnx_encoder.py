@@ -2,9 +2,11 @@
 
 ``model.export_onnx()`` writes ``query_encoder.onnx`` (torch's dynamo exporter; with ``quantize=True`` onnxruntime's
 dynamic int8 quantization of the weights) and ``query_encoder.json`` (sequence length, output width, quantized or
-not, a fingerprint of the weights it was exported from) beside the model; ``save_pretrained`` carries both, and
+not, and the fingerprint of what it was derived from: the weights, the query head it was traced under (UniDEC's
+search mode picks one) and the ``.onnx`` file's own bytes) beside the model; ``save_pretrained`` carries both, and
 ``predict(texts, backend="onnx")`` encodes the queries with it (tokenised by the model's own tokenizer, the search,
-the lexical channel and the calibration as with torch). A file exported from other weights is refused, never used.
+the lexical channel and the calibration as with torch). An export of other weights, another head or whose file bytes
+changed is refused in one line (``provenance.py``, policy ``refuse``), never used.
 
 Memory: the ONNX file holds the encoder's weights again (float32, or int8 weights: about a quarter), loaded once by
 onnxruntime; per call one batch of activations. Remote-code file: onnxruntime and onnx are imported only when used.
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from .io_utils import atomic_write, write_json
+from .provenance import check_derived, file_digest, fingerprint_of
 
 ONNX_ENCODER_FILE = "query_encoder.onnx"
 ONNX_ENCODER_META = "query_encoder.json"
@@ -113,36 +116,55 @@ class OnnxExportMixin:
 
         atomic_write(path, write)
         meta = {"max_seq_length": self.config.max_seq_length, "dim": dim, "quantized": bool(quantize), "opset": opset,
-                "weights": list(self.weights_fingerprint())}
+                "weights": list(self.weights_fingerprint()), "query_head": self.onnx_query_head(), "file": file_digest(path)}
         atomic_write(os.path.join(directory, ONNX_ENCODER_META), lambda p: write_json(p, meta))
         self._onnx_encoder_files = (path, os.path.join(directory, ONNX_ENCODER_META))
         self._onnx_encoder = None
         return path
 
+    def onnx_query_head(self) -> str:
+        """What the traced query vector depends on besides the weights: :meth:`query_embed_kwargs` (UniDEC's head)."""
+        return json.dumps(self.query_embed_kwargs(), sort_keys=True)
+
     def onnx_query_encoder(self) -> OnnxQueryEncoder:
-        """The attached exported encoder (read on first use); ``ValueError`` when there is none or it was exported from
-        other weights. The weights fingerprint (a pass over every weight, tens of milliseconds for a MiniLM) is taken
-        again only when a weight was written in place since the last check (torch's version counters, summed: an
-        optimiser step or an edit bumps them), not on every predict."""
+        """The attached exported encoder (read on first use); a one-line ``StaleDerivedPartError`` (a ValueError) when
+        there is none, or it was exported from other weights, another query head or its file's bytes changed. The weights
+        fingerprint (a pass over every weight, tens of milliseconds for a MiniLM) is taken again only when a weight was
+        written in place since the last check (torch's version counters), the file's digest once per file, not on
+        every predict."""
         files = getattr(self, "_onnx_encoder_files", None)
         if not files:
             raise ValueError(f"{type(self).__name__} has no exported query encoder: call model.export_onnx() (or save one with it)")
-        version = sum(t._version for t in (*self.parameters(), *self.buffers()))
+        version = (sum(t._version for t in (*self.parameters(), *self.buffers())), self.onnx_query_head())
         encoder = getattr(self, "_onnx_encoder", None)
         if encoder is not None and getattr(self, "_onnx_checked_version", None) == version:
             return encoder
         meta = read_onnx_meta(files[1]) or {}
-        if not self._onnx_matches(meta):
-            raise ValueError(f"{files[0]}: exported from other weights or settings than the model's; export it again (model.export_onnx())")
+        self._check_onnx_export(files[0], meta, check_file=encoder is None)
         if encoder is None:
             self._onnx_encoder = encoder = OnnxQueryEncoder(files[0], meta)
         self._onnx_checked_version = version
         return encoder
 
-    def _onnx_matches(self, meta: dict) -> bool:
-        """Whether an export's metadata names these weights and this query length."""
-        weights, now = meta.get("weights", []), self.weights_fingerprint()
-        return len(weights) == len(now) and bool(np.allclose(weights, now, rtol=1e-5, atol=1e-6)) and meta.get("max_seq_length") == self.config.max_seq_length
+    def _check_onnx_export(self, path: str, meta: dict, check_file: bool = True) -> None:
+        """Refuse (one line) an export whose recorded inputs are not the model's now: weights (within float64 rounding),
+        query length, query head and, with ``check_file``, the ``.onnx`` file's own bytes."""
+        recorded = fingerprint_of(weights=meta.get("weights", []), max_seq_length=meta.get("max_seq_length"))
+        current = fingerprint_of(weights=list(self.weights_fingerprint()), max_seq_length=self.config.max_seq_length)
+        if "query_head" in meta:  # exports from before the head was recorded: weights and length only
+            recorded["query_head"], current["query_head"] = meta["query_head"], self.onnx_query_head()
+        if check_file and "file" in meta:
+            recorded["file"], current["file"] = meta["file"], file_digest(path)
+        check_derived("onnx_export", recorded, current, path,
+                      "export it again (model.export_onnx())" + (" or switch back with set_search_mode" if self.search_modes else ""))
+
+    def _onnx_matches(self, meta: dict, path: Optional[str] = None) -> bool:
+        """Whether an export's metadata names these weights, this query length and head (and, given ``path``, its bytes)."""
+        try:
+            self._check_onnx_export(path or "", meta, check_file=path is not None)
+        except ValueError:
+            return False
+        return True
 
     def query_vectors_with(self, backend: str, texts: Sequence[str], batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
         """The search-space query vectors of ``texts`` from ``backend`` (``torch``: ``query_search_vectors``)."""
@@ -155,8 +177,8 @@ class OnnxExportMixin:
     def _save_onnx_encoder(self, save_directory: str) -> None:
         """Copy the attached exported encoder (when it matches the weights) into a directory being saved."""
         files = getattr(self, "_onnx_encoder_files", None)
-        if not files or not all(os.path.exists(p) for p in files) or not self._onnx_matches(read_onnx_meta(files[1]) or {}):
-            return  # none, or exported from other weights: a later predict(backend="onnx") says so
+        if not files or not all(os.path.exists(p) for p in files) or not self._onnx_matches(read_onnx_meta(files[1]) or {}, files[0]):
+            return  # none, or exported from other weights, head or bytes: a later predict(backend="onnx") says so
         import shutil
 
         for source, name in zip(files, (ONNX_ENCODER_FILE, ONNX_ENCODER_META)):

@@ -47,17 +47,19 @@ class XMCPipeline(Pipeline):
     _load_video_processor = False
 
     def _sanitize_parameters(self, top_k: Optional[int] = None, threshold: Optional[float] = None, **kwargs):
-        forward = {} if top_k is None else {"top_k": int(top_k)}
+        # passed on as given: model.predict refuses a k that is no whole number and a threshold that is no finite
+        # probability (int() / float() here let 2.5 through as 2 and "nan" as NaN)
+        forward = {} if top_k is None else {"top_k": top_k}
         if threshold is not None:
-            forward["threshold"] = float(threshold)
+            forward["threshold"] = threshold
         return {}, forward, {}
 
     def __call__(self, inputs: Any, top_k: Optional[int] = None, batch_size: Optional[int] = None, threshold: Optional[float] = None, **kwargs) -> list:
         """Rank the labels of one input or a list of inputs (``batch_size`` inputs per ``predict`` call, default 64)."""
         if kwargs:
             raise TypeError(f"XMCPipeline got unexpected arguments {sorted(kwargs)}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if top_k is not None and (isinstance(top_k, bool) or not hasattr(top_k, "__index__") or top_k < 1):
+            raise ValueError(f"top_k must be a whole number >= 1, got {top_k!r}")  # an int or numpy integer
         single = not isinstance(inputs, (list, tuple))
         items = [inputs] if single else list(inputs)
         size = batch_size or self._batch_size or 64

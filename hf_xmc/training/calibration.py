@@ -4,7 +4,9 @@
 
 The validation queries (``hf_xmc.data.splits``: held out of training) are ranked by the model exactly as ``predict``
 ranks them (the lexical channel fused when the model has one); each of the top ``depth`` labels of each query is one
-pair ``(score, relevant)``, and the map is fitted on these pairs:
+pair ``(score, relevant)``, and the map is fitted on these pairs. The depth is :data:`CALIBRATION_DEPTH`, the depth
+``predict(threshold=)`` ranks before it thresholds (``THRESHOLD_DEPTH``): a map fitted on the top 20 only clamped every
+score below its range to its lowest block, while a threshold reads ranks 21-100 too.
 
 * ``isotonic`` (default): pool-adjacent-violators on the pairs sorted by score, i.e. the non-decreasing step function
   with the least squared error (Zadrozny & Elkan 2002); kept as breakpoints, interpolated between them;
@@ -27,15 +29,17 @@ from ..models.calibration import CALIBRATION_METHODS, ScoreCalibration
 
 logger = logging.getLogger(__name__)
 
-# ranks per query the calibration is fitted on (and measured at): a threshold that matters keeps fewer labels than this
-CALIBRATION_DEPTH = 20
+# ranks per query the calibration is fitted on (and measured at): as deep as predict(threshold=) applies it
+# (modeling_xmc.THRESHOLD_DEPTH; a test holds them equal)
+CALIBRATION_DEPTH = 100
 RELIABILITY_BINS = 10
 
 
-def ranked_pairs(ids: np.ndarray, scores: np.ndarray, targets: sp.spmatrix, depth: int = CALIBRATION_DEPTH) -> tuple[np.ndarray, np.ndarray]:
-    """The ``(score, relevant)`` pairs of the top ``depth`` ranked labels of each query (``-1`` slots left out):
+def ranked_pairs(ids: np.ndarray, scores: np.ndarray, targets: sp.spmatrix, depth: int = CALIBRATION_DEPTH,
+                 first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(score, relevant)`` pairs of ranks ``first + 1`` .. ``depth`` of each query (``-1`` slots left out):
     float64 scores and a bool relevance from the query's row of ``targets``."""
-    ids, scores = np.asarray(ids)[:, :depth], np.asarray(scores, dtype=np.float64)[:, :depth]
+    ids, scores = np.asarray(ids)[:, first:depth], np.asarray(scores, dtype=np.float64)[:, first:depth]
     rows, cols = np.nonzero(ids >= 0)
     labels = ids[rows, cols]
     relevant = np.asarray(sp.csr_matrix(targets)[rows, labels]).ravel() > 0
@@ -145,12 +149,12 @@ def fit_score_calibration(model, evaluator, method: str = "isotonic", depth: int
 
 
 def calibration_metrics(model, ids: np.ndarray, scores: np.ndarray, targets: sp.spmatrix, depth: int = CALIBRATION_DEPTH,
-                        calibration: Optional[ScoreCalibration] = None) -> Optional[dict]:
-    """``{"ECE": ..., "reliability": [...]}`` of the model's calibration (or ``calibration``) on a ranking (another
-    split's), or None for an uncalibrated model."""
+                        calibration: Optional[ScoreCalibration] = None, first: int = 0) -> Optional[dict]:
+    """``{"ECE": ..., "reliability": [...]}`` of the model's calibration (or ``calibration``) on ranks ``first + 1`` ..
+    ``depth`` of a ranking (another split's), or None for an uncalibrated model."""
     calibration = calibration if calibration is not None else model.score_calibration
     if calibration is None:
         return None
-    scores_flat, relevant = ranked_pairs(ids, scores, targets, depth)
+    scores_flat, relevant = ranked_pairs(ids, scores, targets, depth, first)
     probabilities = calibration(scores_flat)
     return {"ECE": expected_calibration_error(probabilities, relevant), "reliability": reliability_bins(probabilities, relevant)}

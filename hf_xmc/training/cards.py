@@ -263,7 +263,7 @@ def _config_rows(model) -> list[tuple[str, str]]:
         elif f.name not in generic and value is not None and not isinstance(value, dict):
             rows.append((f.name, _format(value)))
     validation = getattr(model.config, "validation", None)
-    if validation:
+    if validation and validation.get("queries"):  # {"source": "none", "queries": 0}: a run without a split
         seed = f", seed {validation['seed']}" if "seed" in validation else ""
         rows.append(("validation split", f"{validation['queries']:,} queries held out of training ({validation['source']}{seed}; uids sha256 "
                                           f"{validation['fingerprint']}): what the run tuned, it tuned on them"))

@@ -183,9 +183,7 @@ def refit_lexical_ranker(channel: LexicalChannel, train: XMCDataset, validation:
     start = time.perf_counter()
     rows = CsrRows.concat([channel.features.transform(train.texts), channel.features.transform(validation.texts)])
     targets = sp.vstack([train.targets, validation.targets], format="csr")
-    channel.ranker = train_omikuji(as_scipy(rows, channel.features.num_features), targets, n_threads=n_threads)
-    channel.ranker_files = None
-    channel.ranker_labels = None
+    channel.set_ranker(train_omikuji(as_scipy(rows, channel.features.num_features), targets, n_threads=n_threads))
     logger.info("lexical channel: ranker trained again on the %d training and validation queries in %.1f s", len(rows), time.perf_counter() - start)
 
 
@@ -223,9 +221,10 @@ def tune_fusion_weights(
 
     grid = {}
     best = None
+    dense_weight = float(channel.settings["dense_weight"])  # the weights are tuned beside the dense weight fuse serves
     for wr in sorted(ranker_weights):
         for wt in sorted(text_weights):
-            scores, ids = candidates.top_k(wr, wt, 5 + extra)
+            scores, ids = candidates.top_k(wr, wt, 5 + extra, dense_weight=dense_weight)
             value = objective(ids, scores)
             grid[f"{wr:g},{wt:g}"] = round(value, 3)
             if best is None or value > best[0] + 1e-9:

@@ -404,7 +404,40 @@ def stage_finished(stage_dir: str, resume) -> bool:
     return bool(resume) and os.path.isfile(os.path.join(stage_dir, STAGE_DONE_FILE))
 
 
-def train_stage(trainer: XMCTrainer, resume) -> None:
+# config.validation of a run that holds no split out (a None would not be written to a checkpoint's config.json, and a
+# resumed run could not tell "no split" from "a checkpoint from before the record")
+NO_VALIDATION_SPLIT = {"source": "none", "queries": 0}
+
+
+def check_resumed_split(checkpoint_dir: Optional[str], record: Optional[dict]) -> None:
+    """Refuse to resume from ``checkpoint_dir`` when it trained with another validation split than this run's
+    (``record``: ``data.validation_record``, None without a split): the split is part of what a checkpoint was derived
+    from (``provenance.py``, part ``validation_split``, policy ``refuse``). Resumed with a split it had not held out, a
+    run would tune on queries it trained on; with another seed at the same size, its restored shortlists would belong
+    to other rows. A checkpoint from before the record (no ``validation`` key in its config.json) is not compared."""
+    config_path = os.path.join(str(checkpoint_dir), "config.json") if checkpoint_dir else None
+    if not config_path or not os.path.isfile(config_path):
+        return
+    with open(config_path, encoding="utf-8") as f:
+        saved = json.load(f)
+    if "validation" in saved:
+        check_split_record(checkpoint_dir, saved["validation"], record)
+
+
+def check_split_record(subject: str, saved: Optional[dict], record: Optional[dict]) -> None:
+    """One line, exit 2 (a :class:`StaleDerivedPartError`) when the validation split ``saved`` with ``subject`` (a
+    checkpoint, a finished stage) is not this run's ``record`` (None: no split)."""
+    from ..models.provenance import check_derived
+
+    def inputs(value: Optional[dict]) -> dict:
+        value = value or NO_VALIDATION_SPLIT
+        return {"source": value.get("source"), "queries": value.get("queries"), "seed": value.get("seed"), "fingerprint": value.get("fingerprint")}
+
+    check_derived("validation_split", inputs(saved), inputs(record), subject,
+                  "resume with the same validation flags and --seed, or train into a new --output_dir")
+
+
+def train_stage(trainer: XMCTrainer, resume, validation_record: Optional[dict] = None) -> None:
     """Train an earlier stage of a multi-stage recipe (SiameseXML's and MUFIN's Module I, PRIME before its classifier
     stage) in its own directory under ``--output_dir``, so that a run killed at any point resumes (``resume``: what
     :func:`resume_argument` gives) to the metrics of an uninterrupted one: a finished stage is not trained again but
@@ -416,17 +449,26 @@ def train_stage(trainer: XMCTrainer, resume) -> None:
 
     out = trainer.args.output_dir
     model = trainer.accelerator.unwrap_model(trainer.model)
+    if validation_record is None:
+        validation_record = getattr(model.config, "validation", None)
+    model.config.validation = validation_record or NO_VALIDATION_SPLIT  # the stage's checkpoints record their split
     weights, done = os.path.join(out, STAGE_WEIGHTS_FILE), os.path.join(out, STAGE_DONE_FILE)
     if stage_finished(out, resume):
+        with open(done, encoding="utf-8") as f:
+            finished = json.load(f)
+        if "validation" in finished:  # a stage finished with another split is refused like a checkpoint
+            check_split_record(done, finished["validation"], validation_record)
         load_model(model, weights, strict=True, device=str(trainer.args.device))
         logger.info("%s: the stage finished before; its weights are read back, not trained again", out)
         return
+    checkpoint = trainer.last_complete_checkpoint() if resume else None
+    check_resumed_split(checkpoint, validation_record)
     with disk_full_named(out, model, "a checkpoint (weights and optimizer state)", factor=3):
-        trainer.train(resume_from_checkpoint=trainer.last_complete_checkpoint() if resume else None)
+        trainer.train(resume_from_checkpoint=checkpoint)
     if trainer.args.save_strategy != "no" and trainer.is_world_process_zero():
         with disk_full_named(out, model, "the stage's weights"):
             atomic_write(weights, lambda p: save_model(model, p, metadata={"format": "pt"}))
-            write_json_atomic(done, {"global_step": trainer.state.global_step, "weights": STAGE_WEIGHTS_FILE})
+            write_json_atomic(done, {"global_step": trainer.state.global_step, "weights": STAGE_WEIGHTS_FILE, "validation": validation_record})
     trainer.accelerator.wait_for_everyone()
 
 
@@ -673,6 +715,49 @@ def check_validation(training_args: XMCTrainingArguments, validation: Optional[X
                          "(--validation_size 0?): give --validation_file, --validation_size N or --validation_split_percentage P")
 
 
+def tune_after_training(model, trainer: XMCTrainer, data: XCData, validation: Optional[XMCEvaluator], evaluator: XMCEvaluator,
+                        training_args: XMCTrainingArguments, tune_settings: Optional[Sequence[str]], metrics: dict) -> tuple[str, dict]:
+    """What a run fits on the validation split once training is done, in order: the model's tunable ranking settings,
+    the lexical channel (fused on top of that ranking), the score calibration (on the fused ranking, as deep as
+    ``predict(threshold=)`` reads it), then the channel's ranker trained again on every query. Adds the runtimes and
+    choices to ``metrics``; returns the calibration method (``"none"``) and the fitted calibrations by method."""
+    tunable = [name for name in model.tunable_ranking_settings if tune_settings is None or name in tune_settings]
+    if tunable and validation is not None:  # the model's own ranking first: the channel is fused on top of it
+        from .evaluation import tune_ranking_settings
+
+        start = time.perf_counter()
+        chosen = tune_ranking_settings(model, validation, tunable)
+        metrics.update({f"tuned_{name}": value for name, value in chosen.items()}, ranking_tuning_runtime=round(time.perf_counter() - start, 4))
+    start = time.perf_counter()
+    channel = trainer.fit_lexical_channel(data.validation, batch_size=evaluator.batch_size)  # None without --lexical_channel
+    if channel is not None:
+        metrics["lexical_fit_runtime"] = round(time.perf_counter() - start, 4)
+        metrics["lexical_ranker_weight"], metrics["lexical_text_weight"] = channel.settings["ranker_weight"], channel.settings["text_weight"]
+    method = training_args.score_calibration
+    if method == "auto":
+        method = "isotonic" if validation is not None else "none"
+    calibrations: dict = {}
+    if method != "none":
+        from .calibration import fit_score_calibration
+
+        start = time.perf_counter()
+        other = tuple(m for m in CALIBRATION_METHODS if m != method)  # fitted beside it: its test ECE is reported too
+        calibrations = fit_score_calibration(model, validation, method, also=other)
+        metrics["calibration_runtime"] = round(time.perf_counter() - start, 4)
+    if training_args.lexical_channel != "none" and data.validation is not None and training_args.lexical_refit_ranker:
+        from .lexical import refit_lexical_ranker
+
+        start = time.perf_counter()  # after the calibration: it is fitted on queries the ranker has not seen
+        calibration = model.score_calibration
+        refit_lexical_ranker(model.lexical_channel, data.train, data.validation)
+        if calibration is not None:
+            # carried over on purpose, and stamped with the refit ranker: the calibration models how this ranker family
+            # scores queries it has not trained on, which is what the refit ranker meets on every new query
+            model.set_score_calibration(calibration)
+        metrics["lexical_fit_runtime"] += round(time.perf_counter() - start, 4)
+    return method, calibrations
+
+
 def train_and_evaluate(
     model,
     data: XCData,
@@ -693,7 +778,7 @@ def train_and_evaluate(
     before the lexical channel is fitted on top (None: all of them; ``()``: none, the values given are kept)."""
     validation = validation_evaluator(data, evaluator)
     check_validation(training_args, validation)
-    model.config.validation = data.validation_record
+    model.config.validation = data.validation_record or NO_VALIDATION_SPLIT  # checkpoints record it: resume compares
     set_seed(training_args.seed)
     trainer = XMCTrainer(
         model=model,
@@ -717,38 +802,17 @@ def train_and_evaluate(
                 logger.warning("%s: no complete checkpoint to resume from: training from the start", training_args.output_dir)
         if resume:
             logger.info("resuming from %s", resume)
+            check_resumed_split(resume if isinstance(resume, str) else None, data.validation_record)
         with disk_full_named(training_args.output_dir, model, "a checkpoint (weights and optimizer state)", factor=3):
             train_result = trainer.train(resume_from_checkpoint=resume)
         metrics = dict(train_result.metrics)
     trainer.release_training_state()  # the optimizer's moments and the batches' data: not needed from here on
-    tunable = [name for name in model.tunable_ranking_settings if tune_settings is None or name in tune_settings]
-    if tunable and validation is not None:  # the model's own ranking first: the channel is fused on top of it
-        from .evaluation import tune_ranking_settings
-
-        start = time.perf_counter()
-        chosen = tune_ranking_settings(model, validation, tunable)
-        metrics.update({f"tuned_{name}": value for name, value in chosen.items()}, ranking_tuning_runtime=round(time.perf_counter() - start, 4))
-    start = time.perf_counter()
-    channel = trainer.fit_lexical_channel(data.validation, batch_size=evaluator.batch_size)  # None without --lexical_channel
-    if channel is not None:
-        metrics["lexical_fit_runtime"] = round(time.perf_counter() - start, 4)
-        metrics["lexical_ranker_weight"], metrics["lexical_text_weight"] = channel.settings["ranker_weight"], channel.settings["text_weight"]
-    method = training_args.score_calibration
-    if method == "auto":
-        method = "isotonic" if validation is not None else "none"
-    if method != "none":
-        from .calibration import fit_score_calibration
-
-        start = time.perf_counter()
-        other = tuple(m for m in CALIBRATION_METHODS if m != method)  # fitted beside it: its test ECE is reported too
-        calibrations = fit_score_calibration(model, validation, method, also=other)
-        metrics["calibration_runtime"] = round(time.perf_counter() - start, 4)
-    if training_args.lexical_channel != "none" and data.validation is not None and training_args.lexical_refit_ranker:
-        from .lexical import refit_lexical_ranker
-
-        start = time.perf_counter()  # after the calibration: it is fitted on queries the ranker has not seen
-        refit_lexical_ranker(model.lexical_channel, data.train, data.validation)
-        metrics["lexical_fit_runtime"] += round(time.perf_counter() - start, 4)
+    try:  # never lose a finished training to a fit that fails after it: save what trained, then report the error
+        method, calibrations = tune_after_training(model, trainer, data, validation, evaluator, training_args, tune_settings, metrics)
+    except Exception:
+        logger.error("tuning after training failed: saving the trained model to %s first (without what failed to fit)", training_args.output_dir)
+        trainer.save_model(training_args.output_dir)
+        raise
     trainer.evaluator = evaluator  # the test file, read for this final evaluation only (and the model card)
     try:
         metrics.update(trainer.evaluate(metric_key_prefix=evaluator.name))

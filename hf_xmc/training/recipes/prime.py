@@ -116,7 +116,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         return train_and_evaluate(model, data, evaluator, training_args)
     stage = dataclasses.replace(training_args, output_dir=os.path.join(training_args.output_dir, "prime"), push_to_hub=False)
     train_stage(XMCTrainer(model=model, args=stage, train_dataset=data.train, label_texts=data.label_texts, label_uids=data.label_uids,
-                           **stage_evaluation(data, evaluator)), resume_argument(training_args))
+                           **stage_evaluation(data, evaluator)), resume_argument(training_args), data.validation_record)
     collator = prepare_classifier_stage(model, data, training_args)
     stage = dataclasses.replace(
         training_args, num_train_epochs=training_args.classifier_epochs, learning_rate=training_args.classifier_learning_rate,
