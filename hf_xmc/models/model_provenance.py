@@ -1,0 +1,121 @@
+"""What an hf_xmc model's derived parts are checked against: :class:`ModelProvenanceMixin`, a base of
+``XMCPreTrainedModel``.
+
+The fingerprints of the model's own inputs (its weights, its label set, the ranking ``predict`` returns) and the two
+derived parts that are checked on every ranking: the lexical channel's label rows (rebuilt when the labels changed
+without it) and the score calibration (dropped with a warning when the ranking it was fitted on changed). The helper
+that records and compares fingerprints, and the list of derived parts with their policies, is ``provenance.py``;
+docs/architecture.md has the table.
+
+Memory: the cached weights fingerprint (two float64 per parameter and buffer) and label digest (16 characters).
+Remote-code file: imports torch, numpy and its siblings.
+"""
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .calibration import ScoreCalibration
+from .lexical_channel import LexicalChannel
+from .provenance import check_derived, digest, fingerprint_of
+
+
+class ModelProvenanceMixin:
+    """Fingerprints of an ``XMCPreTrainedModel``'s weights, labels and ranking, and the checked lexical channel and
+    score calibration (module docstring)."""
+
+    def weights_fingerprint(self) -> tuple[float, ...]:
+        """The sum and norm of every parameter and buffer: what an optimiser step (even a sparse one) or a load
+        changes. Accumulated in float64: a float32 sum depends on the reduction order, so another thread count (or
+        device) gave a different fingerprint for the same weights (a MiniLM bias sum of -0.0436 moved by 2e-6 from 2
+        threads to 1, enough to refuse an ONNX export as stale). Memory: none beyond one reduction at a time (no float64
+        copy); time: one pass over the weights, taken again only when a weight was written since the last call (torch's
+        version counters and storage pointers: an optimiser step, ``load_state_dict`` or ``.to()`` changes them)."""
+        tensors = (*self.parameters(), *self.buffers())
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device.type) for t in tensors)
+        cached = getattr(self, "_weights_fingerprint_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        detached = [t.detach() if t.is_floating_point() else t.detach().double() for t in tensors]
+        value = tuple(v for t in detached for v in (float(t.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(t, dtype=torch.float64))))
+        self._weights_fingerprint_cache = (key, value)
+        return value
+
+    def weights_summary(self) -> list[float]:
+        """Four numbers that change with any weight, kept in the fingerprints of derived parts (a config stays small):
+        the plain and position-weighted totals of the tensors' norms and absolute sums (no cancellation, so float64
+        rounding stays far under the 1e-9 the check allows). Cached as :meth:`weights_fingerprint`."""
+        values = np.asarray(self.weights_fingerprint(), dtype=np.float64).reshape(-1, 2)
+        position = np.arange(1, len(values) + 1, dtype=np.float64) / max(len(values), 1)
+        sums, norms = np.abs(values[:, 0]), values[:, 1]
+        return [float(norms.sum()), float((position * norms).sum()), float(sums.sum()), float((position * sums).sum())]
+
+    def labels_digest(self) -> Optional[str]:
+        """A digest of the label set (uids and texts, in id order), or None without labels; taken once per label list
+        (``set_labels``, ``add_labels`` and ``remove_labels`` assign a new one). Memory: none kept but the digest."""
+        texts = self.label_texts
+        if texts is None:
+            return None
+        cached = getattr(self, "_labels_digest_cache", None)
+        if cached is None or cached[0] is not texts or cached[1] is not self.label_uids:
+            cached = (texts, self.label_uids, digest([*(self.label_uids or ()), "\x01", *texts]))
+            self._labels_digest_cache = cached
+        return cached[2]
+
+    def ranking_fingerprint(self) -> dict:
+        """What the ranking :meth:`predict` returns is made from: the weights, the labels, the search mode, the lexical
+        channel (its weights, rows and ranker, or None) and the query encoder. The score calibration records it when it
+        is attached and is dropped when it no longer matches (``provenance.py``)."""
+        channel = self.lexical_channel
+        return fingerprint_of(weights=self.weights_summary(), labels=self.labels_digest(), search_mode=self.search_mode,
+                              channel=channel.fingerprint() if channel is not None else None, query_encoder="transformer")
+
+    def current_lexical_channel(self) -> Optional[LexicalChannel]:
+        """The lexical channel as :meth:`predict` fuses it, checked against the model's labels first: label rows made for
+        another label set (labels changed without the channel) are rebuilt from the label texts (``provenance.py``:
+        policy ``rebuild``; a ranker trained on other labels is switched off, with a warning)."""
+        channel = self.lexical_channel
+        if channel is None or channel.label_source is None:
+            return channel
+        labels = self.labels_digest()
+        if not check_derived("lexical_channel", {"labels": channel.label_source}, {"labels": labels}, type(self).__name__):
+            channel.replace_labels(self._require_labels())
+            channel.label_source = labels
+        return channel
+
+    def _sync_lexical_channel_labels(self) -> None:
+        """Record that the channel's label rows now follow the model's labels (after the model updated them itself)."""
+        if self.lexical_channel is not None:
+            self.lexical_channel.label_source = self.labels_digest()
+
+
+    @property
+    def score_calibration(self) -> Optional[ScoreCalibration]:
+        """The map from predict's scores to probabilities of relevance (``config.score_calibration``), or None. It is
+        tied to the ranking it was fitted on (:meth:`ranking_fingerprint`, recorded under its ``"fingerprint"``): once
+        the weights, labels, search mode, lexical channel (or its ranker: not loadable without omikuji) differ, it is
+        dropped with a one-line warning and this is None until it is fitted again (``provenance.py``, policy ``drop``).
+        A calibration saved before fingerprints is trusted as loaded. The check costs a few dictionary compares (the
+        weights' fingerprint is taken again only after a weight was written)."""
+        values = self.config.score_calibration
+        if not values:
+            return None
+        cached = getattr(self, "_score_calibration_cache", None)
+        if cached is None or cached[0] is not values:
+            cached = (values, ScoreCalibration.from_dict(values))
+            self._score_calibration_cache = cached
+        recorded = values.get("fingerprint")
+        if recorded and not check_derived("score_calibration", recorded, self.ranking_fingerprint(), type(self).__name__,
+                                          "no probabilities or threshold= until it is fitted again (fit_score_calibration)"):
+            self.config.score_calibration = None
+            return None
+        return cached[1]
+
+    def set_score_calibration(self, calibration: Optional[ScoreCalibration]) -> None:
+        """Attach a fitted calibration (``hf_xmc.training.calibration.fit_score_calibration``), saved in the config with
+        the fingerprint of the ranking it applies to (the current one: :meth:`ranking_fingerprint`); None removes it."""
+        if calibration is None:
+            self.config.score_calibration = None
+            return
+        self.config.score_calibration = {**calibration.to_dict(), "fingerprint": self.ranking_fingerprint()}
