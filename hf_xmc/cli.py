@@ -22,6 +22,7 @@ import argparse
 import importlib
 import inspect
 import json
+import math
 import os
 import re
 import sys
@@ -57,6 +58,16 @@ def _require_positive(value: Optional[int], flag: str) -> None:
         raise UserError(f"{flag} must be at least 1, got {value}")
 
 
+def _require_finite(value: Optional[float], flag: str, least: Optional[float] = None) -> None:
+    """Refuse ``nan`` / ``inf`` (argparse's ``float`` takes both) and a value below ``least``."""
+    if value is None:
+        return
+    if not math.isfinite(value):
+        raise UserError(f"{flag} must be a finite number, got {value}")
+    if least is not None and value < least:
+        raise UserError(f"{flag} must be at least {least:g}, got {value:g}")
+
+
 def _check_output_file(path: Optional[str]) -> None:
     """Refuse an ``--output_file`` that cannot be a file (a directory, or under a file) before the model loads."""
     if path is None:
@@ -90,9 +101,10 @@ def _check_device(device: Optional[str]) -> None:
         raise UserError(f"--device {device}: torch sees no MPS device here; use --device cpu")
 
 
-def load_model(name_or_path: str):
+def load_model(name_or_path: str, revision: Optional[str] = None):
     """``AutoModel.from_pretrained(name_or_path, trust_remote_code=True)``, refusing anything but an hf_xmc model
-    with labels; ``name_or_path`` is a model directory or a Hub repo id. A path meant as local
+    with labels; ``name_or_path`` is a model directory or a Hub repo id (whose own code runs), ``revision`` a branch,
+    tag or commit of that repo (its code comes from the same revision). A path meant as local
     (:func:`~hf_xmc.training.script_utils.looks_like_local_path`) that does not exist is refused at once, not after
     a minute of Hub retries."""
     from transformers import AutoModel
@@ -102,13 +114,15 @@ def load_model(name_or_path: str):
     if os.path.exists(name_or_path):
         if not os.path.isdir(name_or_path):
             raise UserError(f"{name_or_path}: not a model directory (a file)")
+        if revision is not None:
+            raise UserError(f"{name_or_path}: --revision pins a commit of a Hub repo, and this is a local directory")
         where = f"{name_or_path}: cannot load a model from this directory"
     elif _REPO_ID.match(name_or_path) and not looks_like_local_path(name_or_path):
         where = f"{name_or_path}: no such directory, and loading it as a Hub repo id failed"
     else:
         raise UserError(f"{name_or_path}: no such model directory (a Hub repo id is 'name' or 'org/name')")
     try:
-        model = AutoModel.from_pretrained(name_or_path, trust_remote_code=True)
+        model = AutoModel.from_pretrained(name_or_path, trust_remote_code=True, **({} if revision is None else {"revision": revision}))
     except ImportError as err:  # an optional dependency the model needs (peft for an adapter-only save)
         raise UserError(f"{name_or_path}: cannot load the model here ({_first_line(err)})") from None
     except (OSError, ValueError) as err:  # transformers' "no config.json", "not a valid model identifier", ...
@@ -172,6 +186,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     _require_file(args.train_file, "--train_file")
     _require_file(args.test_filter_file, "--test_filter_file")
     _require_positive(args.batch_size, "--batch_size")
+    _require_finite(args.propensity_a, "--propensity_a")
+    _require_finite(args.propensity_b, "--propensity_b")
     _check_output_file(args.output_file)
     _check_device(args.device)
     model = load_model(args.model)
@@ -417,10 +433,22 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------- parser
+SERVE_LIMIT_FLAGS = ("max_texts", "max_chars", "max_k", "max_images", "max_image_bytes", "max_body_bytes", "max_pixels", "max_queue",
+                     "request_timeout", "max_connections", "max_worker_restarts")  # ServingLimits' fields, one flag each
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Load the model and serve it until interrupted (``hf_xmc.serving``)."""
-    for flag in ("port", "max_batch", "max_texts", "max_chars", "max_k", "max_images", "max_image_bytes"):
+    """Load the model and serve it until interrupted (``hf_xmc.serving``); exit status 1 when its prediction worker
+    died for good (for a process supervisor to start it again)."""
+    for flag in ("port", "max_batch", "max_texts", "max_chars", "max_k", "max_images", "max_image_bytes", "max_body_bytes",
+                 "max_pixels", "max_queue", "max_connections"):
         _require_positive(getattr(args, flag), f"--{flag}")
+    _require_finite(args.max_wait_ms, "--max_wait_ms", least=0)
+    _require_finite(args.request_timeout, "--request_timeout")
+    if args.request_timeout <= 0:
+        raise UserError(f"--request_timeout must be more than 0 seconds, got {args.request_timeout:g}")
+    if args.max_worker_restarts < 0:
+        raise UserError(f"--max_worker_restarts must be at least 0, got {args.max_worker_restarts}")
     _check_device(args.device)
     try:
         import fastapi  # noqa: F401 - both checked before the model loads
@@ -429,15 +457,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .serving import ServingLimits, serve
     except ImportError as err:
         raise UserError(f"serving needs fastapi and uvicorn (pip install 'hf_xmc[serving]'): {_first_line(err)}") from None
-    model = load_model(args.model)
+    model = load_model(args.model, revision=args.revision)
     _pick_device(model, args.device)
-    limits = ServingLimits(max_texts=args.max_texts, max_chars=args.max_chars, max_k=args.max_k, max_images=args.max_images,
-                           max_image_bytes=args.max_image_bytes)
+    limits = ServingLimits(**{flag: getattr(args, flag) for flag in SERVE_LIMIT_FLAGS})
     try:
-        serve(model, host=args.host, port=args.port, limits=limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, backend=args.backend)
+        code = serve(model, host=args.host, port=args.port, limits=limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+                     backend=args.backend)
     except ValueError as err:  # --backend onnx without (a current) export
         raise UserError(f"{args.model}: {_first_line(err)}") from None
-    return 0
+    if code:
+        print(f"{PROG} serve: the prediction worker failed {args.max_worker_restarts + 1} time(s) in a row; stopped (exit status 1)",
+              file=sys.stderr)
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -526,8 +557,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", allow_abbrev=False, help="an HTTP endpoint for a model (POST /predict, GET /health, GET /labels/{uid})",
                        description="Serve a model directory or Hub repo id over HTTP (FastAPI + uvicorn); concurrent requests "
-                       "are batched into one predict call (docs/serving.md).")
-    p.add_argument("model", help="model directory or Hub repo id")
+                       "are batched into one predict call (docs/serving.md). A Hub repo id runs that repo's own Python code "
+                       "(the model loads with trust_remote_code=True): serve only repos you trust, and pin the code you "
+                       "reviewed with --revision <commit sha>.")
+    p.add_argument("model", help="model directory or Hub repo id (a repo's code runs in this process: trust_remote_code=True)")
+    p.add_argument("--revision", help="the Hub repo's branch, tag or commit to load, code included (a commit sha pins it); "
+                   "not for a local directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--max_batch", type=int, default=64, help="most texts one predict call serves")
@@ -537,6 +572,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_k", type=int, default=100, help="largest k a request may ask for (more: 422)")
     p.add_argument("--max_images", type=int, default=16, help="most images an item may send, for a model that takes images (more: 413)")
     p.add_argument("--max_image_bytes", type=int, default=5_000_000, help="most encoded bytes an image may have (more: 413)")
+    p.add_argument("--max_body_bytes", type=int, default=10_000_000, help="most bytes a request body may have, refused before "
+                   "it is parsed (more: 413)")
+    p.add_argument("--max_pixels", type=int, default=40_000_000, help="most decoded pixels a request's images may have in all, "
+                   "read from their headers before decoding (more: 413); a batch decodes at most this many")
+    p.add_argument("--max_queue", type=int, default=256, help="most items waiting for the prediction worker (more: 503)")
+    p.add_argument("--request_timeout", type=float, default=30.0, help="seconds a request may wait for its answer (then 503); "
+                   "also how long a batch may run before /health says 'stalled'")
+    p.add_argument("--max_connections", type=int, default=64, help="most connections and requests handled at once (more: 503)")
+    p.add_argument("--max_worker_restarts", type=int, default=3, help="times the prediction worker starts again after failing "
+                   "with no batch served in between; one more failure stops the server with exit status 1")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--backend", choices=["torch", "onnx"], default="torch",
                    help="query encoder: torch, or the model's exported ONNX encoder (model.export_onnx(), saved beside it)")

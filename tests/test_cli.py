@@ -464,3 +464,56 @@ def test_add_labels_grows_the_saved_model(trained, reloaded, tiny_task, capsys, 
     assert "nothing to do" in one_line_error(*run_cli(capsys, "add-labels", trained[2]))
     with gzip.open(labels, "rt") as f:
         assert len(f.readlines()) == 2
+
+
+# ------------------------------------------------------------------------------------------------ serve (issue 64)
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve", "m", "--max_wait_ms", "nan"], "--max_wait_ms must be a finite number, got nan"),
+    (["serve", "m", "--max_wait_ms", "-1"], "--max_wait_ms must be at least 0, got -1"),
+    (["serve", "m", "--request_timeout", "inf"], "--request_timeout must be a finite number, got inf"),
+    (["serve", "m", "--request_timeout", "0"], "--request_timeout must be more than 0 seconds, got 0"),
+    (["serve", "m", "--max_body_bytes", "0"], "--max_body_bytes must be at least 1, got 0"),
+    (["serve", "m", "--max_pixels", "-5"], "--max_pixels must be at least 1, got -5"),
+    (["serve", "m", "--max_queue", "0"], "--max_queue must be at least 1, got 0"),
+    (["serve", "m", "--max_connections", "0"], "--max_connections must be at least 1, got 0"),
+    (["serve", "m", "--max_worker_restarts", "-1"], "--max_worker_restarts must be at least 0, got -1"),
+    (["predict", "m", "--text", "q", "--threshold", "nan"], "--threshold is a probability in [0, 1], got nan"),
+])
+def test_non_finite_and_out_of_range_numbers_are_refused_before_any_model_loads(capsys, argv, message):
+    code, out, err = run_cli(capsys, *argv)  # "m" does not exist: a check that came after loading would say so instead
+    assert (code, out, err) == (2, "", f"hf-xmc {argv[0]}: {message}\n")
+
+
+def test_evaluate_refuses_a_non_finite_propensity(capsys, tmp_path):
+    test_file = tmp_path / "tst.json"
+    test_file.write_text('{"title": "q", "target_ind": [0]}\n')
+    for flag, value in (("--propensity_a", "nan"), ("--propensity_b", "-inf")):
+        code, _, err = run_cli(capsys, "evaluate", "m", "--test_file", test_file, f"{flag}={value}")  # "-inf" would read as a flag
+        assert (code, err) == (2, f"hf-xmc evaluate: {flag} must be a finite number, got {value}\n")
+
+
+def test_serve_help_says_a_repo_runs_its_code_and_takes_a_revision(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert "runs that repo's own Python code" in text and "trust_remote_code=True" in text
+    assert "--revision REVISION" in text and "a commit sha pins it" in text
+
+
+def test_serve_revision_reaches_from_pretrained_and_is_refused_for_a_directory(capsys, tmp_path, monkeypatch):
+    import transformers
+
+    asked = []
+
+    def offline(name, **kwargs):
+        asked.append((name, kwargs))
+        raise OSError("we are offline")
+
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", offline)
+    code, _, err = run_cli(capsys, "serve", "org/name", "--revision", "0123456789abcdef0123456789abcdef01234567")
+    assert code == 2 and err.startswith("hf-xmc serve: org/name: no such directory, and loading it as a Hub repo id failed")
+    assert asked == [("org/name", {"trust_remote_code": True, "revision": "0123456789abcdef0123456789abcdef01234567"})]
+    code, _, err = run_cli(capsys, "serve", tmp_path, "--revision", "main")
+    assert (code, err) == (2, f"hf-xmc serve: {tmp_path}: --revision pins a commit of a Hub repo, and this is a local directory\n")
+    assert len(asked) == 1  # nothing loaded for the directory

@@ -1,10 +1,15 @@
 """``hf-xmc serve``: the endpoint answers as ``predict`` does, batches concurrent requests into one call, refuses bad
-input with a 4xx and one line, and the command starts it on a saved model (queried over loopback)."""
+input with a 4xx and one line, and the command starts it on a saved model (queried over loopback). Hostile input (issue
+64): non-finite numbers, bodies over the limit, image bombs, a full queue, a slow or failing worker are each answered
+in bounded time, and ``/health`` says what the worker is doing. ``benchmarks/bench_serve_hostile.py`` is the load
+test of the same over a real ``hf-xmc serve``."""
 
 import base64
 import contextlib
+import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +21,9 @@ import urllib.request
 import numpy as np
 import pytest
 
-from hf_xmc.serving import ServingLimits, create_app
+from benchmarks.bench_serve_hostile import png_bomb, with_faults
+from hf_xmc.models.calibration import ScoreCalibration
+from hf_xmc.serving import PredictionBatcher, ServingLimits, create_app
 from tests.test_label_store import make_model
 from tests.test_mufin_training import task, tiny_model  # noqa: F401 - task: the tiny multimodal task's fixture
 
@@ -30,11 +37,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def call(url: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
+def call(url: str, body=None, raw: bytes | None = None, timeout: float = 60) -> tuple[int, dict]:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"} if data is not None else {})
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
@@ -136,11 +143,12 @@ def encoded(path: str) -> str:
 
 @pytest.fixture(scope="module")
 def served_mufin(task):  # noqa: F811 - the imported fixture
-    """The tiny MUFIN model (text and vision towers, untrained) behind uvicorn: at most 2 images of 20,000 bytes an item."""
+    """The tiny MUFIN model (text and vision towers, untrained) behind uvicorn: at most 2 images of 20,000 bytes an item,
+    1,000,000 pixels a request."""
     data = task[0]
     model = tiny_model(task)
     model.build_label_index(data.label_texts, data.label_uids)
-    with running(create_app(model, ServingLimits(max_texts=4, max_images=2, max_image_bytes=20_000), max_wait_ms=300)) as url:
+    with running(create_app(model, ServingLimits(max_texts=4, max_images=2, max_image_bytes=20_000, max_pixels=1_000_000), max_wait_ms=300)) as url:
         yield model, data, url
 
 
@@ -171,6 +179,11 @@ def test_a_model_that_takes_images_is_served_texts_images_and_both(served_mufin)
     ({"images": [["AAAA", "AAAA", "AAAA"]]}, 413, "images[0]: 3 images, at most 2 an item"),
     ({"images": [["A" * 30_000]]}, 413, "images[0][0]: more than 20000 bytes"),
     ({"images": [[]] * 5}, 413, "texts: 5 items, at most 4 a request"),
+    # a 9M-pixel PNG of ~9 KB (an image bomb): refused from its header, before 9 MB of pixels are decoded
+    ({"images": [[base64.b64encode(png_bomb(3000, 3000, 1)).decode()]]}, 413, "images[0][0]: 3000x3000 pixels brings the request's images to 9000000 pixels, at most 1000000"),
+    ({"images": [[base64.b64encode(png_bomb(800, 800, 1)).decode()] * 2]}, 413, "images[0][1]: 800x800 pixels brings the request's images to 1280000"),
+    # its header whole, its pixel data cut: opened when the request comes, refused when the worker decodes it
+    ({"images": [[base64.b64encode(png_bomb(64, 64)[:45]).decode()]]}, 422, "images[0][0]: not an image file PIL can read (OSError)"),
 ])
 def test_bad_images_are_refused_with_one_line(served_mufin, body, status, message):
     url = served_mufin[2]
@@ -179,31 +192,223 @@ def test_bad_images_are_refused_with_one_line(served_mufin, body, status, messag
     assert answer["error"].startswith(message) and "\n" not in answer["error"]
 
 
+def wait_for_health(url: str, proc: subprocess.Popen, seconds: float = 240):
+    deadline = time.time() + seconds
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            return call(url + "/health")
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(0.5)
+    raise AssertionError(proc.stdout.read() if proc.poll() is not None else "no answer")
+
+
 def test_the_serve_command_serves_a_saved_model(tiny_encoder_dir, tiny_task, tmp_path):
     model = make_model(tiny_encoder_dir, tiny_task[0])
+    model.set_score_calibration(ScoreCalibration("platt", a=20.0, b=0.0))
     model.save_pretrained(tmp_path / "model")
     texts = list(tiny_task[0].test.texts[:2])
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "hf_xmc.cli", "serve", str(tmp_path / "model"), "--port", str(port), "--max_k", "5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "hf_xmc.cli", "serve", str(tmp_path / "model"), "--port", str(port), "--max_k", "5",
+                             "--max_wait_ms", "1000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        deadline, health = time.time() + 240, None
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                health = call(f"http://127.0.0.1:{port}/health")
-                break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.5)
-        assert health is not None and health[0] == 200, proc.stdout.read() if proc.poll() is not None else "no answer"
-        status, body = call(f"http://127.0.0.1:{port}/predict", {"texts": texts, "k": 3})
+        assert wait_for_health(url, proc)[0] == 200
+        status, body = call(url + "/predict", {"texts": texts, "k": 3})
         assert status == 200
         assert [[(r["id"], r["score"]) for r in row] for row in body["predictions"]] == expected(model, texts, 3)
-        assert call(f"http://127.0.0.1:{port}/predict", {"texts": texts, "k": 6})[0] == 422  # --max_k 5
+        assert call(url + "/predict", {"texts": texts, "k": 6})[0] == 422  # --max_k 5
+        # a NaN threshold ("nan": pydantic makes it a float; NaN: refused by the JSON parser) is a 422, at once
+        assert call(url + "/predict", {"texts": ["q"], "threshold": "nan"}, timeout=15)[0] == 422
+        assert call(url + "/predict", raw=b'{"texts": ["q"], "threshold": NaN}', timeout=15)[0] == 422
+        # SIGTERM while a request waits in its batch (--max_wait_ms 1000): the request is answered, then the server
+        # stops; uvicorn raises the signal again once it has shut down, so the process ends as SIGTERM asks
+        answers = []
+        in_flight = threading.Thread(target=lambda: answers.append(call(url + "/predict", {"texts": texts, "k": 3}, timeout=30)))
+        in_flight.start()
+        time.sleep(0.4)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        in_flight.join()
+        assert answers[0][0] == 200 and len(answers[0][1]["predictions"]) == 2
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     bad = subprocess.run([sys.executable, "-m", "hf_xmc.cli", "serve", str(tmp_path / "model"), "--port", "0"],
                          capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and bad.stderr.strip() == "hf-xmc serve: --port must be at least 1, got 0"
     assert np.isfinite(model.predict(texts, k=1).scores).all()
+
+
+def test_the_serve_command_exits_1_when_its_worker_fails_for_good(tiny_encoder_dir, tiny_task, tmp_path):
+    """The server a process supervisor watches: a worker that fails past --max_worker_restarts ends it, status 1."""
+    model = make_model(tiny_encoder_dir, tiny_task[0])
+    model.save_pretrained(tmp_path / "model")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_serve_hostile.py")
+    proc = subprocess.Popen([sys.executable, bench, "serve-with-faults", str(tmp_path / "model"), "--port", str(port),
+                             "--max_worker_restarts", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    try:
+        assert wait_for_health(url, proc)[0] == 200
+        status, answer = call(url + "/predict", {"texts": ["PANIC"], "k": 3}, timeout=15)
+        assert status == 500 and "Panic" in answer["error"]
+        assert proc.wait(timeout=30) == 1
+        assert "hf-xmc serve: the prediction worker failed 1 time(s) in a row; stopped (exit status 1)" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------- hostile input (issue 64)
+def test_a_nan_threshold_never_leaves_a_request_hanging(served):
+    """NaN never equals itself: grouping requests by ``threshold ==`` left a NaN request in no group, never answered."""
+    from concurrent.futures import wait
+
+    model, _ = served
+    batcher = PredictionBatcher(model, max_wait_ms=300)  # long enough for both requests to share a batch
+    try:
+        nan, plain = batcher.submit(["a query"], 3, float("nan")), batcher.submit(["a query"], 3)
+        wait([nan, plain], timeout=30)
+        assert nan.done() and plain.done()
+        assert len(plain.result()[0]) == 3
+    finally:
+        batcher.close(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def hostile(tiny_encoder_dir, tiny_task):
+    """A calibrated tiny DEXML model with planted faults (a text with ``PANIC`` raises a ``BaseException``, one with
+    ``SLEEP:<s>`` sleeps) behind uvicorn: bodies of at most 20,000 bytes, 6 items queued, answers within 2 s."""
+    model = with_faults(make_model(tiny_encoder_dir, tiny_task[0]))
+    model.set_score_calibration(ScoreCalibration("platt", a=20.0, b=0.0))
+    limits = ServingLimits(max_texts=4, max_chars=200, max_k=20, max_body_bytes=20_000, max_queue=6, request_timeout=2.0, max_worker_restarts=1)
+    with running(create_app(model, limits, max_wait_ms=200)) as url:
+        yield model, url
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (b'{"texts": ["q"], "threshold": NaN}', "threshold: nan, must be a number between 0 and 1"),
+    (b'{"texts": ["q"], "threshold": Infinity}', "threshold: inf, must be"),
+    (b'{"texts": ["q"], "threshold": -Infinity}', "threshold: -inf, must be"),
+    (b'{"texts": ["q"], "threshold": "nan"}', "threshold: nan, must be"),
+    (b'{"texts": ["q"], "threshold": "inf"}', "threshold: inf, must be"),
+    (b'{"texts": ["q"], "threshold": 1.5}', "threshold: 1.5, must be"),
+    (b'{"texts": ["q"], "k": NaN}', "k: "),
+    (b'{"texts": ["q"], "k": Infinity}', "k: "),
+    (b'{"texts": ["q"], "k": "nan"}', "k: "),
+    (b'{"texts": ["q"], "k": 2.5}', "k: "),
+])
+def test_non_finite_numbers_are_refused_at_once(hostile, raw, message):
+    url = hostile[1]
+    status, answer = call(url + "/predict", raw=raw, timeout=15)  # a NaN threshold used to hang here for good
+    assert (status, set(answer)) == (422, {"error"})
+    assert answer["error"].startswith(message) and "\n" not in answer["error"]
+
+
+def test_a_threshold_still_cuts_by_probability(hostile, tiny_task):
+    model, url = hostile
+    texts = list(tiny_task[0].test.texts[:2])
+    status, body = call(url + "/predict", {"texts": texts, "k": 10, "threshold": 0.5})
+    pred = model.predict(texts, k=10, threshold=0.5)
+    assert status == 200
+    assert [[r["id"] for r in row] for row in body["predictions"]] == [[j for j in ids if j >= 0] for ids in pred.label_ids.tolist()]
+
+
+def chunked_post(url: str, body: bytes) -> tuple[int, dict]:
+    """POST ``body`` in 4 KB chunks, no Content-Length (what a client that streams sends)."""
+    host, port = url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=15)
+    try:
+        conn.request("POST", "/predict", body=iter([body[i : i + 4096] for i in range(0, len(body), 4096)]),
+                     headers={"content-type": "application/json"}, encode_chunked=True)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_parsed(hostile):
+    url = hostile[1]
+    small = b'{"texts": ["a query"], "k": 3}'
+    fits, over = small + b" " * (20_000 - len(small)), small + b" " * (30_000 - len(small))  # valid JSON, blank-padded
+    assert call(url + "/predict", raw=fits)[0] == 200
+    assert call(url + "/predict", raw=over) == (413, {"error": "body: 30000 bytes, at most 20000"})
+    assert chunked_post(url, over) == (413, {"error": "body: more than 20000 bytes"})  # no length given: counted as it comes
+    assert chunked_post(url, fits)[0] == 200
+    status, answer = call(url + "/predict", raw=b"[" * 9000 + b"]" * 9000)  # nested past the JSON parser's recursion
+    assert 400 <= status < 500 and set(answer) == {"error"} and "\n" not in answer["error"]
+
+
+def test_a_worker_that_raises_a_base_exception_starts_again_and_health_says_so(hostile, tiny_task):
+    model, url = hostile
+    text = tiny_task[0].test.texts[0]
+    before = call(url + "/health")[1]
+    barrier, answers = threading.Barrier(2), {}
+
+    def ask(name, texts):
+        barrier.wait()
+        answers[name] = call(url + "/predict", {"texts": texts, "k": 3}, timeout=15)
+
+    threads = [threading.Thread(target=ask, args=("panic", ["PANIC"])), threading.Thread(target=ask, args=("plain", [text]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    status, answer = answers["panic"]
+    assert status == 500 and answer["error"].startswith("prediction failed: the worker stopped on Panic: simulated panic")
+    status, answer = answers["plain"]  # in the same batch, or the next: answered all the same
+    assert status == 200 and [(r["id"], r["score"]) for r in answer["predictions"][0]] == expected(model, [text], 3)[0]
+    status, health = call(url + "/health")
+    assert status == 200 and health["status"] == "ok"
+    assert health["worker_restarts"] == before["worker_restarts"] + 1 and health["last_fault"].startswith("Panic: simulated panic")
+    assert call(url + "/predict", {"texts": [text], "k": 3})[0] == 200  # and the worker serves again
+
+
+def test_a_full_queue_and_a_stuck_worker_answer_503_in_bounded_time(hostile, tiny_task):
+    url = hostile[1]
+    texts = list(tiny_task[0].test.texts[:4])
+    answers = {}
+
+    def ask(name, body):
+        answers[name] = call(url + "/predict", body, timeout=15)
+
+    stuck = threading.Thread(target=ask, args=("stuck", {"texts": ["SLEEP:4"], "k": 3}))
+    stuck.start()
+    time.sleep(0.6)  # the worker is asleep in predict (from 0.2 s to 4.2 s)
+    queued = threading.Thread(target=ask, args=("queued", {"texts": texts, "k": 3}))
+    queued.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    status, answer = call(url + "/predict", {"texts": texts[:3], "k": 3})  # 4 queued + 3 > max_queue 6
+    assert (status, answer) == (503, {"error": "server busy: 4 items queued, at most 6; retry later"})
+    assert time.monotonic() - start < 1
+    time.sleep(1.6)  # the batch has run for more than request_timeout
+    status, health = call(url + "/health")
+    assert status == 503 and health["status"] == "stalled"
+    stuck.join()
+    queued.join()
+    assert answers["stuck"] == (503, {"error": "no answer within 2 s (request_timeout): the server is overloaded or stuck"})
+    assert answers["queued"][0] == 503  # queued behind it: timed out too, its work dropped
+    deadline = time.monotonic() + 10
+    while call(url + "/health")[0] != 200 and time.monotonic() < deadline:  # the 4 s predict ends
+        time.sleep(0.2)
+    assert call(url + "/health")[1]["status"] == "ok"
+    assert call(url + "/predict", {"texts": texts[:1], "k": 3})[0] == 200
+
+
+def test_a_worker_that_keeps_failing_is_dead_and_says_so(tiny_encoder_dir, tiny_task):
+    model = with_faults(make_model(tiny_encoder_dir, tiny_task[0]))
+    deaths = []
+    with running(create_app(model, ServingLimits(max_worker_restarts=0), on_dead=deaths.append)) as url:
+        status, answer = call(url + "/predict", {"texts": ["PANIC"], "k": 3}, timeout=15)
+        assert status == 500 and "Panic" in answer["error"]
+        status, health = call(url + "/health")
+        assert (status, health["status"]) == (503, "dead")
+        status, answer = call(url + "/predict", {"texts": ["a query"], "k": 3}, timeout=15)
+        assert status == 503 and answer["error"].startswith("the prediction worker is dead")
+    assert deaths == ["1 failure in a row, the last Panic: simulated panic in the ranker's native code"]
+
