@@ -1,8 +1,10 @@
 """MUFIN on the shared engine: the bag collator of both stages, Module II mining, the image-aware evaluator and the
 training script contract, on a tiny planted multimodal task (colour patches + words) with tiny random encoders."""
 
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -543,3 +545,154 @@ def test_ranker_label_side_auto_caches_from_ten_thousand_labels(tmp_path):
     assert [resolve_ranker_label_side("auto", n) for n in (90, 9_999, 10_000, 1_300_000)] == ["encoder", "encoder", "cache", "cache"]
     assert [resolve_ranker_label_side(side, 1_300_000) for side in ("encoder", "cache")] == ["encoder", "cache"]
     assert MUFINTrainingArguments(output_dir=str(tmp_path), use_cpu=True, ranker_label_side="auto").ranker_label_side == "auto"
+
+
+def test_module_two_shortlists_leave_out_the_training_filter_pairs(task, tmp_path):
+    """--train_filter_file pairs are never Module IV negatives: the recipe's Module II removes them from the shortlists
+    beside the positives (before, only the positives were removed: a filtered pair ranked first stayed first)."""
+    from hf_xmc.training.recipes.mufin import MUFINTrainingArguments, pretrain_and_mine
+
+    data, *_ = task
+    unfiltered = mine_mufin_shortlist(tiny_model(task), data.train.texts, data.train.images, data.train.targets, top_k=5)
+    # the filter: each item's best-ranked negative, the pair an LF dataset's own-label text would be
+    rows = np.arange(len(data.train.texts))
+    train_filter = sp.csr_matrix((np.ones(len(rows), dtype=bool), (rows, unfiltered[:, 0])), shape=data.train.targets.shape)
+    filtered_data = dataclasses.replace(data, train=dataclasses.replace(data.train, filter_matrix=train_filter))
+    args = MUFINTrainingArguments(output_dir=str(tmp_path), siamese_epochs=0, hard_negative_top_k=5, use_cpu=True, disable_tqdm=True)
+    shortlist = pretrain_and_mine(tiny_model(task), filtered_data, args).shortlist
+    assert not (shortlist == unfiltered[:, :1]).any()  # no filtered pair anywhere in a shortlist
+    for r in rows:  # the rest keeps its order: the unfiltered shortlist without its filtered label
+        assert shortlist[r][:4].tolist() == unfiltered[r][1:].tolist()
+        assert not set(shortlist[r]) & set(data.train.targets[r].indices)
+
+
+def test_train_mufin_refuses_to_resume_on_another_training_filter(task, tmp_path):
+    """A checkpoint records what its shortlists were mined from (targets, training filter); a run resumed from it
+    with another --train_filter_file is refused in one line (exit 2) instead of drawing negatives from them."""
+    _, root, text_dir, vision_dir = task
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, os.path.join(ROOT, "training_scripts", "train_mufin.py"),
+        "--train_file", str(root / "trn.json.gz"), "--test_file", str(root / "tst.json.gz"), "--label_file", str(root / "lbl.json.gz"),
+        "--model_name_or_path", text_dir, "--vision_model_name_or_path", vision_dir, "--output_dir", str(out),
+        "--embed_dim", "8", "--attention_heads", "2", "--shortlist_size", "6", "--max_seq_length", "8",
+        "--siamese_epochs", "1", "--num_train_epochs", "2", "--per_device_train_batch_size", "32", "--save_strategy", "epoch",
+        "--ranker_negatives", "3", "--hard_negative_top_k", "6", "--vision_trainable_layers", "-1",
+        "--disable_tqdm", "true", "--use_cpu", "true", "--report_to", "none", "--score_calibration", "none",
+    ]
+    env = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoints = sorted((p for p in out.iterdir() if p.name.startswith("checkpoint-")), key=lambda p: int(p.name.split("-")[1]))
+    assert len(checkpoints) == 2 and all((p / "mufin_shortlist.json").exists() for p in checkpoints)
+    shutil.rmtree(checkpoints[-1])  # as if killed during the second epoch: the resume starts from the first
+    (out / "eval_results.json").unlink()
+    filter_file = tmp_path / "filter_labels_train.txt"
+    filter_file.write_text("0 3\n5 7\n")
+    resumed = subprocess.run(cmd + ["--resume_from_checkpoint", "true", "--train_filter_file", str(filter_file)],
+                             capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    last = resumed.stderr.strip().splitlines()[-1]
+    assert last.startswith("train_mufin: error: ") and "training shortlists was made from other train_filter" in last and "refused" in last
+    assert "Traceback" not in resumed.stderr and not (out / "eval_results.json").exists()
+
+
+def test_added_and_removed_labels_carry_the_lexical_channel_through_save_and_reload(task, tmp_path):
+    """add_labels / remove_labels on a MUFIN model with a lexical channel (the path of ``hf-xmc add-labels``): the
+    channel gets the new labels' text rows (before, a retrieved new label raised in the channel and the saved model no
+    longer reloaded), removing a label renumbers the kept labels' rows with them (before, a kept label got the removed
+    one's text score), and the grown and shrunk models reload with equal outputs."""
+    from hf_xmc.training.lexical import fit_lexical_channel
+
+    data = task[0]
+    queries = list(data.test.texts[:12])
+
+    base = tiny_model(task)
+    base.build_label_index(data.label_texts, data.label_uids)
+    fit_lexical_channel(base, data.train, data.label_texts, data.label_uids, validation=data.test.select(np.arange(24, 48)), n_threads=1)
+    base.config.shortlist_size = NUM_LABELS + 2  # every label is shortlisted: the new ones are always retrieved
+    base.save_pretrained(tmp_path / "base")  # one channel (its ranker is not bit-reproducible) for both arms below
+
+    def with_channel():
+        return MUFINModel.from_pretrained(tmp_path / "base")
+
+    model = with_channel()
+    new_texts = ["alpha kilo lima", "bravo juliet"]
+    assert model.add_labels(new_texts, uids=["n1", "n2"]).tolist() == [NUM_LABELS, NUM_LABELS + 1]
+    assert model.lexical_channel.num_labels == NUM_LABELS + 2
+    grown = model.predict(queries, k=NUM_LABELS + 2)
+    assert (grown.label_ids >= NUM_LABELS).any(axis=1).all()  # the new labels are ranked (and fused) for every query
+    model.save_pretrained(tmp_path / "grown")
+    reloaded = MUFINModel.from_pretrained(tmp_path / "grown")
+    assert reloaded.lexical_channel is not None and reloaded.lexical_channel.num_labels == NUM_LABELS + 2
+    again = reloaded.predict(queries, k=NUM_LABELS + 2)
+    np.testing.assert_array_equal(again.label_ids, grown.label_ids)
+    np.testing.assert_allclose(again.scores, grown.scores, rtol=1e-5, atol=1e-6)
+    # removing the first added label: the second (now id 12) keeps its own text row, as if only it had been added
+    assert reloaded.remove_labels(["n1"]).tolist() == [*range(NUM_LABELS), NUM_LABELS + 1]
+    reference = with_channel()
+    reference.add_labels(new_texts[1:], uids=["n2"])
+    want = reference.predict(queries, k=NUM_LABELS + 1)
+    shrunk = reloaded.predict(queries, k=NUM_LABELS + 1)
+    np.testing.assert_array_equal(shrunk.label_ids, want.label_ids)
+    np.testing.assert_allclose(shrunk.scores, want.scores, rtol=1e-5, atol=1e-6)
+    reloaded.save_pretrained(tmp_path / "shrunk")
+    final = MUFINModel.from_pretrained(tmp_path / "shrunk").predict(queries, k=NUM_LABELS + 1)
+    np.testing.assert_array_equal(final.label_ids, want.label_ids)
+    np.testing.assert_allclose(final.scores, want.scores, rtol=1e-5, atol=1e-6)
+
+
+REMOTE_THRESHOLD = """
+import json, sys
+sys.modules["hf_xmc"] = None  # the model's own files only
+from transformers import AutoModel
+model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True)
+request = json.loads(sys.argv[2])
+try:
+    model.predict(request["texts"], k=5, images=request["images"], threshold=0.5)
+    print("RESULT " + json.dumps({"error": None}))
+except ValueError as err:
+    print("RESULT " + json.dumps({"error": str(err)}))
+"""
+
+
+def test_image_only_items_get_no_probability_from_the_fused_ranking_calibration(task, tmp_path):
+    """With a lexical channel the score calibration maps the fused ranking's scores; image-only items are ranked
+    without the channel, so their probabilities are NaN and threshold= with one of them is refused in one line (before,
+    the fused map was applied to their dense scores), in process and after a reload through remote code."""
+    from hf_xmc.models.calibration import ScoreCalibration
+    from hf_xmc.training.lexical import fit_lexical_channel
+    from tests.models.test_modeling_common import predict_through_remote_code
+
+    data = task[0]
+    model = tiny_model(task)
+    model.build_label_index(data.label_texts, data.label_uids)
+    fit_lexical_channel(model, data.train, data.label_texts, data.label_uids, validation=data.test.select(np.arange(24)), n_threads=1)
+    calibration = ScoreCalibration("platt", a=4.0, b=-1.0)
+    model.set_score_calibration(calibration)
+    texts, images = list(data.test.texts[24:27]) + [None, None], data.test.images[24:29]  # three with a text, two image-only
+    pred = model.predict(texts, k=5, images=images)
+    assert np.isnan(pred.probabilities[3:]).all() and np.isfinite(pred.probabilities[:3]).all()
+    np.testing.assert_allclose(pred.probabilities[:3], np.where(pred.label_ids[:3] >= 0, calibration(pred.scores[:3]), 0.0), rtol=1e-6)
+    assert model.uncalibrated_items(texts, images).tolist() == [False, False, False, True, True]
+    with pytest.raises(ValueError, match=r"^threshold: item 3 has no text, so it is ranked without the lexical channel") as err:
+        model.predict(texts, k=5, images=images, threshold=0.5)
+    assert "\n" not in str(err.value)
+    kept = model.predict(texts[:3], k=5, images=images[:3], threshold=0.5)  # items with a text: thresholded as before
+    assert (kept.probabilities[kept.label_ids >= 0] >= 0.5).all()
+    model.set_lexical_channel(None)  # without the channel every item gets the ranking the map is for... once refitted
+    model.set_score_calibration(calibration)
+    assert np.isfinite(model.predict(texts, k=5, images=images).probabilities).all()
+    model.set_lexical_channel(fit_lexical_channel(model, data.train, data.label_texts, data.label_uids, validation=data.test.select(np.arange(24)), n_threads=1))
+    model.set_score_calibration(calibration)
+    model.save_pretrained(tmp_path / "m")
+    reloaded = MUFINModel.from_pretrained(tmp_path / "m")
+    assert np.isnan(reloaded.predict(texts, k=5, images=images).probabilities[3:]).all()
+    remote = predict_through_remote_code(tmp_path / "m", tmp_path, texts, images=images)
+    assert np.isnan(np.array(remote["probabilities"])[3:]).all() and np.isfinite(np.array(remote["probabilities"])[:3]).all()
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", PYTHONPATH="")
+    proc = subprocess.run([sys.executable, "-c", REMOTE_THRESHOLD, str(tmp_path / "m"), json.dumps({"texts": texts, "images": images})],
+                          capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    error = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][0][7:])["error"]
+    assert error is not None and error.startswith("threshold: item 3 has no text")

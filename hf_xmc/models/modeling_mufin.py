@@ -496,10 +496,41 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
         (default ``config.search_mode``). Labels outside ``R_t`` get no score: slots beyond ``|R_t|`` hold ``-1`` /
         ``-inf`` / ``""``. ``k`` and ``threshold`` as in :meth:`XMCPreTrainedModel.predict` (the calibration is the one of
         ``config.search_mode``'s scores).
+
+        Probabilities come only from the map fitted on the ranking an item gets: with a lexical channel the calibration
+        is fitted on the fused ranking, which image-only items never get (:meth:`rank`: they keep the dense one), so
+        their rows of ``probabilities`` are NaN (with a one-line warning) and ``threshold=`` with such an item raises a
+        one-line ValueError before anything is ranked (:meth:`uncalibrated_items`).
         """
         k = self._prediction_depth(k, threshold)
+        uncalibrated = self.uncalibrated_items(texts, images)
+        if threshold is not None and uncalibrated.any():
+            raise ValueError(
+                f"threshold: item {int(np.flatnonzero(uncalibrated)[0])} has no text, so it is ranked without the lexical channel and the score "
+                "calibration (fitted on the fused ranking) does not apply to it: predict image-only items without threshold="
+            )
         out_scores, out_ids = self.rank(texts, k, batch_size, show_progress_bar, images=images, search_mode=search_mode, pair_batch_size=pair_batch_size)
-        return self._prediction(out_ids, out_scores, threshold)
+        prediction = self._prediction(out_ids, out_scores, threshold)
+        if prediction.probabilities is not None and uncalibrated.any():
+            prediction.probabilities[uncalibrated] = np.nan
+            logger.warning("%d image-only items are ranked without the lexical channel: their probabilities are NaN (the score "
+                           "calibration was fitted on the fused ranking)", int(uncalibrated.sum()))
+        return prediction
+
+    def uncalibrated_items(self, texts: Optional[Sequence[Optional[str]]], images: Optional[Sequence[Any]] = None) -> np.ndarray:
+        """Which items :meth:`predict` gives no probabilities: with a lexical channel, those without a text (ranked
+        without the channel, while the calibration was fitted on the channel's fused ranking); none without a channel
+        or a calibration. A boolean array, one entry per item (read from the texts only: no image is opened)."""
+        if isinstance(texts, str):
+            texts = [texts]
+        if is_single_image(images):
+            images = [images]
+        n = len(texts) if texts is not None else len(images) if images is not None else 0
+        if self.lexical_channel is None or self.score_calibration is None:
+            return np.zeros(n, dtype=bool)
+        if texts is None:
+            return np.ones(n, dtype=bool)
+        return np.array([not (isinstance(t, str) and t.strip()) for t in texts], dtype=bool)
 
     @torch.no_grad()
     def rank(

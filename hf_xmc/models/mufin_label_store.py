@@ -162,7 +162,8 @@ class MUFINLabelStoreMixin:
     ) -> np.ndarray:
         """Append labels (texts and/or image bags), scored zero-shot (``w_l = z_l^1``, no centroid: the rule of labels
         after ``label_space_size``) while trained labels keep their classifiers. Only the new bags are encoded and
-        appended to the cached label store; the shortlist index is rebuilt from the cache (no re-encoding). Saved label
+        appended to the cached label store; the shortlist index is rebuilt from the cache (no re-encoding); a lexical
+        channel gets the new labels' text rows (its ranker does not know them: text and dense scores only). Saved label
         images a loaded model reads lazily stay on disk (the new bags follow them in memory). Returns the new label
         ids. Memory: the new labels' bag rows, vectors and images."""
         self._require_label_store()
@@ -178,8 +179,12 @@ class MUFINLabelStoreMixin:
             self.label_images = self.label_images.extended(list(bags))
         elif has_images(bags) or self.label_images is not None:
             self.label_images = list(self.label_images or [[] for _ in range(first)]) + [list(b) for b in bags]
-        self.label_texts = list(self.label_texts) + ["" if t is None else t for t in norm_texts]
+        new_texts = ["" if t is None else t for t in norm_texts]
+        self.label_texts = list(self.label_texts) + new_texts
         self.label_uids = list(self.label_uids) + uids
+        if self.lexical_channel is not None:  # its label rows follow (the ranker does not know the new labels)
+            self.lexical_channel.add_labels(new_texts)
+            self._channel_follows_labels()
         if self.label_centroids is not None:
             self._extend_centroids(len(norm_texts))
         self.build_shortlist_index()
@@ -188,7 +193,8 @@ class MUFINLabelStoreMixin:
     @torch.no_grad()
     def remove_labels(self, uids: Sequence[str]) -> np.ndarray:
         """Remove labels added after training (ids >= ``label_space_size``; MUFIN's classifiers are laid out by training
-        order, so trained labels stay). Returns the old ids of the kept labels."""
+        order, so trained labels stay); a lexical channel keeps the kept labels' text rows, renumbered with them.
+        Returns the old ids of the kept labels."""
         self._require_label_store()
         keep = self._kept_label_ids(uids)
         gone = np.setdiff1d(np.arange(len(self.label_uids)), keep)
@@ -205,10 +211,20 @@ class MUFINLabelStoreMixin:
             self.label_images = [self.label_images[i] for i in keep]
         self.label_texts = [self.label_texts[i] for i in keep]
         self.label_uids = [self.label_uids[i] for i in keep]
+        if self.lexical_channel is not None:  # its label rows (and the ranker's label map) renumbered as the labels
+            self.lexical_channel.select_labels(keep)
+            self._channel_follows_labels()
         if self.label_centroids is not None:
             self.label_centroids, self.label_centroid_counts = self.label_centroids[rows], self.label_centroid_counts[rows]
         self.build_shortlist_index()
         return keep
+
+    def _channel_follows_labels(self) -> None:
+        """Record on the lexical channel that its label rows now follow the model's labels (the base class's record,
+        where the base class keeps one: ``provenance.py``'s ``lexical_channel`` part)."""
+        sync = getattr(self, "_sync_lexical_channel_labels", None)  # the base class's hook, absent in older bundles
+        if sync is not None:
+            sync()
 
     def invalidate_label_index(self) -> None:
         """Forget the label bags, vectors and index (they no longer match the weights). Centroids are kept: they come
@@ -418,6 +434,22 @@ class MUFINLabelStoreMixin:
             atomic_write(os.path.join(save_directory, LABEL_CENTROIDS_FILE), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
         if self.label_vectors is not None:
             self._require_shortlist_index().save(save_directory)
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """``XMCPreTrainedModel.save_pretrained``, safe for label images read lazily from ``save_directory`` itself (a
+        model saved into the directory it was loaded from): the save replaces that file, so the view moves to the new
+        one afterwards (it holds exactly the view's bags, in its order: ``config.save_label_images``), or the bags are
+        read into memory first when the save writes no image file (the old one then goes). Either way no image is
+        ever read through offsets of a file that was replaced. Memory: the label images' encoded bytes, only in the
+        second case."""
+        lazy = self.label_images if isinstance(self.label_images, LazyLabelImages) else None
+        target = os.path.join(os.path.realpath(str(save_directory)), LABEL_IMAGES_FILE)
+        over = lazy is not None and kwargs.get("is_main_process", True) and lazy.reads_from(target)
+        if over and not self.config.save_label_images:
+            self.label_images = [list(bag) for bag in lazy]
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if over and self.config.save_label_images:
+            self.label_images = open_label_images(target)
 
     def _load_label_store(self, fetch: Callable[[str], Optional[str]]) -> None:
         """Read the centroids, label bags and label images that ``fetch(name)`` (a local path or ``None``) finds, check

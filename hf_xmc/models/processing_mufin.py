@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from transformers import BatchFeature, ProcessorMixin
 
+from .provenance import check_derived
+
 try:  # Pillow is only needed to read image paths and bytes; PIL images passed in work as they are
     from PIL import Image
 except ImportError:  # pragma: no cover - Pillow ships with transformers' vision extras
@@ -93,6 +95,13 @@ def pack_label_images(label_images: Sequence[Sequence[Any]]) -> dict[str, torch.
     }
 
 
+def file_identity_of(path: str) -> str:
+    """Which file ``path`` is now: device, inode, size and modification time (a file written over it, even through a
+    rename into place, differs in one of them). Read with one ``stat``: no byte of the file is read."""
+    st = os.stat(path)
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
 class LazyLabelImages(Sequence):
     """The label images of a saved ``mufin_label_images.safetensors`` (:func:`pack_label_images`'s layout), read when
     used: indexing a label (or slicing a range of labels) reads those labels' encoded bytes from the memory-mapped
@@ -107,9 +116,12 @@ class LazyLabelImages(Sequence):
 
     def __init__(
         self, path: str, image_offsets: np.ndarray, label_offsets: np.ndarray, labels: Optional[np.ndarray] = None,
-        max_images: int = -1, tail: Optional[list] = None,
+        max_images: int = -1, tail: Optional[list] = None, file_identity: Optional[str] = None,
     ):
         self.path, self.image_offsets, self.label_offsets = path, image_offsets, label_offsets
+        # the file the offsets were read from (device, inode, size, mtime): a file written over it since (a save into
+        # the directory it was loaded from) is never read through these offsets (:meth:`check_file`)
+        self.file_identity = file_identity if file_identity is not None else file_identity_of(path)
         self.labels = labels  # the sources this view holds, in its order (None: every file label, then the tail)
         self.max_images = max_images
         self.tail = tail if tail is not None else []  # bags added in memory: source file_labels + j is tail[j]
@@ -153,20 +165,31 @@ class LazyLabelImages(Sequence):
 
     def select(self, rows: Sequence[int]) -> LazyLabelImages:
         """A view of the labels ``rows`` of this view, in that order."""
-        return LazyLabelImages(self.path, self.image_offsets, self.label_offsets, self._sources(rows), self.max_images, self.tail)
+        return LazyLabelImages(self.path, self.image_offsets, self.label_offsets, self._sources(rows), self.max_images, self.tail, self.file_identity)
 
     def capped(self, max_images: int) -> LazyLabelImages:
         """This view with each bag cut at ``max_images`` images (``< 0``: as it is)."""
         if max_images < 0 or (0 <= self.max_images <= max_images):
             return self
-        return LazyLabelImages(self.path, self.image_offsets, self.label_offsets, self.labels, max_images, self.tail)
+        return LazyLabelImages(self.path, self.image_offsets, self.label_offsets, self.labels, max_images, self.tail, self.file_identity)
 
     def extended(self, bags: Sequence[Sequence[Any]]) -> LazyLabelImages:
         """This view followed by ``bags`` (held in memory): what ``add_labels`` keeps, reading nothing of the file."""
         tail = self.tail + [list(bag) for bag in bags]
         added = self.file_labels + len(self.tail) + np.arange(len(bags), dtype=np.int64)
         labels = None if self.labels is None else np.concatenate([self.labels, added])
-        return LazyLabelImages(self.path, self.image_offsets, self.label_offsets, labels, self.max_images, tail)
+        return LazyLabelImages(self.path, self.image_offsets, self.label_offsets, labels, self.max_images, tail, self.file_identity)
+
+    def reads_from(self, path: str) -> bool:
+        """Whether this view reads images from the file ``path`` (a save about to write over it must not)."""
+        return os.path.realpath(self.path) == os.path.realpath(path)
+
+    def check_file(self) -> None:
+        """Refuse in one line to read a file that is no longer the one the offsets came from (written over since it
+        was opened: another file's bytes would come back cut at these offsets); ``provenance.py``'s ``label_images``."""
+        if not check_derived("label_images", {"file": self.file_identity}, {"file": file_identity_of(self.path)}, self.path):
+            raise ValueError(f"{self.path}: the label image file was replaced after this model read its offsets, so its images "
+                             "cannot be read through them: load the model again")
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -195,6 +218,7 @@ class LazyLabelImages(Sequence):
         if in_file.size == 0:
             return out
         firsts, ends = self._image_ranges(sources[in_file])
+        self.check_file()
         with safe_open(self.path, framework="pt") as f:
             data = f.get_slice("image_bytes")
             for row, first, end in zip(in_file.tolist(), firsts.tolist(), ends.tolist()):
@@ -237,4 +261,4 @@ class MUFINProcessor(ProcessorMixin):
 
 MUFINProcessor.register_for_auto_class("AutoProcessor")
 
-__all__ = ["LazyLabelImages", "MUFINProcessor", "image_file_bytes", "is_single_image", "pack_label_images", "to_rgb"]
+__all__ = ["LazyLabelImages", "MUFINProcessor", "file_identity_of", "image_file_bytes", "is_single_image", "pack_label_images", "to_rgb"]

@@ -15,7 +15,9 @@ evaluation builds and the model saves holds one embedding space (spec Sec. 12.11
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -27,7 +29,9 @@ import torch
 from transformers import TrainerCallback
 
 from ..data import XMCDataset
+from ..models.io_utils import write_json_atomic
 from ..models.mufin_label_store import label_centroids_from_embeddings
+from ..models.provenance import array_digest, check_derived, fingerprint_of
 from .collator import XMCDataCollator
 
 logger = logging.getLogger(__name__)
@@ -172,9 +176,12 @@ def mine_mufin_shortlist(
     top_k: int = 100,
     batch_size: int = 64,
     show_progress_bar: Optional[bool] = None,
+    train_filter: Optional[sp.spmatrix] = None,
 ) -> np.ndarray:
     """MUFIN Module II with the current (Module-I) weights: label centroids ``mu_l`` from the training items, the
-    label bags and the bag + centroid index re-built, then ``R_i`` for every training item, its positives removed.
+    label bags and the bag + centroid index re-built, then ``R_i`` for every training item, its positives and its
+    ``train_filter`` pairs removed (``--train_filter_file``: on LF datasets the item's own label, the same text, which
+    would otherwise be its first Module IV negative; an ``(n, L)`` matrix like ``targets``, None: no filter).
 
     Returns ``(n, top_k)`` int64 label ids, best first, ``-1``-padded.
 
@@ -188,9 +195,75 @@ def mine_mufin_shortlist(
     centroids, counts = label_centroids_from_embeddings(vectors, targets)
     model.set_label_centroids(centroids, counts)
     model.build_label_index(batch_size=batch_size, show_progress_bar=show_progress_bar)
-    ids, _ = model.shortlist(vectors, size=top_k, exclude=targets)  # positives dropped chunk by chunk
+    ids, _ = model.shortlist(vectors, size=top_k, exclude=shortlist_exclusions(targets, train_filter))  # dropped chunk by chunk
     logger.info("MUFIN Module II: a shortlist of up to %d labels for %d training items", top_k, len(texts))
     return ids
+
+
+def shortlist_exclusions(targets: sp.spmatrix, train_filter: Optional[sp.spmatrix] = None) -> sp.csr_matrix:
+    """The labels left out of each training item's shortlist: its positives and its training-filter pairs (boolean
+    CSR, ``targets``' shape). Memory: one boolean CSR of ``nnz(targets) + nnz(filter)`` entries."""
+    targets = sp.csr_matrix(targets, dtype=bool)
+    if train_filter is None:
+        return targets
+    train_filter = sp.csr_matrix(train_filter, dtype=bool)
+    if train_filter.shape != targets.shape:
+        raise ValueError(f"the training filter has shape {train_filter.shape}, the targets {targets.shape}")
+    return sp.csr_matrix(targets + train_filter, dtype=bool)
+
+
+def shortlist_fingerprint(targets: sp.spmatrix, train_filter: Optional[sp.spmatrix] = None) -> dict:
+    """What Module II's shortlists are mined from besides the weights: digests of the targets and of the training
+    filter (``"none"`` without one), as :func:`~hf_xmc.models.provenance.fingerprint_of` records them (part
+    ``training_shortlists``). Memory: the digests read the CSR arrays once, nothing is copied beyond one sort."""
+
+    def csr_digest(matrix: sp.spmatrix) -> str:
+        matrix = sp.csr_matrix(matrix, dtype=bool)
+        matrix.sum_duplicates()
+        matrix.sort_indices()
+        return array_digest(np.asarray(matrix.shape, dtype=np.int64), matrix.indptr.astype(np.int64), matrix.indices.astype(np.int64))
+
+    return fingerprint_of(targets=csr_digest(targets), train_filter=csr_digest(train_filter) if train_filter is not None else "none")
+
+
+class MUFINShortlistRecordCallback(TrainerCallback):
+    """Records what Module IV's shortlists were mined from in every checkpoint (``mufin_shortlist.json``: the
+    :func:`shortlist_fingerprint`), and checks it when a run resumes from one: the checkpoint's shortlists come back
+    with it (``XMCEpochCallback``), so a run resumed on other targets or another training filter would draw its
+    negatives from shortlists mined for other data; that is refused in one line (``StaleDerivedPartError``,
+    policy ``refuse``). A checkpoint without the record (written before it existed) is trusted as loaded.
+    Memory: a few dozen bytes."""
+
+    RECORD_FILE = "mufin_shortlist.json"
+
+    def __init__(self, fingerprint: dict):
+        self.fingerprint = fingerprint
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # on resume the trainer has read trainer_state.json back: global_step names the checkpoint it resumes from
+        record = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", self.RECORD_FILE)
+        if state.global_step and os.path.isfile(record):
+            with open(record, encoding="utf-8") as f:
+                recorded = json.load(f).get("fingerprint")
+            check_derived("training_shortlists", recorded, self.fingerprint, subject=os.path.dirname(record),
+                          hint="resume on the data the run started with (same training file, split and --train_filter_file), or start it again")
+        return control
+
+    def _record(self, args, state, control) -> None:
+        # written when the trainer decides to save, before the checkpoint's own files: a checkpoint that reads as
+        # complete (trainer_state.json, written last) always holds its record
+        if control.should_save and args.should_save:
+            directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            os.makedirs(directory, exist_ok=True)
+            write_json_atomic(os.path.join(directory, self.RECORD_FILE), {"fingerprint": self.fingerprint})
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._record(args, state, control)
+        return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._record(args, state, control)
+        return control
 
 
 class MUFINLabelRefreshCallback(TrainerCallback):
@@ -253,4 +326,12 @@ class MUFINCentroidCallback(TrainerCallback):
         return control
 
 
-__all__ = ["MUFINCentroidCallback", "MUFINDataCollator", "MUFINLabelRefreshCallback", "mine_mufin_shortlist"]
+__all__ = [
+    "MUFINCentroidCallback",
+    "MUFINDataCollator",
+    "MUFINLabelRefreshCallback",
+    "MUFINShortlistRecordCallback",
+    "mine_mufin_shortlist",
+    "shortlist_exclusions",
+    "shortlist_fingerprint",
+]

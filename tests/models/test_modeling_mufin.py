@@ -960,3 +960,56 @@ def test_open_clip_vision_tower(encoders, open_clip_dir, tmp_path):
     result = predict_through_remote_code(model_dir, tmp_path, request["texts"], request["images"])
     assert result["ids"] == before.label_ids.tolist()
     np.testing.assert_allclose(np.array(result["scores"]), before.scores, atol=1e-5)
+
+
+def test_a_lazy_label_image_view_never_reads_the_file_saved_over_it(trained_like, tmp_path):
+    """Loaded from D, an added label that is not the last removed, saved into D: the re-packed file replaces the one
+    the view's offsets point into. The view moves to the new file (before, the next save copied bytes cut at the old
+    offsets, undecoded), so a second save, a re-encoding and a reload give the same images and predictions; a view
+    whose file was replaced behind its back refuses to read it in one line."""
+    from hf_xmc.models.processing_mufin import image_file_bytes
+
+    directory = tmp_path / "D"
+    rng = np.random.default_rng(31)
+    new_images = [[random_image(rng), random_image(rng)], [random_image(rng)], [random_image(rng)]]
+    grown = AutoModel.from_pretrained(_saved(trained_like, tmp_path / "base"))
+    grown.add_labels(["red car", "blue hat", None], uids=["n1", "n2", "n3"], images=new_images)
+    grown.save_pretrained(directory)
+    model = AutoModel.from_pretrained(directory)
+    expected = [list(bag) for bag in model.label_images]
+    model.remove_labels(["n2"])  # added, not the last
+    expected = expected[:21] + expected[22:]
+    queries, query_images = ["red apple", None, "blue car house"], [[random_image(rng)], [random_image(rng)], []]
+    before = model.predict(queries, k=5, images=query_images)
+    model.save_pretrained(directory)  # written over the file the view was reading
+    assert [list(bag) for bag in model.label_images] == expected
+    model.save_pretrained(directory)  # the second save: the images as they were, not bytes cut at stale offsets
+    reloaded = AutoModel.from_pretrained(directory)
+    assert [list(bag) for bag in reloaded.label_images] == expected
+    assert expected[21] == [image_file_bytes(new_images[2][0])]
+    for m in (model, reloaded):
+        rows = m.label_bag_rows.clone()
+        m.build_label_index()  # re-encoded from the images the view reads now: the same bags
+        torch.testing.assert_close(m.label_bag_rows, rows, atol=1e-5, rtol=1e-5)
+        after = m.predict(queries, k=5, images=query_images)
+        np.testing.assert_array_equal(after.label_ids, before.label_ids)
+        np.testing.assert_allclose(after.scores, before.scores, atol=1e-5)
+    # a file replaced by someone else: the view refuses to read it rather than cut other bytes at its offsets
+    stale = AutoModel.from_pretrained(directory)
+    other = AutoModel.from_pretrained(directory)
+    other.remove_labels(["n1"])
+    other.save_pretrained(directory)
+    with pytest.raises(ValueError, match=r"the label image file was replaced after this model read its offsets") as err:
+        stale.label_images[20]
+    assert "\n" not in str(err.value)
+    # saved into its own directory without label images: the file goes, so the view's bags are read into memory first
+    fresh = AutoModel.from_pretrained(directory)
+    fresh.config.save_label_images = False
+    fresh.save_pretrained(directory)
+    assert not (directory / LABEL_IMAGES_FILE).exists()
+    assert isinstance(fresh.label_images, list) and fresh.label_images == expected[:20] + expected[21:]
+
+
+def _saved(model, directory):
+    model.save_pretrained(directory)
+    return directory

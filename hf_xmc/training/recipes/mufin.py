@@ -11,7 +11,8 @@ The JSON lines may hold ``"images": [paths]`` (relative to the file's folder). T
 on the shared trainer, in order: Module I, siamese pre-training (``--siamese_epochs``, lr ``--learning_rate``;
 batches of items (the official code), or of labels with ``--num_positives`` items each with ``--siamese_batch_over
 labels`` (the paper); triplet loss anchored on the batch's labels, in-batch hard negatives); Module II, label centroids + the bag and
-centroid index + a shortlist ``R_i`` of ``--hard_negative_top_k`` labels per training item (positives removed);
+centroid index + a shortlist ``R_i`` of ``--hard_negative_top_k`` labels per training item (positives and
+``--train_filter_file`` pairs removed; checkpoints record what it was mined from, and a resume on other data is refused);
 Module III, the cross-attention and classifiers start at their initialisation (identity, xavier, alpha 0.5); Module
 IV, fine-tuning for ``--num_train_epochs`` with ``--num_positives`` positives and ``--ranker_negatives`` shortlist
 negatives per item (cosine-embedding loss), encoders at ``--ranker_learning_rate``, the cross-attention at 10x and
@@ -30,13 +31,22 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
 from ...data import XCData, XMCDataset
 from ...models import MUFINModel
+from ...models.provenance import StaleDerivedPartError
 from ..evaluation import XMCEvaluator
-from ..mufin import MUFINCentroidCallback, MUFINDataCollator, MUFINLabelRefreshCallback, mine_mufin_shortlist
+from ..mufin import (
+    MUFINCentroidCallback,
+    MUFINDataCollator,
+    MUFINLabelRefreshCallback,
+    MUFINShortlistRecordCallback,
+    mine_mufin_shortlist,
+    shortlist_fingerprint,
+)
 from ..script_utils import (
     build_evaluator,
     load_data,
@@ -250,7 +260,8 @@ def pretrain_and_mine(model: MUFINModel, data: XCData, args: MUFINTrainingArgume
         train_stage(XMCTrainer(model=model, args=siamese, train_dataset=train, data_collator=collator, **trainer_kwargs), resume_argument(args))
     collator = build_collator(model, data, args, "ranker")
     collator.set_shortlist(
-        mine_mufin_shortlist(model, data.train.texts, data.train.images, data.train.targets, top_k=args.hard_negative_top_k, show_progress_bar=not args.disable_tqdm)
+        mine_mufin_shortlist(model, data.train.texts, data.train.images, data.train.targets, top_k=args.hard_negative_top_k,
+                             show_progress_bar=not args.disable_tqdm, train_filter=data.train.filter_matrix)
     )
     if args.ranker_label_side == "cache":  # Module II's label encoding, kept for Module IV before its trainer resets the labels
         model.cache_ranker_labels(reuse_store=True)
@@ -279,10 +290,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
     evaluator.label_images = data.label_images
     collator = pretrain_and_mine(model, data, training_args, **stage_evaluation(data, evaluator))
     # after Module IV the centroids are recomputed with the final encoder: evaluation and the saved index use one space
-    callbacks = [MUFINCentroidCallback(data.train.texts, data.train.images, data.train.targets, batch_size=data_args.eval_batch_size)]
+    callbacks = [MUFINCentroidCallback(data.train.texts, data.train.images, data.train.targets, batch_size=data_args.eval_batch_size),
+                 MUFINShortlistRecordCallback(shortlist_fingerprint(data.train.targets, data.train.filter_matrix))]
     if training_args.ranker_label_side == "cache":  # the pool's label bags come from the cache, re-encoded on this schedule
         callbacks.insert(0, MUFINLabelRefreshCallback(training_args.ranker_label_refresh_steps, batch_size=data_args.eval_batch_size))
-    return train_and_evaluate(model, data, evaluator, _stage_args(training_args, "ranker"), data_collator=collator, callbacks=callbacks)
+    try:
+        return train_and_evaluate(model, data, evaluator, _stage_args(training_args, "ranker"), data_collator=collator, callbacks=callbacks)
+    except StaleDerivedPartError as err:  # a resume on other data than its checkpoint's shortlists: one line, status 2
+        print(f"train_mufin: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
