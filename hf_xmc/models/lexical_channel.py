@@ -263,7 +263,8 @@ class LexicalChannel:
         self.ranker = ranker
         self.ranker_files = ranker_files
         if ranker_id is None and (ranker is not None or ranker_files):
-            ranker_id = digest(sorted((ranker_files or {}).items())) if ranker_files else new_ranker_id()
+            # a ranker saved before ids were: named by its files' bytes, the same on every load
+            ranker_id = digest([part for name in sorted(ranker_files) for part in (name, ranker_files[name])]) if ranker_files else new_ranker_id()
         self.ranker_id = ranker_id
         self.label_source = label_source
         self.ranker_labels = None if ranker_labels is None else np.asarray(ranker_labels, dtype=np.int64)

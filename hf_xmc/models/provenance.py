@@ -74,10 +74,13 @@ class StaleDerivedPartError(ValueError):
 
 
 def digest(values: Iterable[Any]) -> str:
-    """A short sha256 of a sequence of strings (or other JSON values), order included: the label set's digest."""
+    """A short sha256 of a sequence of strings, bytes or other JSON values, order included: the label set's digest."""
     h = hashlib.sha256()
     for value in values:
-        h.update((value if isinstance(value, str) else json.dumps(value, sort_keys=True)).encode("utf-8", "surrogatepass"))
+        if isinstance(value, bytes):
+            h.update(value)
+        else:
+            h.update((value if isinstance(value, str) else json.dumps(value, sort_keys=True)).encode("utf-8", "surrogatepass"))
         h.update(b"\x00")
     return h.hexdigest()[:16]
 
