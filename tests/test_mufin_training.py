@@ -674,7 +674,7 @@ def test_image_only_items_get_no_probability_from_the_fused_ranking_calibration(
     pred = model.predict(texts, k=5, images=images)
     assert np.isnan(pred.probabilities[3:]).all() and np.isfinite(pred.probabilities[:3]).all()
     np.testing.assert_allclose(pred.probabilities[:3], np.where(pred.label_ids[:3] >= 0, calibration(pred.scores[:3]), 0.0), rtol=1e-6)
-    assert model.uncalibrated_items(texts, images).tolist() == [False, False, False, True, True]
+    assert model.unfused_items(texts, images).tolist() == [False, False, False, True, True]
     with pytest.raises(ValueError, match=r"^threshold: item 3 has no text, so it is ranked without the lexical channel") as err:
         model.predict(texts, k=5, images=images, threshold=0.5)
     assert "\n" not in str(err.value)

@@ -500,10 +500,10 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
         Probabilities come only from the map fitted on the ranking an item gets: with a lexical channel the calibration
         is fitted on the fused ranking, which image-only items never get (:meth:`rank`: they keep the dense one), so
         their rows of ``probabilities`` are NaN (with a one-line warning) and ``threshold=`` with such an item raises a
-        one-line ValueError before anything is ranked (:meth:`uncalibrated_items`).
+        one-line ValueError before anything is ranked (:meth:`unfused_items`).
         """
         k = self._prediction_depth(k, threshold)
-        uncalibrated = self.uncalibrated_items(texts, images)
+        uncalibrated = self.unfused_items(texts, images) if self.score_calibration is not None else np.zeros(0, dtype=bool)
         if threshold is not None and uncalibrated.any():
             raise ValueError(
                 f"threshold: item {int(np.flatnonzero(uncalibrated)[0])} has no text, so it is ranked without the lexical channel and the score "
@@ -517,16 +517,17 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
                            "calibration was fitted on the fused ranking)", int(uncalibrated.sum()))
         return prediction
 
-    def uncalibrated_items(self, texts: Optional[Sequence[Optional[str]]], images: Optional[Sequence[Any]] = None) -> np.ndarray:
-        """Which items :meth:`predict` gives no probabilities: with a lexical channel, those without a text (ranked
-        without the channel, while the calibration was fitted on the channel's fused ranking); none without a channel
-        or a calibration. A boolean array, one entry per item (read from the texts only: no image is opened)."""
+    def unfused_items(self, texts: Optional[Sequence[Optional[str]]], images: Optional[Sequence[Any]] = None) -> np.ndarray:
+        """Which items :meth:`rank` ranks without the lexical channel: with a channel, those without a text (the
+        channel scores texts); none without a channel. A score calibration fitted with a channel maps the fused
+        ranking's scores, so :meth:`predict` gives these items no probabilities, and a calibration fit should leave them
+        out. A boolean array, one entry per item (read from the texts only: no image is opened)."""
         if isinstance(texts, str):
             texts = [texts]
         if is_single_image(images):
             images = [images]
         n = len(texts) if texts is not None else len(images) if images is not None else 0
-        if self.lexical_channel is None or self.score_calibration is None:
+        if self.lexical_channel is None:
             return np.zeros(n, dtype=bool)
         if texts is None:
             return np.ones(n, dtype=bool)
