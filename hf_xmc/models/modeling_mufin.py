@@ -556,7 +556,7 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
             raise ValueError(f"search mode must be one of {MUFIN_SEARCH_MODES}, got {mode!r}")
         norm_texts, bags = self._normalize_items(texts, images)
         self._require_shortlist_index()
-        channel = self.lexical_channel
+        channel = self.current_lexical_channel()  # its label rows checked against the labels first (rebuilt if stale)
         final_k, k = k, max(k, int(channel.settings["dense_depth"])) if channel is not None else k
         was_training = self.training
         self.eval()

@@ -184,7 +184,7 @@ class MUFINLabelStoreMixin:
         self.label_uids = list(self.label_uids) + uids
         if self.lexical_channel is not None:  # its label rows follow (the ranker does not know the new labels)
             self.lexical_channel.add_labels(new_texts)
-            self._channel_follows_labels()
+            self._sync_lexical_channel_labels()
         if self.label_centroids is not None:
             self._extend_centroids(len(norm_texts))
         self.build_shortlist_index()
@@ -213,18 +213,11 @@ class MUFINLabelStoreMixin:
         self.label_uids = [self.label_uids[i] for i in keep]
         if self.lexical_channel is not None:  # its label rows (and the ranker's label map) renumbered as the labels
             self.lexical_channel.select_labels(keep)
-            self._channel_follows_labels()
+            self._sync_lexical_channel_labels()
         if self.label_centroids is not None:
             self.label_centroids, self.label_centroid_counts = self.label_centroids[rows], self.label_centroid_counts[rows]
         self.build_shortlist_index()
         return keep
-
-    def _channel_follows_labels(self) -> None:
-        """Record on the lexical channel that its label rows now follow the model's labels (the base class's record,
-        where the base class keeps one: ``provenance.py``'s ``lexical_channel`` part)."""
-        sync = getattr(self, "_sync_lexical_channel_labels", None)  # the base class's hook, absent in older bundles
-        if sync is not None:
-            sync()
 
     def invalidate_label_index(self) -> None:
         """Forget the label bags, vectors and index (they no longer match the weights). Centroids are kept: they come
