@@ -593,7 +593,7 @@ def test_train_mufin_refuses_to_resume_on_another_training_filter(task, tmp_path
                              capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
     assert resumed.returncode == 2, resumed.stderr[-3000:]
     last = resumed.stderr.strip().splitlines()[-1]
-    assert last.startswith("train_mufin: error: ") and "training shortlists was made from other train_filter" in last and "refused" in last
+    assert last.startswith("train_mufin: error: ") and "training shortlists were made from other train_filter" in last and "refused" in last
     assert "Traceback" not in resumed.stderr and not (out / "eval_results.json").exists()
 
 

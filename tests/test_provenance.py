@@ -205,3 +205,22 @@ def test_resuming_with_another_validation_split_is_refused(tiny_task, tiny_encod
     lines = proc.stderr.strip().splitlines()
     assert "checkpoint-5: the validation split was made from other source, queries, seed, fingerprint than the model's now: refused" in lines[-1]
     assert "Traceback" not in proc.stderr
+
+
+def test_resuming_with_a_shortlist_of_other_training_pairs_is_refused(tiny_task, tiny_encoder_dir, tmp_path):
+    """The trainer's own checkpoint state (hard-negative shortlist, clusters, memory bank) records the training queries,
+    targets and filter it was made for: resumed with another --train_filter_file, its mined negatives would include
+    the pairs the filter now forbids, so the resume is refused in one line."""
+    _, task_dir = tiny_task
+    out = tmp_path / "run"
+    args = contract_args(task_dir, tiny_encoder_dir, str(out), epochs="1") + [
+        "--save_strategy", "steps", "--save_steps", "4", "--hard_negatives", "2", "--hard_negative_start_epoch", "0"]
+    first = run_script(args + ["--max_steps", "4"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    state = json.load(open(out / "checkpoint-4" / "xmc_training_state.json"))
+    assert set(state["inputs"]) == {"queries", "targets", "train_filter"} and state["shortlist"]
+    filter_file = tmp_path / "filter.txt"
+    filter_file.write_text("0 0\n1 5\n")
+    proc = run_script(args + ["--max_steps", "8", "--resume_from_checkpoint", "true", "--train_filter_file", str(filter_file)])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "xmc_training_state.json: the training shortlists were made from other train_filter than the model's now: refused" in proc.stderr.strip().splitlines()[-1]

@@ -137,7 +137,7 @@ def check_derived(part: str, recorded: Optional[Mapping], current: Mapping, subj
     if not changed:
         return True
     spec = DERIVED_PARTS[part]
-    line = (f"{subject + ': ' if subject else ''}the {part.replace('_', ' ')} was made from other "
+    line = (f"{subject + ': ' if subject else ''}the {part.replace('_', ' ')} {'were' if part.endswith('s') else 'was'} made from other "
             f"{', '.join(changed)} than the model's now")
     if spec.policy == "refuse":
         raise StaleDerivedPartError(f"{line}: refused{'; ' + hint if hint else ''}")

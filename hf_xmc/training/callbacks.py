@@ -104,7 +104,8 @@ class XMCEpochCallback(TrainerCallback):
         from ..models.io_utils import atomic_write, write_json
 
         tensors: dict[str, torch.Tensor] = {}
-        meta = {"mined_epoch": state["mined_epoch"], "sampler": None, "memory_bank": state["memory_bank"] is not None, "shortlist": state["shortlist"] is not None}
+        meta = {"mined_epoch": state["mined_epoch"], "sampler": None, "memory_bank": state["memory_bank"] is not None, "shortlist": state["shortlist"] is not None,
+                "inputs": state.get("inputs")}
         if state["sampler"] is not None:
             meta["sampler"] = {k: v for k, v in state["sampler"].items() if k != "assignment"}
             if state["sampler"]["assignment"] is not None:
@@ -136,7 +137,8 @@ class XMCEpochCallback(TrainerCallback):
                 sampler = {**meta["sampler"], "assignment": tensors.get("sampler.assignment")}
             bank = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("memory_bank.")} if meta["memory_bank"] else None
             shortlist = tensors["shortlist"].numpy() if meta["shortlist"] else None
-            return {"mined_epoch": meta["mined_epoch"], "sampler": sampler, "memory_bank": bank, "shortlist": shortlist}
+            return {"mined_epoch": meta["mined_epoch"], "sampler": sampler, "memory_bank": bank, "shortlist": shortlist,
+                    "inputs": meta.get("inputs"), "path": meta_path}
         legacy = os.path.join(directory, cls.LEGACY_STATE_FILE)
         if not os.path.exists(legacy):
             return None
@@ -148,10 +150,25 @@ class XMCEpochCallback(TrainerCallback):
                 "resume from a checkpoint written by this version, or start the run again"
             ) from None
 
+    def inputs_fingerprint(self) -> dict:
+        """What the state's rows were made from (``provenance.py``, part ``training_shortlists``): the training queries
+        (their uids, in order), their targets and the training filter. Memory: one pass over the targets' CSR arrays."""
+        from ..models.provenance import array_digest, digest, fingerprint_of
+
+        data = self.trainer.xmc_train_data
+        if data is None:
+            return {}
+        targets = data.targets.tocsr()
+        filt = data.filter_matrix
+        return fingerprint_of(queries=digest(data.uids), targets=array_digest(targets.indptr, targets.indices),
+                              train_filter=array_digest(filt.tocsr().indptr, filt.tocsr().indices) if filt is not None else None)
+
     def state_dict(self) -> dict:
-        """Sampler (assignment and the epoch it was made for), memory bank, shortlist and its epoch."""
+        """Sampler (assignment and the epoch it was made for), memory bank, shortlist and its epoch, and the
+        fingerprint of the training queries they were made for."""
         trainer = self.trainer
         return {
+            "inputs": self.inputs_fingerprint(),
             "mined_epoch": self.mined_epoch,
             "sampler": trainer.cluster_sampler.state_dict() if trainer.cluster_sampler is not None else None,
             "memory_bank": trainer.memory_bank.state_dict() if trainer.memory_bank is not None else None,
@@ -159,7 +176,14 @@ class XMCEpochCallback(TrainerCallback):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` saved."""
+        """Restore what :meth:`state_dict` saved; refused in one line when it was made for other training queries,
+        targets or filter (another --seed carving another validation split, another training file): its rows would
+        belong to other queries."""
+        from ..models.provenance import check_derived
+
+        if state.get("inputs"):
+            check_derived("training_shortlists", state["inputs"], self.inputs_fingerprint(), state.get("path", "the checkpoint's training state"),
+                          "resume with the same data, --seed and validation flags, or train into a new --output_dir")
         trainer = self.trainer
         self.mined_epoch = state["mined_epoch"]
         if state["sampler"] is not None and trainer.cluster_sampler is not None:
