@@ -257,7 +257,8 @@ def pretrain_and_mine(model: MUFINModel, data: XCData, args: MUFINTrainingArgume
         siamese = _stage_args(args, "siamese")
         collator = build_collator(model, data, siamese, "siamese")
         train = collator.anchor_label_dataset() if args.siamese_batch_over == "labels" else data.train
-        train_stage(XMCTrainer(model=model, args=siamese, train_dataset=train, data_collator=collator, **trainer_kwargs), resume_argument(args))
+        train_stage(XMCTrainer(model=model, args=siamese, train_dataset=train, data_collator=collator, **trainer_kwargs), resume_argument(args),
+                    data.validation_record)  # a finished stage or checkpoint of another split: refused
     collator = build_collator(model, data, args, "ranker")
     collator.set_shortlist(
         mine_mufin_shortlist(model, data.train.texts, data.train.images, data.train.targets, top_k=args.hard_negative_top_k,

@@ -175,7 +175,7 @@ def train_siamese(model: SiameseXMLModel, data, args: SiameseXMLTrainingArgument
     )
     logger.info("SiameseXML Module I: %d label draws per epoch, %g epochs", draws, args.num_train_epochs)
     trainer = XMCTrainer(model=model, args=_module_args(args, "siamese"), train_dataset=LabelDrawDataset(draws), data_collator=collator, **trainer_kwargs)
-    train_stage(trainer, resume_argument(args))
+    train_stage(trainer, resume_argument(args), data.validation_record)  # a finished stage or checkpoint of another split: refused
 
 
 def _csr_digest(matrix) -> str:
