@@ -696,3 +696,22 @@ def test_image_only_items_get_no_probability_from_the_fused_ranking_calibration(
     assert proc.returncode == 0, proc.stderr[-3000:]
     error = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][0][7:])["error"]
     assert error is not None and error.startswith("threshold: item 3 has no text")
+
+
+def test_a_prediction_under_another_search_mode_gets_no_probability_from_the_calibration(task):
+    """MUFIN's predict takes a search_mode per call; the calibration was fitted on config.search_mode's scores, so a
+    call in another mode gets no probabilities, and a threshold is refused in one line (before, the map was applied)."""
+    from hf_xmc.models.calibration import ScoreCalibration
+    from hf_xmc.models.configuration_mufin import MUFIN_SEARCH_MODES
+
+    data = task[0]
+    model = tiny_model(task)
+    model.build_label_index(data.label_texts, data.label_uids)
+    model.set_score_calibration(ScoreCalibration("platt", a=4.0, b=-1.0))
+    texts, images = list(data.test.texts[:3]), data.test.images[:3]
+    assert model.predict(texts, k=5, images=images).probabilities is not None
+    other = next(mode for mode in MUFIN_SEARCH_MODES if mode != model.config.search_mode)
+    assert model.predict(texts, k=5, images=images, search_mode=other).probabilities is None
+    with pytest.raises(ValueError, match=rf"^threshold: the score calibration was fitted on the {model.config.search_mode!r} ranking, not on {other!r}"):
+        model.predict(texts, k=5, images=images, search_mode=other, threshold=0.5)
+    assert model.predict(texts, k=5, images=images, search_mode=model.config.search_mode, threshold=0.0).probabilities is not None

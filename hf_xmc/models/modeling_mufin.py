@@ -495,13 +495,18 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
         shortlist only (``c``, batched over ``pair_batch_size`` pairs); the shortlist is ranked by ``search_mode``
         (default ``config.search_mode``). Labels outside ``R_t`` get no score: slots beyond ``|R_t|`` hold ``-1`` /
         ``-inf`` / ``""``. ``k`` and ``threshold`` as in :meth:`XMCPreTrainedModel.predict` (the calibration is the one of
-        ``config.search_mode``'s scores).
+        ``config.search_mode``'s scores: with another ``search_mode`` here, ``probabilities`` is None and a threshold is
+        refused in one line).
 
         Probabilities come only from the map fitted on the ranking an item gets: with a lexical channel the calibration
         is fitted on the fused ranking, which image-only items never get (:meth:`rank`: they keep the dense one), so
         their rows of ``probabilities`` are NaN (with a one-line warning) and ``threshold=`` with such an item raises a
         one-line ValueError before anything is ranked (:meth:`unfused_items`).
         """
+        other_mode = search_mode is not None and search_mode != self.config.search_mode
+        if other_mode and threshold is not None and self.score_calibration is not None:
+            raise ValueError(f"threshold: the score calibration was fitted on the {self.config.search_mode!r} ranking, not on "
+                             f"{search_mode!r}: predict with search_mode={search_mode!r} without threshold=, or set_search_mode and fit it again")
         k = self._prediction_depth(k, threshold)
         uncalibrated = self.unfused_items(texts, images) if self.score_calibration is not None else np.zeros(0, dtype=bool)
         if threshold is not None and uncalibrated.any():
@@ -511,6 +516,8 @@ class MUFINModel(MUFINLabelStoreMixin, MUFINPreTrainedModel):
             )
         out_scores, out_ids = self.rank(texts, k, batch_size, show_progress_bar, images=images, search_mode=search_mode, pair_batch_size=pair_batch_size)
         prediction = self._prediction(out_ids, out_scores, threshold)
+        if other_mode:  # another ranking than the one the calibration was fitted on: no probabilities from its map
+            prediction.probabilities = None
         if prediction.probabilities is not None and uncalibrated.any():
             prediction.probabilities[uncalibrated] = np.nan
             logger.warning("%d image-only items are ranked without the lexical channel: their probabilities are NaN (the score "
