@@ -160,10 +160,18 @@ def decode_images(bags: Sequence[Sequence[str]], limits: "ServingLimits") -> lis
 
 
 def label_records(model, ids: Sequence[int], scores: Sequence[float], probabilities: Optional[Sequence[float]] = None) -> list[dict[str, Any]]:
-    """``[{"id", "uid", "text", "score"[, "probability"]}, ...]`` of one prediction row, empty slots (id -1) dropped."""
+    """``[{"id", "uid", "text", "score"[, "probability"]}, ...]`` of one prediction row, empty slots (id -1) dropped. A
+    NaN probability (MUFIN's image-only items, ranked without the channel the calibration was fitted with) is written
+    as ``null``: strict JSON has no NaN, and the server's JSON encoder refuses it."""
     uids, names = model.label_uids, model.label_texts
-    return [{"id": j, "uid": uids[j], "text": names[j], "score": s, **({"probability": probabilities[c]} if probabilities is not None else {})}
-            for c, (j, s) in enumerate(zip(ids, scores)) if j >= 0]
+
+    def probability(c: int) -> dict:
+        if probabilities is None:
+            return {}
+        value = probabilities[c]
+        return {"probability": None if value is None or value != value else value}
+
+    return [{"id": j, "uid": uids[j], "text": names[j], "score": s, **probability(c)} for c, (j, s) in enumerate(zip(ids, scores)) if j >= 0]
 
 
 def _first_line(err: BaseException) -> str:

@@ -715,3 +715,29 @@ def test_a_prediction_under_another_search_mode_gets_no_probability_from_the_cal
     with pytest.raises(ValueError, match=rf"^threshold: the score calibration was fitted on the {model.config.search_mode!r} ranking, not on {other!r}"):
         model.predict(texts, k=5, images=images, search_mode=other, threshold=0.5)
     assert model.predict(texts, k=5, images=images, search_mode=model.config.search_mode, threshold=0.0).probabilities is not None
+
+
+def test_the_calibration_fit_leaves_out_items_ranked_without_the_channel(task):
+    """A calibration fitted with a lexical channel maps the fused ranking; validation items without a text (ranked
+    without the channel) are not fitted on (before, their dense scores were pooled with the fused ones)."""
+    import dataclasses
+
+    from hf_xmc.training.calibration import fit_score_calibration
+    from hf_xmc.training.evaluation import XMCEvaluator
+    from hf_xmc.training.lexical import fit_lexical_channel
+
+    data = task[0]
+    model = tiny_model(task)
+    model.build_label_index(data.label_texts, data.label_uids)
+    fit_lexical_channel(model, data.train, data.label_texts, data.label_uids, validation=data.test.select(np.arange(24)), n_threads=1)
+    validation = data.test.select(np.arange(24, 48))
+    texts = list(validation.texts)
+    texts[:6] = [""] * 6  # six image-only items
+    validation = dataclasses.replace(validation, texts=texts)
+    evaluator = XMCEvaluator(validation, data.label_texts, data.label_uids, train_targets=data.train.targets, name="eval",
+                             label_images=data.label_images)
+    calibration = fit_score_calibration(model, evaluator, "isotonic", depth=5)
+    assert model.unfused_items(texts, validation.images).sum() == 6
+    assert calibration.info["queries"] == 18
+    ids, _, _ = evaluator.predict(model)
+    assert calibration.info["pairs"] == int((ids[6:, :5] >= 0).sum())  # the 18 fused items' ranks only

@@ -412,3 +412,19 @@ def test_a_worker_that_keeps_failing_is_dead_and_says_so(tiny_encoder_dir, tiny_
         assert status == 503 and answer["error"].startswith("the prediction worker is dead")
     assert deaths == ["1 failure in a row, the last Panic: simulated panic in the ranker's native code"]
 
+
+
+def test_label_records_write_a_nan_probability_as_null():
+    """MUFIN's image-only items get NaN probabilities (no calibration for their ranking): the server's JSON encoder
+    refuses NaN and `hf-xmc predict` would write non-standard JSON, so label_records writes null."""
+    import json
+    from types import SimpleNamespace
+
+    from hf_xmc.serving import label_records
+
+    model = SimpleNamespace(label_uids=["a", "b", "c"], label_texts=["A", "B", "C"])
+    rows = label_records(model, [2, 0, -1], [0.9, 0.5, float("-inf")], [float("nan"), 0.25, 0.0])
+    assert rows == [{"id": 2, "uid": "c", "text": "C", "score": 0.9, "probability": None},
+                    {"id": 0, "uid": "a", "text": "A", "score": 0.5, "probability": 0.25}]
+    json.dumps(rows, allow_nan=False)  # strict JSON
+    assert "probability" not in label_records(model, [1], [0.3])[0]

@@ -119,3 +119,9 @@ class ModelProvenanceMixin:
             self.config.score_calibration = None
             return
         self.config.score_calibration = {**calibration.to_dict(), "fingerprint": self.ranking_fingerprint()}
+
+    def unfused_items(self, texts, images=None) -> np.ndarray:
+        """Which items the model ranks without its lexical channel (a boolean per item): none for a text model, whose
+        every query is fused. A score calibration fitted with a channel maps the fused ranking's scores, so its fit
+        leaves these items out and :meth:`predict` gives them no probabilities (MUFIN: items without a text)."""
+        return np.zeros(len(texts) if texts is not None else len(images or ()), dtype=bool)

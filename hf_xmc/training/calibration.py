@@ -131,10 +131,16 @@ def fit_score_calibration(model, evaluator, method: str = "isotonic", depth: int
         if name not in CALIBRATION_METHODS:
             raise ValueError(f"score calibration method must be one of {CALIBRATION_METHODS}, got {name!r}")
     ids, scores, _ = evaluator.predict(model)
-    scores_flat, relevant = ranked_pairs(ids, scores, evaluator.data.targets, depth)
+    targets = evaluator.data.targets
+    # items ranked without the lexical channel (MUFIN's image-only ones) are not on the fused ranking the map is for
+    unfused = model.unfused_items(evaluator.data.texts, evaluator.data.images if model.takes_images else None)
+    if unfused.any():
+        ids, scores, targets = ids[~unfused], scores[~unfused], sp.csr_matrix(targets)[np.flatnonzero(~unfused)]
+        logger.info("score calibration: %d validation items ranked without the lexical channel left out", int(unfused.sum()))
+    scores_flat, relevant = ranked_pairs(ids, scores, targets, depth)
     if len(scores_flat) == 0 or relevant.all() or not relevant.any():
         raise ValueError(f"the {len(evaluator.data)} validation queries give no relevant and irrelevant labels in their top {depth} to calibrate on")
-    info = {"fitted_on": evaluator.name, "queries": len(evaluator.data), "depth": int(depth), "pairs": int(len(scores_flat))}
+    info = {"fitted_on": evaluator.name, "queries": int(len(ids)), "depth": int(depth), "pairs": int(len(scores_flat))}
     fitted = {}
     for name in dict.fromkeys((method, *also)):
         if name == "isotonic":
