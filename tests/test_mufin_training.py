@@ -200,14 +200,20 @@ def test_lexical_channel_fuses_the_texts_keeps_image_only_items_dense_and_reload
     assert predict_through_remote_code(tmp_path / "m", tmp_path, texts, images=images)["ids"] == ids.tolist()
 
 
-def test_train_mufin_script_contract(task, tmp_path):
+def script_command(task, out) -> list[str]:
+    """``train_mufin.py`` on the tiny task into ``out``, at the tiny model's sizes; the caller adds the budget flags."""
     _, root, text_dir, vision_dir = task
-    out = tmp_path / "out"
-    cmd = [
+    return [
         sys.executable, os.path.join(ROOT, "training_scripts", "train_mufin.py"),
         "--train_file", str(root / "trn.json.gz"), "--test_file", str(root / "tst.json.gz"), "--label_file", str(root / "lbl.json.gz"),
         "--model_name_or_path", text_dir, "--vision_model_name_or_path", vision_dir, "--output_dir", str(out),
         "--embed_dim", "8", "--attention_heads", "2", "--shortlist_size", "6", "--max_seq_length", "8",
+    ]
+
+
+def test_train_mufin_script_contract(task, tmp_path):
+    out = tmp_path / "out"
+    cmd = script_command(task, out) + [
         "--siamese_epochs", "3", "--num_train_epochs", "3", "--per_device_train_batch_size", "16",
         "--learning_rate", "2e-3", "--ranker_learning_rate", "2e-3", "--ranker_negatives", "3", "--hard_negative_top_k", "6",
         "--vision_trainable_layers", "-1", "--disable_tqdm", "true", "--use_cpu", "true", "--lexical_channel", "omikuji",
@@ -569,13 +575,8 @@ def test_module_two_shortlists_leave_out_the_training_filter_pairs(task, tmp_pat
 def test_train_mufin_refuses_to_resume_on_another_training_filter(task, tmp_path):
     """A checkpoint records what its shortlists were mined from (targets, training filter); a run resumed from it
     with another --train_filter_file is refused in one line (exit 2) instead of drawing negatives from them."""
-    _, root, text_dir, vision_dir = task
     out = tmp_path / "out"
-    cmd = [
-        sys.executable, os.path.join(ROOT, "training_scripts", "train_mufin.py"),
-        "--train_file", str(root / "trn.json.gz"), "--test_file", str(root / "tst.json.gz"), "--label_file", str(root / "lbl.json.gz"),
-        "--model_name_or_path", text_dir, "--vision_model_name_or_path", vision_dir, "--output_dir", str(out),
-        "--embed_dim", "8", "--attention_heads", "2", "--shortlist_size", "6", "--max_seq_length", "8",
+    cmd = script_command(task, out) + [
         "--siamese_epochs", "1", "--num_train_epochs", "2", "--per_device_train_batch_size", "32", "--save_strategy", "epoch",
         "--ranker_negatives", "3", "--hard_negative_top_k", "6", "--vision_trainable_layers", "-1",
         "--disable_tqdm", "true", "--use_cpu", "true", "--report_to", "none", "--score_calibration", "none",
