@@ -187,9 +187,11 @@ class LazyLabelImages(Sequence):
     def check_file(self) -> None:
         """Refuse in one line to read a file that is no longer the one the offsets came from (written over since it
         was opened: another file's bytes would come back cut at these offsets); ``provenance.py``'s ``label_images``."""
-        if not check_derived("label_images", {"file": self.file_identity}, {"file": file_identity_of(self.path)}, self.path):
+        try:
+            check_derived("label_images", {"file": self.file_identity}, {"file": file_identity_of(self.path)}, self.path)
+        except ValueError:  # the helper's line names the part; this one says what it means for the images
             raise ValueError(f"{self.path}: the label image file was replaced after this model read its offsets, so its images "
-                             "cannot be read through them: load the model again")
+                             "cannot be read through them: load the model again") from None
 
     def __getitem__(self, index):
         if isinstance(index, slice):

@@ -61,8 +61,9 @@ DERIVED_PARTS: dict[str, DerivedPart] = {
         DerivedPart("score_calibration", ("weights", "labels", "search_mode", "channel", "query_encoder"), "drop",
                     "config.score_calibration['fingerprint']"),
         DerivedPart("onnx_export", ("weights", "max_seq_length", "query_head", "file"), "refuse", "query_encoder.json"),
-        DerivedPart("label_images", ("labels", "file"), "rebuild", "label_images.json (MUFIN)"),
-        DerivedPart("shortlist_index", ("weights", "labels"), "rebuild", "in memory (MUFIN: rebuilt per stage)"),
+        # MUFIN's lazy label-image view: the identity of the file its offsets came from (its shortlist index is its
+        # label_index, checked as every model's)
+        DerivedPart("label_images", ("file",), "refuse", "the view (device, inode, size, mtime of the file)"),
         DerivedPart("training_shortlists", ("targets", "train_filter", "validation", "seed"), "refuse", "the run's stage state"),
         DerivedPart("validation_split", ("source", "queries", "seed", "fingerprint"), "refuse", "config.validation"),
     )
