@@ -71,13 +71,13 @@ def test_markdown_table_aligns_columns_and_writes_blank_and_empty_cells():
 def _blocks() -> dict:
     """Every docs block: its results file and the render its script publishes (``--table_only`` prints the same)."""
     from benchmarks import (
+        bench_calibration_depth,
         bench_classifier_stage,
         bench_debtags,
         bench_dense,
         bench_dexml_modes,
         bench_index,
         bench_mufin,
-        bench_calibration_depth,
         bench_new_labels,
         bench_peft,
         bench_scale,
