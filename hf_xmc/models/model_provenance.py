@@ -89,7 +89,6 @@ class ModelProvenanceMixin:
         if self.lexical_channel is not None:
             self.lexical_channel.label_source = self.labels_digest()
 
-
     @property
     def score_calibration(self) -> Optional[ScoreCalibration]:
         """The map from predict's scores to probabilities of relevance (``config.score_calibration``), or None. It is
