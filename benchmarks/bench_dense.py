@@ -30,8 +30,27 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.bench_validation import BUDGETS, SHOWN, data_setup, pick  # noqa: E402
-from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.bench_validation import (  # noqa: E402
+    BUDGETS,
+    SHOWN,
+    TAIL_HEADER,
+    TAIL_NOTE,
+    data_setup,
+    has_tail,
+    pick,
+    pick_tail,
+    tail_cells,
+)
+from benchmarks.harness import (  # noqa: E402
+    SELECTION_KEYS,
+    bench_parser,
+    chosen_by_group,
+    markdown_table,
+    publish,
+    read_json,
+    result_path,
+    write_json,
+)
 from benchmarks.sweep_defaults import DATA_FLAGS, minilm, run_training_script  # noqa: E402
 
 DATASETS = ("wordnet", "debtags", "reuters")
@@ -157,18 +176,20 @@ def run_row(dataset: str, method: str, recipe: str, work: str) -> dict:
     return {"row": f"{dataset}-{method}-{recipe}", "dataset": dataset, "method": method, "recipe": recipe, "flags": flags,
             "commit": commit, "wall_seconds": round(wall, 1), "load_1min": round(os.getloadavg()[0], 2),
             "train_runtime": results.get("train_runtime"), "dense": pick(results, "test_dense_"), "fused": pick(results, "test_"),
-            "weights": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")]}
+            # the final model on the run's validation split: what choosing a default reads (benchmarks.harness.choose)
+            "validation_dense": pick(results, "eval_dense_"), "validation_fused": pick(results, "eval_"),
+            "weights": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")],
+            "tail": pick_tail(results)}  # coverage, seen / unseen, deciles of both rankings (bench_validation.TAIL_HEADER)
 
 
 def references(dataset: str) -> list[tuple[str, dict]]:
-    """The best tree peer by P@1 and the untrained encoder (dense, + channel) of ``dataset`` from committed results."""
+    """Every tree peer (none is picked by a test metric: the peers run no validation split) and the untrained encoder
+    (dense, + channel) of ``dataset`` from committed results."""
     refs = []
     peers_file = {"wordnet": "peers_wordnet.json", "debtags": "debtags.json", "reuters": "peers_reuters.json"}.get(dataset)
     if peers_file and os.path.exists(result_path(peers_file)):
         rows = [r for r in read_json(result_path(peers_file))["rows"] if "hf_xmc" not in r["method"] and "zero-shot" not in r["method"]]
-        if rows:
-            best = max(rows, key=lambda r: r["metrics"]["P@1"])
-            refs.append((f"best tree peer: {best['method']}", best["metrics"]))
+        refs += [(f"tree peer: {r['method']}", r["metrics"]) for r in rows]
     validation = result_path("validation_fusion.json")
     zeroshot = next((r for r in read_json(validation) if r["row"] == f"{dataset}-zeroshot"), None) if os.path.exists(validation) else None
     if zeroshot:
@@ -220,29 +241,70 @@ def validation_rows(rows: list[dict]) -> list[dict]:
     return [{**r, "recipe": "defaults", "fused": r["fused_now"]} for r in read_json(path) if r["method"] in METHODS and r["method"] != "dexml"]
 
 
+def validation_objective(row: dict, ranking: str) -> dict:
+    """A row's validation metrics of one ranking under the selection keys (``eval_P@1``, ...; {} for a row run before
+    the scripts reported them), for :func:`benchmarks.harness.chosen_by_group`."""
+    measured = row.get(f"validation_{ranking}") or {}
+    return {key: measured[key[len("eval_"):]] for key in SELECTION_KEYS if key[len("eval_"):] in measured}
+
+
 def table(rows: list[dict]) -> str:
-    header = ["dataset", "model", "recipe", "budget", "ranking", *SHOWN, "wall min"]
+    """Per dataset: the references (every tree peer, the untrained encoder), then per method and recipe the dense and
+    fused rankings' test metrics. ``val P@1+PSP@5`` is the same ranking's objective on the run's validation split, and
+    ``by val`` marks the recipe a decision takes per (dataset, method): the best fused validation objective (rows run
+    before the scripts reported it show "-", and a group with such a row gets no mark)."""
+    header = ["dataset", "model", "recipe", "budget", "ranking", *SHOWN, "val P@1+PSP@5", "by val", "wall min"]
     cells = []
     rows = rows + validation_rows(rows)
     recipes = ["defaults", *RECIPES]
+    objectives = [validation_objective(r, "fused") for r in rows]  # chosen_by_group marks them by id(): map back to rows
+    row_of = {id(objective): r for objective, r in zip(objectives, rows)}
+    picked = chosen_by_group(objectives, lambda o: (row_of[id(o)]["dataset"], row_of[id(o)]["method"]))
+    chosen = {id(row_of[i]) for i in picked}
     for dataset in DATASETS:
         ours = sorted((r for r in rows if r["dataset"] == dataset), key=lambda r: (METHODS.index(r["method"]), recipes.index(r["recipe"])))
         if not ours:
             continue
         for name, metrics in references(dataset):
-            cells.append([dataset, name, "", "", "", *(f"{metrics[m]:.2f}" if m in metrics else "" for m in SHOWN), ""])
+            cells.append([dataset, name, "", "", "", *(f"{metrics[m]:.2f}" if m in metrics else "" for m in SHOWN), "", "", ""])
         if not any(r["recipe"] == "gpu_preset" for r in ours):  # the issue asks the table to say so
             cells.append([dataset, "every text method", "gpu_preset", budget(dataset, RECIPES["gpu_preset"]),
-                          "not measured: no GPU was lent to the sessions so far", *([""] * len(SHOWN)), ""])
+                          "not measured: no GPU was lent to the sessions so far", *([""] * len(SHOWN)), "", "", ""])
         for r in ours:
             recipe = r["recipe"] + (" (default)" if SCRIPT_DEFAULTS.get((r["method"], dataset)) == r["recipe"] else "")
             if r["recipe"] == "defaults":  # the defaults of validation_fusion.json's commit, unless a recipe here is the default now
                 before = (r["method"], dataset) in SCRIPT_DEFAULTS
                 recipe = f"script's defaults{' before' if before else ''} (validation_fusion.json)"
             for ranking in ("dense", "fused"):
+                objective = validation_objective(r, ranking)
                 cells.append([dataset, r["method"], recipe, budget(dataset, r["flags"]), ranking, *(f"{r[ranking][m]:.2f}" for m in SHOWN),
-                              f"{r['wall_seconds'] / 60:.1f}"])
-    return markdown_table(header, cells, "lllll" + "r" * (len(SHOWN) + 1)) + "\n"
+                              f"{sum(objective.values()):.2f}" if len(objective) == len(SELECTION_KEYS) else "-",
+                              "chosen" if ranking == "fused" and id(r) in chosen else "", f"{r['wall_seconds'] / 60:.1f}"])
+    rendered = markdown_table(header, cells, "lllll" + "r" * (len(SHOWN) + 1) + "lr") + "\n"
+    if has_tail(rows):  # once rows carry them (results measured before render as they did)
+        rendered += "\n" + TAIL_NOTE + "\n\n" + tail_table(rows) + "\n"
+    return rendered
+
+
+def tail_table(rows: list[dict]) -> str:
+    """Per dataset, the tail metrics (``bench_validation.TAIL_HEADER``) of the untrained encoder (dense, + channel: the
+    ``zeroshot`` row of ``validation_fusion.json``) and of both rankings of every row; "-" where a row predates them."""
+    recipes = ["defaults", *RECIPES]
+    validation = result_path("validation_fusion.json")
+    measured = read_json(validation) if os.path.exists(validation) else []
+    cells = []
+    for dataset in DATASETS:
+        ours = sorted((r for r in rows if r["dataset"] == dataset), key=lambda r: (METHODS.index(r["method"]), recipes.index(r["recipe"])))
+        if not ours:
+            continue
+        zeroshot = next((r.get("tail", {}) for r in measured if r["row"] == f"{dataset}-zeroshot"), None)
+        if zeroshot is not None:
+            cells += [[dataset, "untrained all-MiniLM-L6-v2", "", ranking, *tail_cells(zeroshot.get(key), zeroshot.get("fused"))]
+                      for ranking, key in (("dense", "dense"), ("+ channel", "fused"))]
+        for r in ours:
+            tail = r.get("tail", {})
+            cells += [[dataset, r["method"], r["recipe"], ranking, *tail_cells(tail.get(ranking), tail.get("fused"))] for ranking in ("dense", "fused")]
+    return markdown_table(["dataset", "model", "recipe", "ranking", *TAIL_HEADER], cells, "llll" + "r" * (len(TAIL_HEADER) - 1) + "l")
 
 
 def main(argv=None) -> list[dict]:

@@ -15,8 +15,16 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
-from benchmarks.sweep_defaults import minilm, run_training_script  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    bench_parser,
+    chosen_by_group,  # noqa: E402
+    markdown_table,
+    publish,
+    read_json,
+    result_path,
+    write_json,
+)
+from benchmarks.sweep_defaults import CHOSEN_BY, minilm, run_training_script, validation_cells, validation_flags  # noqa: E402
 
 SHOWN = ["test_P@1", "test_P@3", "test_P@5", "test_nDCG@5", "test_PSP@1", "test_PSP@3", "test_PSP@5", "test_R@10"]
 MODES = {
@@ -31,10 +39,11 @@ MODES = {
 
 
 def dexml_modes_table(result: dict) -> str:
-    """One row per mode: the SHOWN metrics and wall seconds."""
-    header = [f"DEXML on Debtags, {result['epochs']} epochs", *(k[5:] for k in SHOWN), "wall s"]
-    rows = [[r["description"], *(f"{r[k]:.2f}" for k in SHOWN), f"{r['wall_seconds']:.0f}"] for r in result["rows"]]
-    return markdown_table(header, rows, "l" + "r" * (len(SHOWN) + 1)) + "\n"
+    """One row per mode: the validation metrics a choice reads and the choice, the SHOWN test metrics and wall seconds."""
+    chosen = chosen_by_group(result["rows"], lambda r: "debtags")
+    header = [f"DEXML on Debtags, {result['epochs']} epochs", *(f"val {k[5:]}" for k in CHOSEN_BY), "by val", *(k[5:] for k in SHOWN), "wall s"]
+    rows = [[r["description"], *validation_cells(r, chosen), *(f"{r[k]:.2f}" for k in SHOWN), f"{r['wall_seconds']:.0f}"] for r in result["rows"]]
+    return markdown_table(header, rows, "l" + "r" * len(CHOSEN_BY) + "l" + "r" * (len(SHOWN) + 1)) + "\n"
 
 
 def main() -> None:
@@ -51,7 +60,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         for mode in args.modes:
             desc, extra = MODES[mode]
-            common = ["--num_train_epochs", args.epochs, "--per_device_train_batch_size", "64", "--max_seq_length", "32", "--seed", "42"]
+            common = ["--num_train_epochs", args.epochs, "--per_device_train_batch_size", "64", "--max_seq_length", "32", "--seed", "42",
+                      *validation_flags(str(DEBTAGS_DIR))]
             results, seconds = run_training_script("dexml", str(DEBTAGS_DIR), minilm(), os.path.join(work, mode), common + extra)
             rows.append({"mode": mode, "description": desc, "args": extra, "wall_seconds": seconds, **results})
             print(f"{mode}: " + " ".join(f"{k[5:]}={results[k]:.2f}" for k in SHOWN), flush=True)

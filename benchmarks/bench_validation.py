@@ -82,12 +82,57 @@ def run_row(dataset: str, method: str, work: str) -> dict:
            "ece": {k[len("test_ECE_"):]: v for k, v in results.items() if k.startswith("test_ECE_")},
            "reliability": results.get("calibration_reliability"), "train_runtime": results.get("train_runtime"),
            "tuned": {k[len("tuned_"):]: v for k, v in results.items() if k.startswith("tuned_")}}  # the model's own ranking settings
+    row["tail"] = pick_tail(results)  # coverage, seen / unseen, deciles of the script's two rankings
     row.update(post_hoc(out, data_dir, data_flags))
     return row
 
 
 def pick(results: dict, prefix: str) -> dict:
     return {m: results[prefix + m] for m in SHOWN if prefix + m in results}
+
+
+# ------------------------------------------------------------------------------------------------ tail metrics
+#: per ranking, what XMC papers report beside P@k (``XMCEvaluator.tail_metrics`` at k = 5, in percent): coverage@5, P@5
+#: and PSP@5 split between labels with training points (seen) and without (unseen), P@5 per train-frequency decile
+TAIL_SHOWN = ("coverage@5", "seen_P@5", "unseen_P@5", "seen_PSP@5", "unseen_PSP@5")
+TAIL_DECILES = tuple(f"P@5_decile{d}" for d in range(1, 11))
+#: the test split's own (the same for every ranking): its unseen labels and their share of PSP@5's ideal mass
+TAIL_DATA = ("unseen_labels", "unseen_positive_share", "unseen_PSP@5_mass")
+TAIL_HEADER = ["unseen labels (share of PSP@5's ideal mass)", "cov@5", "seen P@5", "unseen P@5", "seen PSP@5", "unseen PSP@5",
+               "P@5 by train-frequency decile, head -> tail"]
+
+
+def pick_tail(results: dict) -> dict:
+    """The tail metrics of a script's ``eval_results.json``: ``{"fused": ..., "dense": ...}`` (``test_*`` and
+    ``test_dense_*``; the split's own counts under ``fused``); empty dicts from a script run before it reported them."""
+    fused = {m: results["test_" + m] for m in (*TAIL_SHOWN, *TAIL_DECILES, *TAIL_DATA) if "test_" + m in results}
+    dense = {m: results["test_dense_" + m] for m in (*TAIL_SHOWN, *TAIL_DECILES) if "test_dense_" + m in results}
+    return {"fused": fused, "dense": dense}
+
+
+def tail_cells(metrics: dict | None, data: dict | None = None) -> list[str]:
+    """The :data:`TAIL_HEADER` cells of one ranking's tail metrics (``data``: where the split's counts are, default
+    ``metrics``): "-" for what a row measured before the scripts reported it lacks."""
+    metrics, data = metrics or {}, (data if data is not None else metrics) or {}
+    unseen = "-"
+    if "unseen_labels" in data and "unseen_PSP@5_mass" in data:
+        unseen = f"{int(data['unseen_labels']):,} ({data['unseen_PSP@5_mass']:.1f} %)"
+    deciles = [metrics.get(m) for m in TAIL_DECILES]
+    by_decile = " / ".join(f"{v:.1f}" for v in deciles) if all(v is not None for v in deciles) else "-"
+    return [unseen, *(f"{metrics[m]:.2f}" if m in metrics else "-" for m in TAIL_SHOWN), by_decile]
+
+
+def has_tail(rows: list[dict]) -> bool:
+    """Whether any row carries tail metrics (the tail table is rendered only then: older results render as before)."""
+    return any(r.get("tail", {}).get(ranking) for r in rows for ranking in ("fused", "dense"))
+
+
+TAIL_NOTE = ("Tail metrics (percent, k = 5): *unseen* labels have no training point; *seen / unseen P@5* are P@5's hits "
+             "on them over n x 5 (they add up to P@5); *seen / unseen PSP@5* divide the propensity gains of those hits by "
+             "the part of PSP@5's ideal mass on those labels (PSP@5 = m x unseen + (1 - m) x seen, m the unseen share in "
+             "the first column); *cov@5*: distinct labels hit in some top 5 / distinct labels of the test ground truth; "
+             "the deciles are P@5's contributions of ten label groups of equal train positives, head first (unseen labels in "
+             "the last); \"-\": measured before the scripts reported it.")
 
 
 def post_hoc(model_dir: str, data_dir: str, data_flags: list[str]) -> dict:
@@ -220,7 +265,18 @@ def tables(rows: list[dict]) -> str:
     ece = markdown_table(["dataset", "model", "test ECE, isotonic (the default)", "test ECE, Platt"],
                          [[r["dataset"], DESCRIPTIONS[r["method"]], f"{r['ece'].get('isotonic', float('nan')):.2f}", f"{r['ece'].get('platt', float('nan')):.2f}"]
                           for r in rows], "llrr")
-    return fusion + "\n\n" + ece + "\n"
+    tail = "\n" + TAIL_NOTE + "\n\n" + tail_table(rows) + "\n" if has_tail(rows) else ""  # once rows carry them
+    return fusion + "\n\n" + ece + "\n" + tail
+
+
+def tail_table(rows: list[dict]) -> str:
+    """The tail metrics (:data:`TAIL_HEADER`) of the script's two rankings of every row, dense and fused."""
+    cells = []
+    for r in rows:
+        tail = r.get("tail", {})
+        for name, key in (("dense", "dense"), ("fused now (tuned on validation)", "fused")):
+            cells.append([r["dataset"], DESCRIPTIONS[r["method"]], name, *tail_cells(tail.get(key), tail.get("fused"))])
+    return markdown_table(["dataset", "model", "ranking", *TAIL_HEADER], cells, "lll" + "r" * (len(TAIL_HEADER) - 1) + "l")
 
 
 def reliability(rows: list[dict]) -> str:

@@ -177,3 +177,45 @@ def publish(table: str, name: str, update_docs: bool) -> None:
     if update_docs:
         for path in update_docs_block(name, table):
             print(f"{os.path.relpath(path, REPO)} updated")
+
+
+# ------------------------------------------------------------------------------------------------ choosing
+#: what every sweep and every "which default" decision is scored by: P@1 + PSP@5 on the run's validation split (the
+#: final model, fused where the run has a lexical channel; the objective the channel's weights are tuned by). The test
+#: split is read once per reported row and never to choose.
+SELECTION_KEYS = ("eval_P@1", "eval_PSP@5")
+#: the prefix of every key a choice may read: the training scripts' final validation metrics
+SELECTION_PREFIX = "eval_"
+
+
+def selection_score(row: dict, keys: Sequence[str] = SELECTION_KEYS) -> float:
+    """The sum of ``keys`` of a result row (a training script's ``eval_results.json`` merged into it). ValueError for
+    a key that is not a validation key (``eval_*``), and for a row that lacks one (a run without a validation split:
+    give it ``--validation_size``)."""
+    bad = [k for k in keys if not k.startswith(SELECTION_PREFIX)]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: a choice reads validation metrics ({SELECTION_PREFIX}*) only, never the test split")
+    missing = [k for k in keys if row.get(k) is None]
+    if missing:
+        raise ValueError(f"a row without {', '.join(missing)} (its run held out no validation split): cannot be chosen by them")
+    return float(sum(row[k] for k in keys))
+
+
+def choose(rows: Sequence[dict], keys: Sequence[str] = SELECTION_KEYS) -> dict:
+    """The row of ``rows`` with the best :func:`selection_score` (ties: the first). ValueError for no rows."""
+    if not rows:
+        raise ValueError("no rows to choose from")
+    return max(rows, key=lambda r: selection_score(r, keys))
+
+
+def chosen_by_group(rows: Sequence[dict], group, keys: Sequence[str] = SELECTION_KEYS) -> set[int]:
+    """The ``id()`` of the row :func:`choose` picks within each group of ``rows`` (``group``: a key, e.g.
+    ``"dataset"``, or a function of a row), skipping groups where a row has no validation metrics (rows measured
+    before the scripts reported them)."""
+    key = group if callable(group) else (lambda r: r[group])
+    picked = set()
+    for value in dict.fromkeys(key(r) for r in rows):
+        members = [r for r in rows if key(r) == value]
+        if all(all(r.get(k) is not None for k in keys) for r in members):
+            picked.add(id(choose(members, keys)))
+    return picked

@@ -29,7 +29,11 @@ Every baseline takes raw texts (via TF-IDF features) and returns ranked top-k la
 ``python benchmarks/peers.py`` runs the peers on the bundled Debtags split and prints a markdown table;
 ``python benchmarks/peers.py --dataset wordnet --out benchmarks/results/peers_wordnet.json --update_docs`` runs them
 on WordNet-XMC (``benchmarks/make_wordnet.py``, built when missing), with its filter file, and writes the table of
-docs/wordnet.md (``--table_only``: the table of ``--out``, nothing run). Needs scikit-learn, omikuji and napkinxc (``pip install hf_xmc[benchmarks]``), sentence-transformers
+docs/wordnet.md (``--table_only``: the table of ``--out``, nothing run). PSP@k's propensity constants are the
+dataset's (``hf_xmc.metrics.propensity_constants`` of its name, as the training presets and the scripts'
+``--propensity_a`` / ``--propensity_b`` give them; this script's flags of the same names override), and test points
+without a label count as misses as in the training scripts (``--skip_unlabeled_test_points``: the other convention);
+the JSON rows record both, and the filter pairs that are also positives. Needs scikit-learn, omikuji and napkinxc (``pip install hf_xmc[benchmarks]``), sentence-transformers
 for the MiniLM peer, and the libpecos interpreter above for XR-Linear; each is imported lazily.
 """
 
@@ -324,8 +328,9 @@ TABLE_COLUMNS = ["P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@5", "R@10", "R@100
 
 
 def run_peers(data, k: int = 100, threads: int = 2, seed: int = 0, only: Sequence[str] | None = None,
-              filter_matrix: sp.spmatrix | None = None) -> list[dict]:
-    """Run the peers on an XCData split; one dict per peer with metrics (%) and end-to-end timings.
+              filter_matrix: sp.spmatrix | None = None, propensity_a: float = 0.55, propensity_b: float = 1.5) -> list[dict]:
+    """Run the peers on an XCData split; one dict per peer with metrics (%), end-to-end timings and the propensity
+    constants of its PSP@k (``propensity_a`` / ``propensity_b``: pass the ones of the hf_xmc run it is compared with).
 
     ``train_seconds`` and ``predict_queries_per_second`` include TF-IDF featurisation (end to end from raw
     text); the ``model_*`` entries exclude it. ``filter_matrix`` (test points x labels, the repository's filter file)
@@ -335,7 +340,7 @@ def run_peers(data, k: int = 100, threads: int = 2, seed: int = 0, only: Sequenc
     from hf_xmc.metrics import inverse_propensity, xmc_metrics
 
     trn, tst = data.train, data.test
-    inv_p = inverse_propensity(trn.targets)
+    inv_p = inverse_propensity(trn.targets, propensity_a, propensity_b)
     methods = list(only or PEER_NAMES)
     extra = int(np.diff(sp.csr_matrix(filter_matrix).indptr).max()) if filter_matrix is not None and filter_matrix.nnz else 0
     k_ranked = k + extra
@@ -372,7 +377,7 @@ def run_peers(data, k: int = 100, threads: int = 2, seed: int = 0, only: Sequenc
             "metrics": xmc_metrics(topk, tst.targets, inv_propensity=inv_p, ks=(1, 3, 5), recall_ks=(10, 100)),
             "train_seconds": e2e_tr, "predict_queries_per_second": n / max(e2e_pr, 1e-9),
             "model_train_seconds": tr, "model_predict_queries_per_second": n / max(pr, 1e-9),
-            "predict_seconds": e2e_pr,
+            "predict_seconds": e2e_pr, "propensity_a": propensity_a, "propensity_b": propensity_b,
         })
         print(f"{PEER_NAMES[m]}: train {tr:.2f} s, predict {pr:.2f} s", file=sys.stderr)
     return rows
@@ -390,18 +395,32 @@ def peers_table(rows: Sequence[dict]) -> str:
     ) + "\n"
 
 
-def load_dataset(name: str):
+def dataset_propensity(name: str) -> tuple[float, float]:
+    """The propensity constants of ``--dataset`` ``name`` (``debtags``, ``wordnet`` or a directory, by its folder name):
+    ``hf_xmc.metrics.propensity_constants``, the table the training presets read."""
+    from hf_xmc.metrics import propensity_constants
+
+    return propensity_constants(os.path.basename(os.path.normpath(name)))
+
+
+def load_dataset(name: str, skip_unlabeled_test_points: bool = False):
     """``(XCData, test filter matrix or None)`` of ``debtags`` (bundled), ``wordnet`` (``outputs/wordnet-xmc``, built
-    by make_wordnet.py when missing) or an XC raw directory (its ``filter_labels_test.txt`` applied when present)."""
+    by make_wordnet.py when missing) or an XC raw directory (its ``filter_labels_test.txt`` applied when present). Test
+    points without a label are kept (scored 0) unless ``skip_unlabeled_test_points``, as the training scripts read them."""
     from hf_xmc.data import load_debtags, load_xc_dataset, read_filter_file
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if name == "debtags":
+        if skip_unlabeled_test_points:
+            from hf_xmc.data.debtags import DEBTAGS_DIR
+
+            return load_xc_dataset(*(DEBTAGS_DIR / f for f in ("trn.json.gz", "tst.json.gz", "lbl.json.gz")), skip_unlabeled_test_points=True), None
         return load_debtags(), None
     directory = os.path.join(repo, "outputs", "wordnet-xmc") if name == "wordnet" else name
     if name == "wordnet" and not os.path.exists(os.path.join(directory, "lbl.json.gz")):
         subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "make_wordnet.py"), "--output_dir", directory], check=True)
-    data = load_xc_dataset(*(os.path.join(directory, f) for f in ("trn.json.gz", "tst.json.gz", "lbl.json.gz")))
+    data = load_xc_dataset(*(os.path.join(directory, f) for f in ("trn.json.gz", "tst.json.gz", "lbl.json.gz")),
+                           skip_unlabeled_test_points=skip_unlabeled_test_points)
     path = os.path.join(directory, "filter_labels_test.txt")
     if not os.path.exists(path):
         return data, None
@@ -425,6 +444,11 @@ def _main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", nargs="*", choices=list(PEER_NAMES), default=None,
                     help="peers to run (default: all on wordnet / a directory; Omikuji, napkinXC and TF-IDF zero-shot on debtags)")
+    ap.add_argument("--propensity_a", type=float, default=None,
+                    help="propensity constant A of PSP@k (default: the dataset's, hf_xmc.metrics.propensity_constants; give the hf_xmc run's)")
+    ap.add_argument("--propensity_b", type=float, default=None, help="propensity constant B of PSP@k (default: the dataset's)")
+    ap.add_argument("--skip_unlabeled_test_points", action="store_true",
+                    help="average over labelled test points only (default: the others count as misses, as pyxclib and the scripts do)")
     ap.add_argument("--xr_linear_worker", help=argparse.SUPPRESS)
     ap.add_argument("--beam_size", type=int, default=10, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -441,12 +465,21 @@ def _main() -> None:
         publish(peers_table(result["rows"]), block(result["dataset"]), args.update_docs)
         return
     np.random.seed(args.seed)
-    data, filt = load_dataset(args.dataset)
+    data, filt = load_dataset(args.dataset, args.skip_unlabeled_test_points)
+    default_a, default_b = dataset_propensity(args.dataset)
+    a = args.propensity_a if args.propensity_a is not None else default_a
+    b = args.propensity_b if args.propensity_b is not None else default_b
     only = args.only or (("omikuji", "napkinxc", "zeroshot") if args.dataset == "debtags" else None)
-    rows = run_peers(data, k=args.k, threads=args.threads, seed=args.seed, only=only, filter_matrix=filt)
+    rows = run_peers(data, k=args.k, threads=args.threads, seed=args.seed, only=only, filter_matrix=filt, propensity_a=a, propensity_b=b)
     if args.out:
+        from hf_xmc.data.filters import filter_overlap_pairs
+
+        unlabeled = int(np.count_nonzero(np.diff(data.test.targets.indptr) == 0)) + data.test.num_skipped
         write_json(args.out, {"dataset": args.dataset, "threads": args.threads, "cpu_count": os.cpu_count(),
-                              "filtered": filt is not None, "rows": rows}, sort_keys=False)
+                              "filtered": filt is not None, "propensity_a": a, "propensity_b": b,
+                              "test_unlabeled_points": unlabeled, "test_unlabeled_counted": not args.skip_unlabeled_test_points,
+                              "filter_overlap_pairs": filter_overlap_pairs(filt, data.test.targets) if filt is not None else 0,
+                              "rows": rows}, sort_keys=False)
     publish(peers_table(rows), block(args.dataset), args.update_docs)
     print("train s / predict q/s are end to end from raw text (TF-IDF featurization included, "
           f"{args.threads} threads); model-only: "

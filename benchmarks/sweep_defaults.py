@@ -24,9 +24,20 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    SELECTION_KEYS,
+    bench_parser,
+    chosen_by_group,
+    markdown_table,
+    publish,
+    read_json,
+    result_path,
+    write_json,
+)
 
 SHOWN = ["test_P@1", "test_P@5", "test_nDCG@5", "test_PSP@1", "test_PSP@5", "test_R@10"]
+#: the validation columns beside them: what a choice reads (``benchmarks.harness.SELECTION_KEYS``)
+CHOSEN_BY = list(SELECTION_KEYS)
 BENCH_SHOWN = ["test_P@1", "test_P@3", "test_P@5", "test_nDCG@5", "test_PSP@1", "test_PSP@3", "test_PSP@5", "test_R@10"]
 
 
@@ -86,7 +97,8 @@ def run_mode_rows(modes: dict, args) -> list[dict]:
         for dataset in args.datasets:
             data_dir, encoder, extra_data = prepare(dataset, work)
             batch = extra_data[extra_data.index("--per_device_train_batch_size") + 1]
-            common = ["--num_train_epochs", args.epochs, "--per_device_train_batch_size", batch, "--max_seq_length", "32", "--seed", "42"]
+            common = ["--num_train_epochs", args.epochs, "--per_device_train_batch_size", batch, "--max_seq_length", "32", "--seed", "42",
+                      *validation_flags(data_dir)]
             for mode in args.modes:
                 desc, method, extra = modes[mode]
                 results, seconds = run_training_script(method, data_dir, encoder, os.path.join(work, f"{dataset}-{mode}"), common + extra)
@@ -95,12 +107,22 @@ def run_mode_rows(modes: dict, args) -> list[dict]:
     return rows
 
 
+def validation_cells(row: dict, chosen: set[int]) -> list[str]:
+    """The validation columns of a sweep row (:data:`CHOSEN_BY`, "-" for rows run before the scripts reported them) and
+    the choice mark: ``chosen`` is the best of its dataset on them (:func:`benchmarks.harness.chosen_by_group`)."""
+    return [*(f"{row[k]:.2f}" if row.get(k) is not None else "-" for k in CHOSEN_BY), "chosen" if id(row) in chosen else ""]
+
+
 def modes_table(result: dict, title: str) -> str:
-    """The table of a modes benchmark: one row per (mode, dataset), the BENCH_SHOWN metrics and wall seconds."""
-    header = [f"{result['epochs']} epoch(s), {title}", "dataset", *(k[5:] for k in BENCH_SHOWN), "wall s"]
-    rows = [[r["description"], f"{r['dataset']} (batch {r['batch_size']})", *(f"{r[k]:.2f}" for k in BENCH_SHOWN), f"{r['wall_seconds']:.0f}"]
+    """The table of a modes benchmark: one row per (mode, dataset), the validation metrics a choice reads and the
+    choice per dataset, the BENCH_SHOWN test metrics (read once per row, to report) and wall seconds."""
+    chosen = chosen_by_group(result["rows"], "dataset")
+    header = [f"{result['epochs']} epoch(s), {title}", "dataset", *(f"val {k[5:]}" for k in CHOSEN_BY), "by val",
+              *(k[5:] for k in BENCH_SHOWN), "wall s"]
+    rows = [[r["description"], f"{r['dataset']} (batch {r['batch_size']})", *validation_cells(r, chosen),
+             *(f"{r[k]:.2f}" for k in BENCH_SHOWN), f"{r['wall_seconds']:.0f}"]
             for r in result["rows"]]
-    return markdown_table(header, rows, "ll" + "r" * (len(BENCH_SHOWN) + 1)) + "\n"
+    return markdown_table(header, rows, "ll" + "r" * len(CHOSEN_BY) + "l" + "r" * (len(BENCH_SHOWN) + 1)) + "\n"
 
 
 def modes_main(doc: str, modes: dict, default_modes: list[str], results_name: str, marker: str, title: str = "MiniLM-L6, lr 3e-4") -> None:
@@ -125,6 +147,18 @@ DATA_FLAGS = {
     "debtags": ["--num_train_epochs", "0.5", "--per_device_train_batch_size", "64", "--max_seq_length", "32"],
     "reuters": ["--num_train_epochs", "1", "--per_device_train_batch_size", "32", "--max_seq_length", "32"],
 }
+
+
+def validation_flags(data_dir: str) -> list[str]:
+    """``--validation_size N``: the split a training script holds out by default when it needs one
+    (:func:`hf_xmc.data.splits.default_validation_size` of the labelled training queries, drawn with ``--seed``), asked
+    for explicitly so that every run of a sweep reports the final model's validation metrics (``eval_*``), which are
+    what a choice reads (:func:`benchmarks.harness.choose`); a run that carves one anyway (``--lexical_channel``) holds
+    out the same queries."""
+    from hf_xmc.data import read_xc_raw
+    from hf_xmc.data.splits import default_validation_size
+
+    return ["--validation_size", str(default_validation_size(len(read_xc_raw(os.path.join(data_dir, "trn.json.gz")))))]
 
 
 def prepare(name: str, work: str) -> tuple[str, str, list[str]]:
@@ -159,12 +193,15 @@ def main() -> None:
             data, encoder, extra = prepare(name, work)
             for value in args.values:
                 out = os.path.join(work, f"{name}-{value}")
-                results, seconds = run_training_script(args.method, data, encoder, out, [f"--{args.param}", value] + extra + args.extra)
+                results, seconds = run_training_script(args.method, data, encoder, out,
+                                                       [f"--{args.param}", value] + extra + validation_flags(data) + args.extra)
                 runs.append({"dataset": name, args.param: value, "wall_seconds": seconds, **results})
                 print(f"{name:8s} {args.param}={value:8s} " + " ".join(f"{k[5:]}={results[k]:.2f}" for k in SHOWN), flush=True)
-    table = markdown_table(["dataset", args.param, *(k[5:] for k in SHOWN), "wall s"],
-                           [[r["dataset"], r[args.param], *(f"{r[k]:.2f}" for k in SHOWN), f"{r['wall_seconds']:.0f}"] for r in runs],
-                           "ll" + "r" * (len(SHOWN) + 1))
+    chosen = chosen_by_group(runs, "dataset")  # by the validation split; the test columns are reported, never read to choose
+    table = markdown_table(["dataset", args.param, *(f"val {k[5:]}" for k in CHOSEN_BY), "by val", *(k[5:] for k in SHOWN), "wall s"],
+                           [[r["dataset"], r[args.param], *validation_cells(r, chosen), *(f"{r[k]:.2f}" for k in SHOWN), f"{r['wall_seconds']:.0f}"]
+                            for r in runs],
+                           "ll" + "r" * len(CHOSEN_BY) + "l" + "r" * (len(SHOWN) + 1))
     print("\n" + table)
     if args.out:
         write_json(args.out, {"method": args.method, "param": args.param, "extra": args.extra, "runs": runs})

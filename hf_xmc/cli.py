@@ -194,13 +194,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     _pick_device(model, args.device)
     num_labels = len(model.label_texts)  # the test file is read against the model's label space
     fields = tuple(args.text_fields.split(","))
-    test = read_points_file(args.test_file, num_labels, "test", text_fields=fields)  # XC JSON lines, parquet, csv, jsonl, arrow
+    # XC JSON lines, parquet, csv, jsonl, arrow; points without a label are kept (scored 0) unless asked otherwise
+    test = read_points_file(args.test_file, num_labels, "test", text_fields=fields, skip_unlabeled=args.skip_unlabeled_test_points)
     # The propensity constants default to the ones the model was trained (and evaluated) with.
     data_args = XMCDataArguments(
         train_file=args.train_file or "",
         test_file=args.test_file,
         label_file="",
         test_filter_file=args.test_filter_file,
+        skip_unlabeled_test_points=args.skip_unlabeled_test_points,
         text_fields=args.text_fields,
         propensity_a=args.propensity_a if args.propensity_a is not None else _config_value(model, "propensity_a"),
         propensity_b=args.propensity_b if args.propensity_b is not None else _config_value(model, "propensity_b"),
@@ -503,6 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--test_file", required=True, help="test points: XC raw JSON lines (tst.json.gz)")
     p.add_argument("--train_file", help="training points, for the label propensities of PSP@k (without it PSP is left out)")
     p.add_argument("--test_filter_file", help="pairs 'point_idx label_idx' removed from the predictions before scoring")
+    p.add_argument("--skip_unlabeled_test_points", action="store_true",
+                   help="average over the test points that have a label only (default: the others count as misses, as pyxclib does)")
     p.add_argument("--text_fields", default=defaults["text_fields"].default, help="comma-separated JSON fields joined into a query text")
     p.add_argument("--propensity_a", type=float, help="propensity constant A (default: the model's config)")
     p.add_argument("--propensity_b", type=float, help="propensity constant B (default: the model's config)")

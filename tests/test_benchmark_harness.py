@@ -166,3 +166,119 @@ def test_alternating_step_seconds_gives_each_setting_the_mean_of_its_own_steps_a
     assert alternating_step_seconds(times, 2, warmup=1) == [14 / 6, 24 / 6]
     # step_seconds times from the end of step ``warmup`` on: from the end of step 3, ten steps of 1 and 3 s
     assert step_seconds(times, 3) == 2.0
+
+
+# ------------------------------------------------------------------------------------------------ choosing on validation
+def test_choose_reads_the_validation_split_and_refuses_a_test_key():
+    # test favours "a", validation favours "b": the choice is "b"
+    rows = [{"name": "a", "eval_P@1": 50.0, "eval_PSP@5": 20.0, "test_P@1": 70.0, "test_PSP@5": 40.0},
+            {"name": "b", "eval_P@1": 52.0, "eval_PSP@5": 21.0, "test_P@1": 60.0, "test_PSP@5": 30.0}]
+    assert harness.choose(rows)["name"] == "b"
+    assert harness.selection_score(rows[0]) == 70.0
+    with pytest.raises(ValueError, match="validation metrics"):
+        harness.choose(rows, keys=("test_P@1",))
+    with pytest.raises(ValueError, match="no validation split"):
+        harness.choose([{"name": "old", "test_P@1": 1.0}])
+
+
+def test_chosen_by_group_picks_one_row_per_group_and_skips_groups_measured_without_validation():
+    rows = [{"dataset": "x", "eval_P@1": 1.0, "eval_PSP@5": 1.0}, {"dataset": "x", "eval_P@1": 2.0, "eval_PSP@5": 0.5},
+            {"dataset": "y", "eval_P@1": 9.0, "eval_PSP@5": 9.0}, {"dataset": "y", "test_P@1": 99.0}]
+    assert harness.chosen_by_group(rows, "dataset") == {id(rows[1])}
+    assert harness.chosen_by_group(rows[:2], lambda r: "all") == {id(rows[1])}
+
+
+def _key_constants(node):
+    """String constants of the ``key=`` argument of a max / min / sorted call (the code that picks a row)."""
+    import ast
+
+    if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("max", "min", "sorted"):
+        for kw in node.keywords:
+            if kw.arg == "key":
+                yield from (c.value for c in ast.walk(kw.value) if isinstance(c, ast.Constant) and isinstance(c.value, str))
+
+
+def test_no_benchmark_script_picks_a_row_by_a_test_metric():
+    """Every choice in benchmarks/ goes through harness.choose (validation keys only): no max / min / sorted keyed by a
+    metric name (``P@1``, ``test_PSP@5``, ...), and every selection-key list names eval_ keys only."""
+    import ast
+    import glob
+
+    metric = re.compile(r"^(test_|test_dense_)?(P|PSP|nDCG|PSnDCG|R)@\d+$")
+    offenders = []
+    for path in sorted(glob.glob(os.path.join(harness.REPO, "benchmarks", "*.py"))):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            offenders += [f"{os.path.basename(path)}:{node.lineno} key reads {c!r}" for c in _key_constants(node) if metric.match(c)]
+    assert not offenders, offenders
+    from benchmarks import sweep_defaults
+
+    assert all(k.startswith("eval_") for k in harness.SELECTION_KEYS) and sweep_defaults.CHOSEN_BY == list(harness.SELECTION_KEYS)
+
+
+def test_the_key_scan_catches_a_choice_by_a_test_metric():
+    import ast
+
+    tree = ast.parse('best = max(rows, key=lambda r: r["metrics"]["P@1"])\nlast = sorted(rows, key=lambda r: r["test_PSP@5"])')
+    found = [c for node in ast.walk(tree) for c in _key_constants(node)]
+    assert sorted(found) == ["P@1", "metrics", "test_PSP@5"]
+
+
+def test_a_sweep_table_marks_the_validation_choice_not_the_test_winner():
+    from benchmarks import sweep_defaults
+
+    base = {f"test_{k[5:]}": 1.0 for k in sweep_defaults.BENCH_SHOWN}
+    rows = [{**base, "description": "test winner", "dataset": "debtags", "batch_size": "64", "wall_seconds": 1.0,
+             "test_P@1": 90.0, "eval_P@1": 10.0, "eval_PSP@5": 10.0},
+            {**base, "description": "validation winner", "dataset": "debtags", "batch_size": "64", "wall_seconds": 1.0,
+             "test_P@1": 50.0, "eval_P@1": 30.0, "eval_PSP@5": 10.0},
+            {**base, "description": "old row", "dataset": "reuters", "batch_size": "32", "wall_seconds": 1.0}]
+    lines = sweep_defaults.modes_table({"epochs": "1", "rows": rows}, "t").splitlines()
+    marked = [line for line in lines if "| chosen |" in line]
+    assert len(marked) == 1 and "validation winner" in marked[0]
+    assert "| - | - |" in next(line for line in lines if "old row" in line)
+
+
+# ------------------------------------------------------------------------------------------------ tail metrics (issue 65, 6)
+def _tail_results() -> dict:
+    """An eval_results.json with the evaluator's tail keys (XMCEvaluator.tail_metrics), for both rankings."""
+    fused = {"coverage@5": 61.234, "seen_P@5": 20.0, "unseen_P@5": 1.5, "seen_PSP@5": 40.0, "unseen_PSP@5": 12.5,
+             **{f"P@5_decile{d}": float(d) for d in range(1, 11)}}
+    data = {"unseen_labels": 1234, "unseen_positive_share": 9.0, "unseen_PSP@5_mass": 31.04}
+    return {"test_P@1": 50.0, **{f"test_{k}": v for k, v in {**fused, **data}.items()},
+            "test_dense_coverage@5": 55.0, "test_dense_unseen_PSP@5": 20.0}
+
+
+def test_tail_metrics_are_kept_in_the_rows_and_rendered_beside_older_rows_as_dashes():
+    from benchmarks import bench_dense, bench_validation
+
+    tail = bench_validation.pick_tail(_tail_results())
+    assert tail["fused"]["unseen_PSP@5_mass"] == 31.04 and tail["fused"]["P@5_decile10"] == 10.0
+    assert tail["dense"] == {"coverage@5": 55.0, "unseen_PSP@5": 20.0}  # the split's own counts only once, under fused
+    assert bench_validation.pick_tail({"test_P@1": 1.0}) == {"fused": {}, "dense": {}}  # a script from before
+    shown = {m: 1.0 for m in bench_validation.SHOWN}
+    deciles = " / ".join(f"{d:.1f}" for d in range(1, 11))
+    fused_cells = "| 1,234 (31.0 %) | 61.23 | 20.00 | 1.50 | 40.00 | 12.50 | " + deciles + " |"
+    dense_cells = "| 1,234 (31.0 %) | 55.00 | - | - | - | 20.00 | - |"
+    dashes = "| - | - | - | - | - | - | - |"
+
+    new = {"row": "debtags-dexml-bf16", "dataset": "debtags", "method": "dexml", "recipe": "bf16", "flags": [], "wall_seconds": 60.0,
+           "dense": shown, "fused": shown, "tail": tail}
+    old = {k: v for k, v in new.items() if k != "tail"} | {"row": "debtags-prime-bf16", "method": "prime"}
+    assert bench_validation.TAIL_NOTE not in bench_dense.table([old])  # results without them render as before
+    lines = bench_dense.table([new, old]).splitlines()
+    assert bench_validation.TAIL_NOTE in lines
+    assert "| debtags | dexml | bf16 | fused " + fused_cells in lines
+    assert "| debtags | dexml | bf16 | dense " + dense_cells in lines
+    assert "| debtags | prime | bf16 | fused " + dashes in lines and "| debtags | prime | bf16 | dense " + dashes in lines
+
+    row = {"row": "debtags-dexml", "dataset": "debtags", "method": "dexml", "wall_seconds": 60.0, "dense": shown, "channel_alone": shown,
+           "fused_before": shown, "weights_before": [1, 0.1], "fused_now": shown, "weights_now": [1, 0.1],
+           "ece": {"isotonic": 1.0, "platt": 2.0}, "tail": tail}
+    before = {k: v for k, v in row.items() if k != "tail"} | {"row": "debtags-prime", "method": "prime"}
+    assert bench_validation.TAIL_NOTE not in bench_validation.tables([before])
+    lines = bench_validation.tables([row, before]).splitlines()
+    assert "| debtags | DEXML | fused now (tuned on validation) " + fused_cells in lines
+    assert "| debtags | DEXML | dense " + dense_cells in lines
+    assert "| debtags | PRIME | fused now (tuned on validation) " + dashes in lines

@@ -140,6 +140,22 @@ def test_xc_raw_unlabeled_points_counted_and_skipped(tmp_path, caplog):
     assert kept.targets.getnnz(axis=1).tolist() == [1, 0, 1, 0, 1]
 
 
+def test_load_xc_dataset_keeps_unlabeled_test_points_and_skips_unlabeled_training_points(tmp_path):
+    """pyxclib averages over every test row (an empty one scores 0): the test file keeps its unlabelled points unless
+    ``skip_unlabeled_test_points``; a training point without a label teaches nothing and is always skipped."""
+    rows = [json.dumps({"uid": str(i), "title": f"t{i}", "target_ind": [] if i % 2 else [i]}) for i in range(5)]
+    for name in ("trn.json", "tst.json"):
+        _write_lines(tmp_path / name, rows)
+    _write_lines(tmp_path / "lbl.json", [json.dumps({"uid": f"l{j}", "title": f"l{j}"}) for j in range(5)])
+    files = [tmp_path / name for name in ("trn.json", "tst.json", "lbl.json")]
+    data = load_xc_dataset(*files)
+    assert data.train.uids == ["0", "2", "4"] and data.train.num_skipped == 2
+    assert data.test.uids == ["0", "1", "2", "3", "4"] and data.test.num_skipped == 0
+    assert data.test.targets.getnnz(axis=1).tolist() == [1, 0, 1, 0, 1]
+    skipped = load_xc_dataset(*files, skip_unlabeled_test_points=True)
+    assert skipped.test.uids == ["0", "2", "4"] and skipped.test.record_indices().tolist() == [0, 2, 4]
+
+
 GOOD = json.dumps({"uid": "ok", "title": "fine", "target_ind": [0]})
 
 

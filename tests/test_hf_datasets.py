@@ -96,14 +96,18 @@ def test_labels_from_a_second_dataset_and_column_names(tiny_task, tmp_path):
         load_data(XMCDataArguments(train_file="a", test_file="b"))
 
 
-def test_unlabelled_points_are_skipped_like_the_xc_readers(tiny_task, tmp_path):
+def test_unlabelled_points_are_read_like_the_xc_readers(tiny_task, tmp_path):
+    """Unlabelled test points are kept (they score 0, as pyxclib counts them) unless skip_unlabeled_test_points;
+    unlabelled training points are skipped."""
     data = tiny_task[0]
     dd = xc_data_to_hf_dataset_dict(data)
     test = dd["test"].to_list()
     test[1]["labels"] = []
     dd["test"] = datasets.Dataset.from_list(test, features=dd["test"].features)
     dd.save_to_disk(str(tmp_path / "d"))
-    loaded = load_hf_xc_data(str(tmp_path / "d"))
+    kept = load_hf_xc_data(str(tmp_path / "d"))
+    assert len(kept.test) == len(data.test) and kept.test.num_skipped == 0 and kept.test.targets[1].nnz == 0
+    loaded = load_hf_xc_data(str(tmp_path / "d"), skip_unlabeled_test_points=True)
     assert len(loaded.test) == len(data.test) - 1 and loaded.test.num_skipped == 1
     assert loaded.test.record_indices()[:3].tolist() == [0, 2, 3]  # a filter file's point_idx still means the split's row
     train = dd["train"].to_list()

@@ -164,9 +164,158 @@ def test_weights_tuned_on_held_out_queries(tiny_encoder_dir, tiny_task, monkeypa
     monkeypatch.setattr(lexical, "tune_fusion_weights", lambda *a, **k: seen.setdefault("result", tune(*a, **k)))
     channel = fit_lexical_channel(model, data.train, tune_queries=100, n_threads=1)
     result = seen["result"]
-    assert len(result["grid"]) == len(lexical.RANKER_WEIGHTS) * len(lexical.TEXT_WEIGHTS)
+    assert {f"{wr:g},{wt:g}" for wr in lexical.RANKER_WEIGHTS for wt in lexical.TEXT_WEIGHTS} <= set(result["grid"])
+    # both ends of the fusion were scored: the dense ranking alone and the ranker weight at its cap
+    cap = result["ranker_weights"][-1]
+    assert cap > lexical.RANKER_WEIGHTS[-1] and "0,0" in result["grid"] and f"{cap:g},0" in result["grid"]
+    assert len(result["grid"]) == len(result["ranker_weights"]) * len(result["text_weights"])
+    assert isinstance(result["on_edge"], list) and channel.tuning["on_edge"] == result["on_edge"]
     assert result["objective"] == max(result["grid"].values()) > result["dense"] + 50
     assert (channel.settings["ranker_weight"], channel.settings["text_weight"]) == (result["ranker_weight"], result["text_weight"]) != (0, 0)
+
+
+class RankerByWord:
+    """A stand-in for an omikuji.Model whose hits are named by a word of the query (so the ranker's threads cannot
+    hand one query's hits to another)."""
+
+    def __init__(self, terms, hits_by_word):
+        self.hits = {terms.index(word): hits for word, hits in hits_by_word.items()}
+
+    def predict(self, feature_value_pairs, beam_size=10, top_k=10):
+        return next((self.hits[t][:top_k] for t, _ in feature_value_pairs if t in self.hits), [])
+
+
+class DenseStub:
+    """What the weight tuning reads of a model: the propensity constants and a fixed dense ranking of its queries."""
+
+    takes_images = False
+
+    def __init__(self, scores, ids):
+        from types import SimpleNamespace
+
+        self.scores, self.ids = np.asarray(scores, np.float32), np.asarray(ids, np.int64)
+        self.config = SimpleNamespace(propensity_a=0.55, propensity_b=1.5)
+
+    def ensure_label_index(self):
+        pass
+
+    def rank(self, texts, k, **kwargs):
+        assert len(texts) == len(self.ids)
+        return None, None, self.scores[:, :k], self.ids[:, :k]
+
+
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]  # the six label texts
+
+# (query text, its relevant label, dense ids best first, their dense scores, the ranker's hits, how many such queries)
+TUNING_CASES = {
+    # the label text beats the dense score only above text weight 0.8 ("gamma": cosine 1 with label 2, dense 0.1 against
+    # 0.9), and costs a query above 1.42 ("alpha alpha delta": cosines 0.86 with label 0 and 0.51 with the relevant 3,
+    # which has a dense lead of 0.5): the best text weight, 1, is above the default grid's top (0.5)
+    "text beyond the grid": [
+        ("gamma", 2, [0, 2, 1, 3, 4, 5], [0.9, 0.1, 0.05, 0.0, -0.05, -0.1], [], 6),
+        ("alpha alpha delta", 3, [3, 0, 1, 2, 4, 5], [0.5, 0.0, -0.02, -0.04, -0.06, -0.1], [], 3),
+    ],
+    # the ranker prefers the relevant label by 0.0012 in probability against a dense lead of 2 (a cosine of 1 against
+    # -1): only a ranker weight above 1,667 ranks it first, and the cap is 2,000 (spread 2 / TIE_RESOLUTION)
+    "ranker on its cap": [
+        ("typec", 5, [0, 1, 2, 3, 4, 5], [1.0, 0.6, 0.2, -0.2, -0.6, -1.0], [(5, 0.5012), (0, 0.5)], 4),
+    ],
+    # the dense model is right on one half, the ranker on the other: a ranker weight in (0.44, 0.89) gets both
+    "dense and ranker each right on half": [
+        ("typed", 1, [1, 0, 2, 3, 4, 5], [0.9, 0.1, 0.05, 0.0, -0.05, -0.1], [(0, 0.9)], 4),
+        ("typee", 3, [0, 3, 1, 2, 4, 5], [0.9, 0.5, 0.0, -0.1, -0.2, -0.3], [(3, 0.9)], 4),
+    ],
+}
+
+
+def _tuning_case(name):
+    """(model, channel, holdout, training targets) of one of :data:`TUNING_CASES`, and the ranker's own top-5."""
+    from hf_xmc.data import XMCDataset
+
+    rows = [row for *row, count in TUNING_CASES[name] for _ in range(count)]
+    terms = WORDS + ["typec", "typed", "typee"]
+    features = TfidfFeatures(terms, np.ones(len(terms), np.float32), ngram_max=1)
+    ranker = RankerByWord(terms, {text: hits for text, _, _, _, hits in rows if hits})
+    channel = LexicalChannel(features, features.transform(WORDS), ranker, settings={})
+    texts = [text for text, *_ in rows]
+    targets = sp.csr_matrix((np.ones(len(rows)), ([i for i in range(len(rows))], [label for _, label, *_ in rows])), shape=(len(rows), 6))
+    holdout = XMCDataset(texts, targets, [str(i) for i in range(len(rows))])
+    ranker_top = np.full((len(rows), 5), -1)
+    for i, (*_, hits) in enumerate(rows):
+        ranked = [label for label, _ in sorted(hits, key=lambda hit: -hit[1])][:5]
+        ranker_top[i, : len(ranked)] = ranked
+    train_targets = sp.csr_matrix(np.ones((3, 6), np.float32))  # every label equally frequent
+    return DenseStub([r[3] for r in rows], [r[2] for r in rows]), channel, holdout, train_targets, ranker_top
+
+
+def test_tuning_extends_the_text_grid_past_its_top_until_the_best_is_interior():
+    from hf_xmc.training.lexical import TEXT_WEIGHTS, tune_fusion_weights
+
+    result = tune_fusion_weights(*_tuning_case("text beyond the grid")[:4])
+    assert (result["ranker_weight"], result["text_weight"]) == (0.0, 1.0) and result["on_edge"] == []
+    # scored up to the first step past the best (1.5), then the cap (spread 1 / TIE_RESOLUTION), nothing between
+    assert result["text_weights"] == [*TEXT_WEIGHTS, 0.75, 1.0, 1.5, 1000.0]
+    assert result["grid"]["0,1"] == result["objective"] == 200.0  # every query right: P@1 100 + PSP@5 100
+    assert result["grid"]["0,0.5"] < result["objective"] and result["grid"]["0,1.5"] < result["objective"]
+    assert result["grid"]["0,1000"] < result["objective"]
+
+
+def test_tuning_reports_a_weight_left_on_its_cap(caplog):
+    from hf_xmc.training.lexical import RANKER_WEIGHTS, TIE_RESOLUTION, tune_fusion_weights, weight_cap
+
+    model, channel, holdout, train_targets, _ = _tuning_case("ranker on its cap")
+    assert weight_cap(2.0, RANKER_WEIGHTS[-1]) == 2.0 / TIE_RESOLUTION == 2000.0
+    result = tune_fusion_weights(model, channel, holdout, train_targets, RANKER_WEIGHTS, (0.0,))
+    assert (result["ranker_weight"], result["text_weight"]) == (2000.0, 0.0)
+    assert result["on_edge"] == ["ranker_weight"]  # the text weight was fixed: never extended, never on an edge
+    assert result["text_weights"] == [0.0]
+    # the gap below the cap was scanned step by step (none of them ranks the relevant label first) before giving up
+    assert result["ranker_weights"] == [*RANKER_WEIGHTS, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 750.0, 1000.0, 1500.0, 2000.0]
+    assert result["grid"]["1500,0"] < result["grid"]["2000,0"] == result["objective"]
+    # without the extension the top of the grid is reported as its edge
+    fixed = tune_fusion_weights(model, channel, holdout, train_targets, RANKER_WEIGHTS, (0.0,), extend=False)
+    assert fixed["ranker_weight"] == 2000.0 and fixed["on_edge"] == ["ranker_weight"] and fixed["ranker_weights"][-2:] == [50.0, 2000.0]
+
+
+@pytest.mark.parametrize("case", sorted(TUNING_CASES))
+def test_tuned_fusion_is_at_least_the_dense_and_the_channel_dominated_ranking(case):
+    """The invariant of the tuning on the queries it tunes on, against the two ends computed here without the fusion:
+    the dense model's ranking and the ranker's own."""
+    from hf_xmc.metrics import inverse_propensity, xmc_metrics
+    from hf_xmc.training.lexical import tune_fusion_weights
+
+    model, channel, holdout, train_targets, ranker_top = _tuning_case(case)
+    result = tune_fusion_weights(model, channel, holdout, train_targets)
+    inv_prop = inverse_propensity(train_targets, 0.55, 1.5)
+
+    def objective(ids):
+        m = xmc_metrics(ids[:, :5], holdout.targets, inv_prop, ks=(1, 5), recall_ks=())
+        return m["P@1"] + m["PSP@5"]
+
+    dense, ranker_alone = objective(model.ids), objective(ranker_top)
+    assert result["objective"] >= max(dense, ranker_alone) - 1e-3, (result["objective"], dense, ranker_alone)
+    assert result["dense"] == pytest.approx(dense, abs=1e-3)
+    # the two ends are pairs of the grid: (0, 0) ranks as the dense model, the ranker's cap as the ranker (then dense)
+    assert result["grid"]["0,0"] == pytest.approx(dense, abs=1e-3)
+    assert result["grid"][f"{result['ranker_weights'][-1]:g},0"] >= ranker_alone - 1e-3
+    if case == "dense and ranker each right on half":  # each end puts half the queries' label first, the fusion all
+        assert (result["ranker_weight"], result["text_weight"], result["on_edge"]) == (0.5, 0.0, [])
+        assert result["objective"] >= max(dense, ranker_alone) + 50
+
+
+def test_fit_warns_when_a_tuned_weight_ends_on_its_cap(tiny_encoder_dir, tiny_task, monkeypatch, caplog):
+    from hf_xmc.training import lexical
+
+    data, _ = tiny_task
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir)
+    model.set_labels(data.label_texts, data.label_uids)
+    on_cap = {"ranker_weight": 2000.0, "text_weight": 0.0, "objective": 1.0, "dense": 0.0, "on_edge": ["ranker_weight"],
+              "ranker_weights": [0.0, 2000.0], "text_weights": [0.0, 0.5], "grid": {}}
+    monkeypatch.setattr(lexical, "tune_fusion_weights", lambda *a, **k: dict(on_cap))
+    with caplog.at_level(logging.WARNING, logger="hf_xmc.training.lexical"):
+        channel = fit_lexical_channel(model, data.train, tune_queries=100, n_threads=1)
+    assert "the tuned ranker_weight ended on its grid's cap (2000)" in caplog.text and "text_weight ended" not in caplog.text
+    assert channel.tuning["on_edge"] == ["ranker_weight"] and channel.settings["ranker_weight"] == 2000.0
 
 
 def test_save_reload_and_remote_code_give_the_same_top_k(lexical_model, tiny_task, tmp_path):
@@ -216,6 +365,7 @@ def test_training_script_flag_reports_fused_and_dense_metrics(tiny_task, tiny_en
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.load(open(out / "eval_results.json"))
     assert results["lexical_fit_runtime"] > 0
+    assert results["lexical_ranker_weight_on_edge"] in (0, 1) and results["lexical_text_weight_on_edge"] in (0, 1)
     assert results["test_P@1"] > results["test_dense_P@1"]  # one epoch of a random tiny encoder: the words win
     model = DEXMLModel.from_pretrained(out)
     assert model.lexical_channel is not None and model.config.lexical_channel["ranker_weight"] == model.lexical_channel.settings["ranker_weight"]

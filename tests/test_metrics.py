@@ -225,11 +225,37 @@ def test_inverse_propensity_formula_and_constants():
     )
     assert PROPENSITY_CONSTANTS["default"] == (0.55, 1.5)
     assert propensity_constants("Amazon-670K") == (0.6, 2.6)
-    assert propensity_constants("AmazonCat-13K") == (0.6, 2.6)
+    assert propensity_constants("AmazonCat-13K") == (0.55, 1.5)  # pyxclib issue #7: not the Amazon product constants
     assert propensity_constants("WikiLSHTC-325K") == (0.5, 0.4)
     assert propensity_constants("wiki10-31k") == (0.5, 0.4)
     assert propensity_constants("EURLex-4K") == (0.55, 1.5)
     assert propensity_constants(None) == (0.55, 1.5)
+
+
+def test_propensity_constants_of_known_datasets_and_the_presets_agree():
+    """One table: WikiSeeAlso is not a Wikipedia-category dataset (0.55 / 1.5, as its configs and the presets say),
+    exact names win over the substring guess, and every training preset's constants are the table's."""
+    from hf_xmc.metrics.core import DATASET_PROPENSITY
+    from hf_xmc.training.presets import DATASETS
+
+    assert propensity_constants("LF-WikiSeeAlso-320K") == (0.55, 1.5)
+    assert propensity_constants("lf-wikiseealsotitles-320k") == (0.55, 1.5)
+    assert propensity_constants(" LF-WikiTitles-500K ") == (0.5, 0.4)
+    assert propensity_constants("LF-Wikipedia-500K") == (0.5, 0.4)
+    assert propensity_constants("LF-AmazonTitles-1.3M") == (0.6, 2.6)
+    # names outside the table: the substring fallback
+    assert propensity_constants("my-wikiseealso-dump") == (0.55, 1.5)
+    assert propensity_constants("AmazonCat-14K") == (0.55, 1.5)
+    assert propensity_constants("wiki-categories-1m") == (0.5, 0.4)
+    assert propensity_constants("amazon-reviews") == (0.6, 2.6)
+    assert propensity_constants("debtags") == (0.55, 1.5)
+    with pytest.raises(KeyError, match="no propensity constants recorded for dataset 'debtags'"):
+        propensity_constants("debtags", exact=True)
+    assert all(name == name.lower() and family in PROPENSITY_CONSTANTS for name, family in DATASET_PROPENSITY.items())
+    for key, facts in DATASETS.items():
+        assert (facts["propensity_a"], facts["propensity_b"]) == propensity_constants(facts["dataset_name"], exact=True), key
+    assert (DATASETS["lf-wikiseealso-320k"]["propensity_a"], DATASETS["lf-wikiseealso-320k"]["propensity_b"]) == (0.55, 1.5)
+    assert (DATASETS["lf-wikititles-500k"]["propensity_a"], DATASETS["lf-wikititles-500k"]["propensity_b"]) == (0.5, 0.4)
 
 
 def test_precision_by_frequency_bucket():

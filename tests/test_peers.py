@@ -145,3 +145,59 @@ def test_run_peers_removes_the_filter_pairs_before_scoring(task):
     truth = sp.csr_matrix(data.test.targets)
     filtered = peers.run_peers(data, k=K, only=["zeroshot"], filter_matrix=truth.astype(bool))[0]["metrics"]
     assert plain["P@1"] > 80 and filtered["P@1"] == 0 and filtered["R@100"] == 0
+
+
+def test_run_peers_scores_psp_with_the_constants_it_is_given_and_records_them(task):
+    """PSP@k depends on (A, B): the peers take the hf_xmc run's constants and every row says which were used."""
+    from hf_xmc.metrics import inverse_propensity, psprecision_at_k
+
+    data, _, _ = task
+    default = peers.run_peers(data, k=K, only=["zeroshot"])[0]
+    amazon = peers.run_peers(data, k=K, only=["zeroshot"], propensity_a=0.6, propensity_b=2.6)[0]
+    assert (default["propensity_a"], default["propensity_b"]) == (0.55, 1.5)
+    assert (amazon["propensity_a"], amazon["propensity_b"]) == (0.6, 2.6)
+    assert amazon["metrics"]["P@1"] == default["metrics"]["P@1"] and amazon["metrics"]["PSP@5"] != default["metrics"]["PSP@5"]
+    topk, _, _ = peers.run_tfidf_zero_shot(data.train.texts, data.test.texts, list(data.label_texts), k=K)
+    expected = 100 * psprecision_at_k(topk, data.test.targets, inverse_propensity(data.train.targets, 0.6, 2.6), 5)
+    assert amazon["metrics"]["PSP@5"] == pytest.approx(expected)
+
+
+def test_dataset_propensity_is_the_metrics_table():
+    assert peers.dataset_propensity("outputs/LF-AmazonTitles-131K/") == (0.6, 2.6)
+    assert peers.dataset_propensity("/data/LF-WikiSeeAlso-320K") == (0.55, 1.5)
+    assert peers.dataset_propensity("/data/LF-WikiTitles-500K") == (0.5, 0.4)
+    assert peers.dataset_propensity("debtags") == (0.55, 1.5)
+
+
+def test_main_counts_unlabelled_test_points_and_records_the_constants(tmp_path, monkeypatch):
+    """``peers.py --dataset DIR`` reads the test file as the training scripts do (unlabelled points kept, scored 0) and
+    writes the constants, the convention and the filter pairs that are positives into its JSON."""
+    import gzip
+    import json
+    import sys
+
+    directory = tmp_path / "LF-AmazonTitles-131K"  # the folder's name gives the constants: Amazon's 0.6 / 2.6
+    directory.mkdir()
+    labels = ["red apple", "green pear", "blue plum"]
+
+    def write_gz(name, rows):
+        with gzip.open(directory / name, "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    write_gz("lbl.json.gz", [{"uid": f"l{j}", "title": t} for j, t in enumerate(labels)])
+    write_gz("trn.json.gz", [{"uid": f"t{i}", "title": labels[i % 3], "target_ind": [i % 3]} for i in range(6)])
+    write_gz("tst.json.gz", [{"uid": "a", "title": "red apple", "target_ind": [0]}, {"uid": "b", "title": "green pear", "target_ind": []},
+                             {"uid": "c", "title": "blue plum", "target_ind": [2]}, {"uid": "d", "title": "green pear", "target_ind": [1]}])
+    (directory / "filter_labels_test.txt").write_text("3 1\n1 0\n")  # (3, 1) is a positive of d
+    out = tmp_path / "peers.json"
+    for flag in ([], ["--skip_unlabeled_test_points"]):
+        monkeypatch.setattr(sys, "argv", ["peers.py", "--dataset", str(directory), "--only", "zeroshot", "--out", str(out), *flag])
+        peers._main()
+        result = json.loads(out.read_text())
+        row = result["rows"][0]
+        assert (result["propensity_a"], result["propensity_b"]) == (0.6, 2.6) == (row["propensity_a"], row["propensity_b"])
+        assert result["test_unlabeled_points"] == 1 and result["filter_overlap_pairs"] == 1
+        if not flag:  # a and c are found at rank 1; b has no label, d's label is filtered: 2 of 4
+            assert result["test_unlabeled_counted"] is True and row["metrics"]["P@1"] == pytest.approx(50.0)
+        else:  # b left out (the filter's row 3 still means d): 2 of 3
+            assert result["test_unlabeled_counted"] is False and row["metrics"]["P@1"] == pytest.approx(200 / 3)

@@ -14,7 +14,7 @@ import scipy.sparse as sp
 import torch
 
 from hf_xmc.data import XCData, XMCDataset, carve_validation, default_validation_size, split_validation
-from hf_xmc.data.splits import fingerprint
+from hf_xmc.data.splits import fingerprint, validation_record
 from hf_xmc.models import DEXMLModel
 from hf_xmc.models.calibration import ScoreCalibration
 from hf_xmc.training.calibration import (
@@ -297,3 +297,52 @@ def test_max_steps_0_is_the_untrained_baseline(tiny_task, tiny_encoder_dir, tmp_
     assert sum(("encoder." + k) in saved for k in start) >= len(start) - 1  # (pooler weights aside)
     model = DEXMLModel.from_pretrained(out)
     assert model.lexical_channel is not None and model.score_calibration is not None
+
+
+def test_the_final_validation_metrics_are_the_saved_models_on_the_validation_split(tiny_task, tiny_encoder_dir, tmp_path):
+    """A run with a validation split reports the final model's metrics on it (eval_*: what a sweep chooses by, never
+    the test split), and they are the saved model's ranking of exactly the validation queries."""
+    from hf_xmc.training.evaluation import XMCEvaluator
+
+    data, task_dir = tiny_task
+    out = tmp_path / "run"
+    proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(out), epochs="1") + ["--validation_size", "96", "--save_strategy", "no"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.load(open(out / "eval_results.json"))
+    _, validation = split_validation(data.train, 96, seed=1)
+    model = DEXMLModel.from_pretrained(out)
+    expected = XMCEvaluator(validation, model.label_texts, name="eval")(model)
+    for key in ("eval_P@1", "eval_P@5", "eval_nDCG@5", "eval_R@10"):
+        assert results[key] == pytest.approx(expected[key], abs=1e-6), key
+    assert results["eval_P@1"] != results["test_P@1"] or results["eval_P@5"] != results["test_P@5"]  # two query sets
+
+
+def test_a_validation_pair_whose_reverse_is_a_training_pair_is_filtered_not_scored():
+    """Where queries and labels share ids (WordNet-XMC, the LF datasets), a validation pair (q, l) whose reverse (l, q)
+    is a training pair moves to the validation filter, as the XC repository treats the test split's reciprocal pairs;
+    every other pair stays a target, and datasets without shared ids are untouched."""
+    rng = np.random.default_rng(0)
+    n = 40
+    uids = [f"s{i}" for i in range(n)]
+    rows, cols = [], []
+    for q in range(n):
+        for label in rng.choice(n, size=3, replace=False):
+            if label != q:
+                rows.append(q)
+                cols.append(int(label))
+    targets = sp.csr_matrix((np.ones(len(rows), dtype=np.float32), (rows, cols)), shape=(n, n))
+    train = XMCDataset(texts=[f"t{i}" for i in range(n)], targets=targets, uids=list(uids))
+    data = carve_validation(XCData(train=train, test=train, label_texts=[f"l{i}" for i in range(n)], label_uids=list(uids)), 10, seed=3)
+    val, kept = data.validation, data.train
+    train_pairs = {(kept.uids[r], uids[c]) for r, c in zip(*kept.targets.nonzero())}
+    val_pairs = {(val.uids[r], uids[c]) for r, c in zip(*val.targets.nonzero())}
+    moved = {(val.uids[r], uids[c]) for r, c in zip(*val.filter_matrix.nonzero())}
+    original = {(uids[r], uids[c]) for r, c in zip(rows, cols) if uids[r] in set(val.uids)}
+    assert moved and val_pairs | moved == original and not val_pairs & moved
+    assert all((label, q) in train_pairs for q, label in moved)
+    assert not any((label, q) in train_pairs for q, label in val_pairs)
+    assert val.num_reciprocal_pairs == len(moved) and validation_record(data, "training split")["reciprocal_pairs_filtered"] == len(moved)
+    # labels with ids of their own (Debtags' tags, Reuters' topics): nothing moves
+    other = carve_validation(XCData(train=train, test=train, label_texts=[f"l{i}" for i in range(n)], label_uids=[f"tag{i}" for i in range(n)]), 10, seed=3)
+    assert other.validation.filter_matrix is None and other.validation.targets.nnz == data.validation.targets.nnz + len(moved)
+    assert "reciprocal_pairs_filtered" not in validation_record(other, "training split")

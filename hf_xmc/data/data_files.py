@@ -115,16 +115,16 @@ def _drop_unlabeled(xc: XMCDataset) -> XMCDataset:
 
 
 def points_from_dataset(ds: datasets.Dataset, num_labels: int, where: str, text_column: str = "text", label_column: str = "labels",
-                        image_column: str = "images", image_cache_dir: Optional[str] = None) -> XMCDataset:
-    """The points of a ``datasets.Dataset`` (unlabelled ones skipped); a fault is a ``ValueError`` that starts with
-    ``where`` (the file, or the dataset and split)."""
+                        image_column: str = "images", image_cache_dir: Optional[str] = None, skip_unlabeled: bool = True) -> XMCDataset:
+    """The points of a ``datasets.Dataset`` (unlabelled ones skipped, unless not ``skip_unlabeled``: a test split's are
+    kept); a fault is a ``ValueError`` that starts with ``where`` (the file, or the dataset and split)."""
     from .hf_bridge import from_hf_dataset
 
     try:
         xc = from_hf_dataset(ds, num_labels, text_column, label_column, image_column, image_cache_dir)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
-    return _drop_unlabeled(xc)
+    return _drop_unlabeled(xc) if skip_unlabeled else xc
 
 
 def labels_from_dataset(ds: datasets.Dataset, where: str, label_text_column: str = "text", label_image_column: str = "images",
@@ -151,12 +151,15 @@ def labels_from_dataset(ds: datasets.Dataset, where: str, label_text_column: str
 
 
 def read_points_file(path: str, num_labels: int, split: str = "train", text_fields: Sequence[str] = ("title",), text_column: str = "text",
-                     label_column: str = "labels", image_column: str = "images", image_cache_dir: Optional[str] = None) -> XMCDataset:
+                     label_column: str = "labels", image_column: str = "images", image_cache_dir: Optional[str] = None,
+                     skip_unlabeled: bool = True) -> XMCDataset:
     """The points of one file: XC raw JSON lines (``text_fields``), or a data file read with ``datasets`` (columns
-    ``text_column``, ``label_column``: lists of label ids, or a CSV string such as ``"3 17"`` / ``"[3, 17]"``)."""
+    ``text_column``, ``label_column``: lists of label ids, or a CSV string such as ``"3 17"`` / ``"[3, 17]"``).
+    ``skip_unlabeled``: leave out the points without a label (False: keep them, as a test file is read by default)."""
     if _is_xc_raw(path, False, text_fields, label_column, "text"):
-        return read_xc_raw(path, num_labels=num_labels, text_fields=text_fields)
-    return points_from_dataset(_load_file(path, split), num_labels, path, text_column, label_column, image_column, image_cache_dir)
+        return read_xc_raw(path, num_labels=num_labels, text_fields=text_fields, skip_unlabeled=skip_unlabeled)
+    return points_from_dataset(_load_file(path, split), num_labels, path, text_column, label_column, image_column, image_cache_dir,
+                               skip_unlabeled=skip_unlabeled)
 
 
 def read_labels_file(path: str, text_fields: Sequence[str] = ("title",), label_text_column: str = "text", label_image_column: str = "images",
@@ -182,10 +185,13 @@ def load_data_files(
     label_text_column: str = "text",
     label_image_column: str = "images",
     image_cache_dir: Optional[str] = None,
+    skip_unlabeled_test_points: bool = False,
 ) -> XCData:
     """An XMC task from one file per split (``train_file`` None: no training split), each in its own format (see the
     module docstring); label ids are checked against the label file. XC raw files read exactly as
-    :func:`~hf_xmc.data.xc_raw.load_xc_dataset` reads them."""
+    :func:`~hf_xmc.data.xc_raw.load_xc_dataset` reads them: training and validation points without a label are
+    skipped (they carry no signal to train or tune on), test points without one are kept and score 0 (pyxclib's and
+    the repository's convention) unless ``skip_unlabeled_test_points``."""
     label_uids, label_texts, label_images = read_labels_file(label_file, tuple(label_text_fields or text_fields), label_text_column,
                                                              label_image_column, image_cache_dir)
     columns = dict(text_fields=tuple(text_fields), text_column=text_column, label_column=label_column, image_column=image_column,
@@ -193,7 +199,7 @@ def load_data_files(
     train = None
     if train_file:
         train = check_training_points(read_points_file(train_file, len(label_uids), "train", **columns), train_file)
-    test = read_points_file(test_file, len(label_uids), "test", **columns)
+    test = read_points_file(test_file, len(label_uids), "test", **columns, skip_unlabeled=skip_unlabeled_test_points)
     validation = None
     if validation_file:
         validation = read_points_file(validation_file, len(label_uids), "validation", **columns)
@@ -319,6 +325,7 @@ def load_hf_xc_data(
     test_files: str | None = None,
     image_cache_dir: str | None = None,
     validation_split: str | None = None,
+    skip_unlabeled_test_points: bool = False,
 ) -> XCData:
     """An XMC task read with ``datasets``, as transformers' example scripts read theirs.
 
@@ -327,8 +334,10 @@ def load_hf_xc_data(
     present, ``image_column`` (paths, or ``datasets.Image()`` cells) and ``uid``. ``train_files`` / ``test_files``
     name data files per split instead. Labels come from ``label_dataset_name`` (default ``dataset_name``) with
     ``label_dataset_config_name`` (default ``dataset_config_name`` when the labels live in the same dataset), split
-    ``label_split``: row i = label id i, ``label_text_column`` (+ ``uid``, ``label_image_column``). Points without a
-    label are skipped as the XC readers skip them (``source_rows`` keeps the rows a filter file refers to).
+    ``label_split``: row i = label id i, ``label_text_column`` (+ ``uid``, ``label_image_column``). Training and
+    validation points without a label are skipped as the XC readers skip them (``source_rows`` keeps the rows a filter
+    file refers to); test points without one are kept (they score 0, as pyxclib counts them) unless
+    ``skip_unlabeled_test_points``.
     ``train_split=None`` reads no training split (evaluation only); ``validation_split`` names a split of validation
     points (``XCData.validation``). Memory: the Arrow tables are memory-mapped; the
     texts and the CSR targets are built once (``8 x`` labels-per-point bytes per point).
@@ -343,16 +352,16 @@ def load_hf_xc_data(
                                                                 label_image_column, image_cache_dir)
     others = point_splits + ([label_split] if same else [])
 
-    def points(split: str, files: str | None):
+    def points(split: str, files: str | None, skip_unlabeled: bool = True):
         if files:  # named for this split: every file is its
             ds = _load_split(files, None, split, whole=True)
         else:
             ds = _load_split(dataset_name, dataset_config_name, split, others=others)
         return points_from_dataset(ds, len(label_texts), f"{files or dataset_name}, split {split!r}", text_column, label_column, image_column,
-                                   image_cache_dir)
+                                   image_cache_dir, skip_unlabeled=skip_unlabeled)
 
     train = points(train_split, train_files) if train_split else None
-    test = points(test_split, test_files)
+    test = points(test_split, test_files, skip_unlabeled=skip_unlabeled_test_points)
     if train is not None and len(train) == 0:
         raise ValueError(f"{train_files or dataset_name}, split {train_split!r}: no training point has a label")
     validation = points(validation_split, None) if validation_split else None

@@ -15,7 +15,7 @@ import scipy.sparse as sp
 
 from .xc_raw import PathLike, XMCDataError, _iter_lines, _open_text
 
-__all__ = ["read_filter_file", "filter_predictions"]
+__all__ = ["read_filter_file", "filter_predictions", "filter_overlap_pairs"]
 
 
 def read_filter_file(path: PathLike, num_points: int, num_labels: int) -> sp.csr_matrix:
@@ -90,3 +90,18 @@ def filter_predictions(label_ids: np.ndarray, scores: np.ndarray, filter_matrix:
         out_ids[r, rank[r, c]] = ids[r, c]
         out_sc[r, rank[r, c]] = sc[r, c]
     return out_ids, out_sc
+
+
+def filter_overlap_pairs(filter_matrix: sp.spmatrix, targets: sp.spmatrix) -> int:
+    """Number of (point, label) pairs that are both in ``filter_matrix`` and positives of ``targets``: positives that
+    :func:`filter_predictions` removes from every ranking, so no model can ever hit them (the repository's filter files
+    list pairs its ground truth no longer holds, so a well-formed dataset gives 0). A filter column beyond the targets'
+    is no positive. Memory: a few arrays of ``nnz(filter_matrix)`` entries (the targets are looked up, not copied)."""
+    fm, truth = sp.csr_matrix(filter_matrix), sp.csr_matrix(targets)
+    if fm.shape[0] != truth.shape[0]:
+        raise ValueError(f"filter matrix has {fm.shape[0]} rows but the targets have {truth.shape[0]}")
+    rows = np.repeat(np.arange(fm.shape[0], dtype=np.int64), np.diff(fm.indptr))
+    keep = (fm.data != 0) & (fm.indices < truth.shape[1])
+    if not keep.any():
+        return 0
+    return int(np.count_nonzero(np.asarray(truth[rows[keep], fm.indices[keep]]).ravel()))

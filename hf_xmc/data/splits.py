@@ -14,11 +14,15 @@ references and the CSR rows of the targets).
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Optional
 
 import numpy as np
+import scipy.sparse as sp
 
 from .xc_raw import XCData, XMCDataset
+
+logger = logging.getLogger(__name__)
 
 # the default size when a run needs a validation split: 5% of the training queries, at least 500 (a tuning grid scored on
 # fewer is noise), at most 2,000 (enough to tune two weights and a calibration map; more only costs time), and never
@@ -60,13 +64,61 @@ def fingerprint(dataset: XMCDataset) -> str:
     return digest.hexdigest()[:16]
 
 
+def reciprocal_pairs(validation: XMCDataset, train: XMCDataset, label_uids) -> Optional[sp.csr_matrix]:
+    """The validation pairs ``(q, l)`` whose reverse is a training pair, as a ``(len(validation), L)`` boolean CSR
+    (None when there is none): where queries and labels share one id space (a query whose uid is a label's uid, as in
+    WordNet-XMC and the LF datasets, where a product or an article is both), label ``l`` is the training query ``t``
+    of the same uid and ``t``'s targets hold the label that is ``q``. A shared encoder or a label-text score can use the
+    reversed pair and a tree cannot; the Extreme Classification Repository removes such pairs from the test ground truth
+    and lists them in its filter files, and the validation split gets the same treatment (:func:`carve_validation`).
+    Memory: a dict of the label uids and one of the training uids (about 100 bytes per label and per training query)."""
+    if label_uids is None or not len(validation):
+        return None
+    label_of = {uid: i for i, uid in enumerate(label_uids)}
+    query_label = np.array([label_of.get(uid, -1) for uid in validation.uids], dtype=np.int64)  # the label that is q
+    if not (query_label >= 0).any():
+        return None
+    train_row = {uid: r for r, uid in enumerate(train.uids)}
+    label_row = np.array([train_row.get(uid, -1) for uid in label_uids], dtype=np.int64)  # the training query that is l
+    t = validation.targets.tocsr()
+    rows, cols = [], []
+    for q in np.flatnonzero(query_label >= 0):
+        labels = t.indices[t.indptr[q]:t.indptr[q + 1]]
+        for label in labels[label_row[labels] >= 0]:
+            r = label_row[label]
+            if query_label[q] in train.targets.indices[train.targets.indptr[r]:train.targets.indptr[r + 1]]:
+                rows.append(q)
+                cols.append(label)
+    if not rows:
+        return None
+    return sp.csr_matrix((np.ones(len(rows), dtype=bool), (rows, cols)), shape=t.shape)
+
+
+def filter_reciprocal_pairs(validation: XMCDataset, pairs: sp.csr_matrix) -> XMCDataset:
+    """``validation`` with ``pairs`` moved from its targets to its filter pairs (neither a hit nor a miss when scored);
+    a query left without a label keeps its row (it scores 0 for every tuned setting alike)."""
+    targets = validation.targets.tocsr().copy()
+    targets = (targets - targets.multiply(pairs.astype(targets.dtype))).tocsr()
+    targets.eliminate_zeros()
+    filt = pairs if validation.filter_matrix is None else (validation.filter_matrix + pairs)
+    return XMCDataset(texts=validation.texts, targets=targets, uids=validation.uids, source_rows=validation.source_rows,
+                      images=validation.images, filter_matrix=sp.csr_matrix(filt, dtype=bool))
+
+
 def carve_validation(data: XCData, size: int, seed: int) -> XCData:
     """``data`` with ``size`` training queries moved to ``data.validation`` (``data.train`` keeps the rest). The
-    propensities of PSP@k keep coming from every training query (:meth:`XCData.propensity_targets`)."""
+    propensities of PSP@k keep coming from every training query (:meth:`XCData.propensity_targets`). A validation pair
+    whose reverse is a training pair (:func:`reciprocal_pairs`) is moved to the validation filter, as a test split's
+    reciprocal pairs are by the Extreme Classification Repository (``validation.num_reciprocal_pairs`` counts them)."""
     if data.validation is not None:
         raise ValueError("the data already has a validation split")
     full = data.train.targets
     train, validation = split_validation(data.train, size, seed)
+    pairs = reciprocal_pairs(validation, train, data.label_uids)
+    if pairs is not None:
+        validation = filter_reciprocal_pairs(validation, pairs)
+        logger.info("validation: %d pairs whose reverse is a training pair moved to the validation filter", pairs.nnz)
+    validation.num_reciprocal_pairs = 0 if pairs is None else int(pairs.nnz)
     return XCData(train=train, test=data.test, label_texts=data.label_texts, label_uids=data.label_uids,
                   label_images=data.label_images, validation=validation, all_train_targets=full)
 
@@ -76,6 +128,8 @@ def validation_record(data: XCData, source: str, seed: Optional[int] = None) -> 
     if data.validation is None:
         return None
     record = {"source": source, "queries": len(data.validation), "training_queries": len(data.train), "fingerprint": fingerprint(data.validation)}
+    if getattr(data.validation, "num_reciprocal_pairs", 0):
+        record["reciprocal_pairs_filtered"] = data.validation.num_reciprocal_pairs
     if seed is not None:
         record["seed"] = int(seed)
     return record

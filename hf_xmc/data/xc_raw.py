@@ -441,6 +441,9 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
                 skip_unlabeled: bool = True, check_images: bool = True) -> XMCDataset:
     """Read an XC-repository raw JSON-lines file (``trn.json.gz``/``tst.json.gz``) into an :class:`XMCDataset`.
 
+    ``skip_unlabeled``: leave out the points whose ``target_ind`` is empty (counted in ``num_skipped``; ``source_rows``
+    keeps the records a filter file refers to), as training and validation files are read; False keeps them as rows
+    without a positive, as a test file is read by default (pyxclib averages over every test row: such a row scores 0).
     An optional ``images`` field (list of paths, relative to the file's directory) fills
     ``XMCDataset.images``; with ``check_images`` a missing image file is an error naming the line.
     """
@@ -503,6 +506,10 @@ def read_xc_raw(path: PathLike, num_labels: int | None = None, text_fields: Sequ
         raise XMCDataError(path, None, f"no line has the text field(s) {', '.join(repr(f) for f in fields)} (--text_fields)")
     if skipped:
         logger.warning("%s: skipped %d point(s) with no labels", os.fspath(path), skipped)
+    elif not skip_unlabeled and len(indptr) > 1:
+        empty = int(np.count_nonzero(np.diff(np.frombuffer(indptr, dtype=np.int64)) == 0))
+        if empty:
+            logger.info("%s: %d point(s) with no labels kept", os.fspath(path), empty)
     warn_duplicate_uids(path, uids, lines, "point")
     targets = sp.csr_matrix(
         (np.ones(len(indices), dtype=np.float32), np.frombuffer(indices, dtype=np.int64),
@@ -659,15 +666,19 @@ def check_training_points(train: XMCDataset, path: PathLike) -> XMCDataset:
 
 def load_xc_dataset(train_file: PathLike, test_file: PathLike, label_file: PathLike,
                     text_fields: Sequence[str] = ("title",),
-                    label_text_fields: Sequence[str] | None = None, check_images: bool = True) -> XCData:
+                    label_text_fields: Sequence[str] | None = None, check_images: bool = True,
+                    skip_unlabeled_test_points: bool = False) -> XCData:
     """Load an XC raw dataset (train, test and label files); label ids are checked against the label file.
 
     ``label_text_fields`` defaults to ``text_fields``. Image paths (optional ``images`` fields) land in
-    ``train.images``, ``test.images`` and ``label_images``; ``check_images`` checks that the files exist.
+    ``train.images``, ``test.images`` and ``label_images``; ``check_images`` checks that the files exist. Training
+    points without a label are skipped; test points without one are kept (every metric averages over them, as pyxclib
+    and the repository's tables do: such a point scores 0) unless ``skip_unlabeled_test_points``.
     """
     label_uids, label_texts, label_images = read_xc_labels(
         label_file, text_fields=label_text_fields or text_fields, return_images=True, check_images=check_images)
     num_labels = len(label_uids)
     train = check_training_points(read_xc_raw(train_file, num_labels=num_labels, text_fields=text_fields, check_images=check_images), train_file)
-    test = read_xc_raw(test_file, num_labels=num_labels, text_fields=text_fields, check_images=check_images)
+    test = read_xc_raw(test_file, num_labels=num_labels, text_fields=text_fields, check_images=check_images,
+                       skip_unlabeled=skip_unlabeled_test_points)
     return XCData(train=train, test=test, label_texts=label_texts, label_uids=label_uids, label_images=label_images)

@@ -3,6 +3,7 @@
 from .core import (
     EVALUATE_MODULE_PATH,
     PROPENSITY_CONSTANTS,
+    coverage_at_k,
     inverse_propensity,
     label_lists_to_csr,
     ndcg_at_k,
@@ -13,12 +14,14 @@ from .core import (
     psndcg_at_k,
     psprecision_at_k,
     recall_at_k,
+    seen_unseen_metrics,
     xmc_metrics,
 )
 
 __all__ = [
     "EVALUATE_MODULE_PATH",
     "PROPENSITY_CONSTANTS",
+    "coverage_at_k",
     "inverse_propensity",
     "label_lists_to_csr",
     "ndcg_at_k",
@@ -29,5 +32,6 @@ __all__ = [
     "psndcg_at_k",
     "psprecision_at_k",
     "recall_at_k",
+    "seen_unseen_metrics",
     "xmc_metrics",
 ]

@@ -28,6 +28,11 @@ negative ids = no prediction; ``truth`` an (n, L) sparse binary matrix; ranks r 
   ``compute_inv_propesity``), see :data:`PROPENSITY_CONSTANTS` for the usual (A, B).
 
 The ``*_at_k`` functions return fractions in [0, 1]; :func:`xmc_metrics` returns percentages.
+
+Beside them, from the same top-k ids: :func:`coverage_at_k` (distinct labels hit in some top-k / distinct labels of
+the ground truth, napkinXC's convention), :func:`seen_unseen_metrics` (P@k and PSP@k split between labels with and
+without training points, with the unseen share of PSP@k's ideal mass) and :func:`precision_by_frequency_bucket` (P@k
+per label-frequency bucket; ten buckets give the deciles the evaluator reports).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ def _load_impl() -> ModuleType:
 if TYPE_CHECKING:  # static analysers see the real definitions (and their type hints)
     from .xmc_metrics.xmc_core import (  # noqa: F401
         PROPENSITY_CONSTANTS,
+        coverage_at_k,
         inverse_propensity,
         label_lists_to_csr,
         ndcg_at_k,
@@ -73,6 +79,7 @@ if TYPE_CHECKING:  # static analysers see the real definitions (and their type h
         psndcg_at_k,
         psprecision_at_k,
         recall_at_k,
+        seen_unseen_metrics,
         xmc_metrics,
     )
 else:

@@ -63,7 +63,8 @@ def evaluation_summary(evaluator, num_buckets: int = 5) -> dict[str, Any]:
 
     Returns ``metrics`` (the evaluator's metric names without prefix, in percent), ``curve`` (P@k and PSP@k for
     k = 1..max(ks)), ``buckets`` (``precision_by_frequency_bucket`` at the largest k, when train targets were
-    given), ``num_queries``, ``split`` (the evaluator's name), ``dataset_name`` and the propensity constants.
+    given), ``num_queries``, ``split`` (the evaluator's name), ``dataset_name``, the propensity constants and, when the
+    evaluator records them, ``unlabeled_points`` / ``unlabeled_counted`` (queries without a label: scored 0 or left out).
     """
     ids = evaluator.last_predictions
     if ids is None:
@@ -90,6 +91,8 @@ def evaluation_summary(evaluator, num_buckets: int = 5) -> dict[str, Any]:
         "split": evaluator.name,
         "dataset_name": evaluator.dataset_name,
         "propensity": (evaluator.propensity_a, evaluator.propensity_b) if evaluator.inv_propensity is not None else None,
+        "unlabeled_points": getattr(evaluator, "unlabeled_points", 0) if getattr(evaluator, "unlabeled_counted", None) is not None else 0,
+        "unlabeled_counted": getattr(evaluator, "unlabeled_counted", None),
     }
 
 

@@ -19,7 +19,11 @@ Steps (each logged with its seconds):
    there are optimistic and the tuning errs towards small lexical weights (10-50x smaller for the methods with per-label
    parameters, which memorise their training queries). Either way the tuning queries are ranked once by the model's
    dense search and once by the ranker; every pair of the weight grids is scored from those candidates and the pair
-   with the best ``P@1 + PSP@5`` is kept (ties: the smaller weights). Weights given explicitly are not tuned.
+   with the best ``P@1 + PSP@5`` is kept (ties: the smaller weights). A grid also holds its cap (the weight past which
+   the dense score only breaks the channel's ties) and is extended past its top while the best weight sits there
+   (:func:`tune_fusion_weights`), so the chosen pair is at least the dense ranking alone and the channel-dominated
+   one on the tuning queries; a weight that still ends on its cap is named in ``channel.tuning["on_edge"]`` and
+   logged. Weights given explicitly are not tuned.
 
 Needs ``scikit-learn`` and ``omikuji`` (``pip install hf_xmc[lexical]``). Memory: the TF-IDF matrix of the training
 queries (``12`` bytes per non-zero, ~25 per short query: 0.7 GB at 2.2M queries) while the ranker trains, plus
@@ -29,6 +33,7 @@ Omikuji's own working set (its training file is written to a temporary directory
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 import time
@@ -44,10 +49,16 @@ from ..models.lexical_channel import DEFAULT_SETTINGS, CsrRows, LexicalChannel, 
 
 logger = logging.getLogger(__name__)
 
-# up to 50 (from ~20 up the ranker's probabilities order the candidates and the dense score breaks near-ties): on
-# WordNet-XMC the tuning chose the top of the grid both times it ended lower (at 3, then at 10)
+# the grids every fit scores (on WordNet-XMC the ranker's tuning chose the top of the grid both times it ended lower, at
+# 3, then at 10); the tuning adds each grid's cap and extends a grid past its top while the best weight sits there
+# (tune_fusion_weights), so these are where the search starts, not its limits
 RANKER_WEIGHTS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
 TEXT_WEIGHTS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
+# the steps a grid is extended by, per decade (0.5 -> 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, ...; 50 -> 75, 100, 150, ...)
+WEIGHT_STEPS = (1.0, 1.5, 2.0, 3.0, 5.0, 7.5)
+# a grid's cap: the weight at which channel scores that differ by this much are never reordered by the dense term
+# (weight_cap); above it the dense score only breaks the channel's ties, so a larger weight ranks the same
+TIE_RESOLUTION = 1e-3
 
 
 def fit_tfidf(texts: Sequence[str], max_features: Optional[int] = 200_000, min_df: int = 2, ngram_max: int = 2) -> TfidfFeatures:
@@ -167,7 +178,9 @@ def fit_lexical_channel(
         chosen["tuned_on"] = "validation" if validation is not None else "training"
         channel.tuning = chosen  # what the weights were chosen from (not saved)
         logger.info("lexical channel: weights tuned on %d %s queries in %.1f s: %s", len(tune_on), chosen["tuned_on"], time.perf_counter() - start,
-                    {k: v for k, v in chosen.items() if k != "grid"})
+                    {k: v for k, v in chosen.items() if k not in ("grid", "ranker_weights", "text_weights")})
+        for name in chosen["on_edge"]:  # the cap: the dense score only breaks the channel's ties at this weight
+            logger.warning("lexical channel: the tuned %s ended on its grid's cap (%g): the dense score only breaks the channel's ties", name, chosen[name])
     if validation is not None and refit_ranker:
         refit_lexical_ranker(channel, train, validation, n_threads=n_threads)
     channel.settings.update(ranker_weight=float(ranker_weight if ranker_weight is not None else DEFAULT_SETTINGS["ranker_weight"]),
@@ -187,6 +200,36 @@ def refit_lexical_ranker(channel: LexicalChannel, train: XMCDataset, validation:
     logger.info("lexical channel: ranker trained again on the %d training and validation queries in %.1f s", len(rows), time.perf_counter() - start)
 
 
+def next_weight(weight: float) -> float:
+    """The first value of :data:`WEIGHT_STEPS` (1, 1.5, 2, 3, 5, 7.5 per decade) above ``weight`` (> 0): 0.5 -> 0.75,
+    50 -> 75, 7.5 -> 10."""
+    if not weight > 0:
+        raise ValueError(f"a grid is extended above a positive weight, got {weight}")
+    decade = 10.0 ** math.floor(math.log10(weight))
+    for scale in (decade, 10 * decade):
+        for step in WEIGHT_STEPS:
+            value = float(f"{step * scale:.6g}")  # 0.15, not 0.15000000000000002
+            if value > weight * (1 + 1e-9):
+                return value
+    raise AssertionError("unreachable: the next decade's first step is above any weight of this one")
+
+
+def weight_cap(dense_spread: float, grid_top: float) -> float:
+    """The largest weight a channel's grid is extended to: the first :func:`next_weight` step from ``grid_top`` at or
+    above ``dense_spread / TIE_RESOLUTION``, never below ``grid_top``. ``dense_spread`` is the dense term's largest
+    range over one query's candidates (``dense_weight x (max - min)``: at most 2 for cosine scores at ``dense_weight``
+    1, so a cap of at most 2,000); past the cap the dense term reorders only the candidates whose channel scores differ
+    by less than ``TIE_RESOLUTION`` (it breaks the channel's ties, nothing more), so a larger weight ranks the same.
+    A spread of 0 (``dense_weight`` 0: only the ratio of the two channel weights matters) keeps ``grid_top``."""
+    target = dense_spread / TIE_RESOLUTION
+    cap = grid_top
+    if not (np.isfinite(target) and grid_top > 0):
+        return cap
+    while cap < target * (1 - 1e-9):
+        cap = next_weight(cap)
+    return cap
+
+
 def tune_fusion_weights(
     model,
     channel: LexicalChannel,
@@ -195,11 +238,29 @@ def tune_fusion_weights(
     ranker_weights: Sequence[float] = RANKER_WEIGHTS,
     text_weights: Sequence[float] = TEXT_WEIGHTS,
     batch_size: int = 128,
-) -> dict[str, float]:
-    """The ``(ranker_weight, text_weight)`` of the grids with the best ``P@1 + PSP@5`` on ``holdout`` (ties: smaller
-    weights first), with the scores of every pair under ``"grid"`` and of the dense model alone under ``"dense"``.
-    The model is searched once (its index is built if needed), the channel scored once; memory: the candidates of the
-    held-out queries, ``(dense_depth + ranker_depth) x 16`` bytes per query."""
+    extend: bool = True,
+) -> dict:
+    """The ``(ranker_weight, text_weight)`` with the best ``P@1 + PSP@5`` on ``holdout`` (ties: smaller weights first).
+
+    A grid of one value is a fixed weight and stays so. A grid of more values (the defaults: ranker 0-50, text 0-0.5)
+    also gets its cap (:func:`weight_cap`, from the dense scores of these candidates) and, with ``extend``, grows
+    while its best weight is the largest value below the cap: the next :func:`next_weight` step is scored against
+    every value of the other grid, until the best is interior or the steps reach the cap. So the pairs scored always
+    hold both ends of the fusion: weights ``(0, 0)``, the dense ranking alone (where the grids start at 0), and the
+    ranker weight at its cap, where the dense score only breaks the channel's ties (the channel's own ranking of the
+    candidates); the chosen pair scores at least both of them on ``holdout``, by construction. The lower edge 0 is a
+    real limit (the channel off), the cap too as far as the dense score goes (past it the dense score only breaks ties,
+    see :func:`weight_cap`; the ratio of the two channel weights is still spanned by the other grid, which starts at
+    0); a weight chosen at its cap is named in ``"on_edge"``.
+
+    Returns ``ranker_weight``, ``text_weight``, ``objective`` (its ``P@1 + PSP@5``), ``dense`` (the dense ranking's),
+    ``grid`` (every scored pair's, keyed ``"wr,wt"``), ``ranker_weights`` / ``text_weights`` (the final grids, caps
+    included) and ``on_edge`` (the names of the tuned weights that ended on their grid's top, ``[]`` when none).
+
+    The model is searched once (its index is built if needed), the channel scored once; every pair re-weights those
+    candidates. Memory: ``ranker_depth x dense_depth`` bytes per query while the candidates are matched (10 KB at the
+    defaults), then ``(dense_depth + ranker_depth) x 20`` bytes per query for the candidates (ids int64, three float32
+    scores) and ``x 12`` more while a pair is ranked (its fused scores and their order)."""
     inv_prop = inverse_propensity(train_targets, model.config.propensity_a, model.config.propensity_b)
     depth = int(channel.settings["dense_depth"])
     model.ensure_label_index()
@@ -219,15 +280,50 @@ def tune_fusion_weights(
         m = xmc_metrics(ids[:, :5], holdout.targets, inv_prop, ks=(1, 5), recall_ks=())
         return m["P@1"] + m["PSP@5"]
 
-    grid = {}
-    best = None
     dense_weight = float(channel.settings["dense_weight"])  # the weights are tuned beside the dense weight fuse serves
-    for wr in sorted(ranker_weights):
-        for wt in sorted(text_weights):
-            scores, ids = candidates.top_k(wr, wt, 5 + extra, dense_weight=dense_weight)
-            value = objective(ids, scores)
-            grid[f"{wr:g},{wt:g}"] = round(value, 3)
-            if best is None or value > best[0] + 1e-9:
-                best = (value, wr, wt)
+    valid = candidates.ids >= 0
+    rows = valid.any(1)
+    spread = 0.0
+    if rows.any():  # the dense term's largest range over one query's candidates (a ranker-only one has the floor)
+        high = np.where(valid, candidates.dense, -np.inf).max(1)[rows]
+        low = np.where(valid, candidates.dense, np.inf).min(1)[rows]
+        spread = abs(dense_weight) * float((high - low).max())
+    grids = {"ranker_weight": sorted({float(w) for w in ranker_weights}), "text_weight": sorted({float(w) for w in text_weights})}
+    caps = {}
+    for name, values in grids.items():
+        if len(values) > 1 and values[-1] > 0:  # tuned, not fixed: its cap is scored too
+            caps[name] = weight_cap(spread, values[-1])
+            if caps[name] > values[-1]:
+                values.append(caps[name])
+
+    scored: dict[tuple[float, float], float] = {}
+
+    def score_all() -> tuple[float, float, float]:
+        """Score the pairs not scored yet; the best pair (ties: the smaller weights, ranker first) and its score."""
+        best = None
+        for wr in grids["ranker_weight"]:
+            for wt in grids["text_weight"]:
+                if (wr, wt) not in scored:
+                    scores, ids = candidates.top_k(wr, wt, 5 + extra, dense_weight=dense_weight)
+                    scored[wr, wt] = objective(ids, scores)
+                if best is None or scored[wr, wt] > best[0] + 1e-9:
+                    best = (scored[wr, wt], wr, wt)
+        return best
+
+    best = score_all()
+    while extend:
+        grew = False
+        for name, cap in caps.items():
+            values, chosen = grids[name], best[1 if name == "ranker_weight" else 2]
+            below = max(w for w in values if w < cap) if values[0] < cap else 0.0
+            if chosen >= below > 0 and next_weight(below) < cap:  # best on the top step (or the cap, above a gap)
+                values.insert(values.index(below) + 1, next_weight(below))
+                grew = True
+        if not grew:
+            break
+        best = score_all()
+    on_edge = [name for name in caps if best[1 if name == "ranker_weight" else 2] == grids[name][-1]]
     return {"ranker_weight": best[1], "text_weight": best[2], "objective": round(best[0], 3),
-            "dense": round(objective(dense_ids, dense_scores), 3), "grid": grid}
+            "dense": round(objective(dense_ids, dense_scores), 3), "on_edge": on_edge,
+            "ranker_weights": grids["ranker_weight"], "text_weights": grids["text_weight"],
+            "grid": {f"{wr:g},{wt:g}": round(value, 3) for (wr, wt), value in sorted(scored.items())}}

@@ -24,7 +24,9 @@ method's table says which. Common to all presets:
   ``--test_filter_file``, as the published numbers remove those pairs.
 * Propensity constants are the Extreme Classification Repository's per dataset family (``official_code_facts.md``
   section 1, pyxclib): Amazon 0.6 / 2.6, Wikipedia categories 0.5 / 0.4, WikiSeeAlso 0.55 / 1.5 (``unidec.md``
-  section 6 lists 0.55 / 1.5 for Amazon, which the repository's configs contradict). Long-text datasets read
+  section 6 lists 0.55 / 1.5 for Amazon, which the repository's configs contradict). They are read from the metrics'
+  table (``hf_xmc.metrics.core.DATASET_PROPENSITY``, through ``propensity_constants``), so PSP@k of a preset and of
+  ``propensity_constants(<dataset name>)`` agree. Long-text datasets read
   ``title`` and ``content`` of the points and labels (NGAME's ``extract_text_and_labels``, ibid.).
 
 Memory: a preset is a few dozen Python scalars; nothing here scales with the data.
@@ -36,18 +38,30 @@ import math
 import os
 from typing import Any, Optional
 
+from ..metrics import propensity_constants
+
 __all__ = ["DATASETS", "GPU_PRESETS", "PRESETS", "known_presets", "preset_values"]
+
+
+def _dataset(name: str, text_fields: str) -> dict[str, Any]:
+    """The facts of dataset ``name``: its card name, the JSON fields read as query and label text, and its propensity
+    constants from the metrics' table (exact name: a dataset missing there is a ``KeyError`` at import)."""
+    a, b = propensity_constants(name, exact=True)
+    return {"dataset_name": name, "text_fields": text_fields, "label_text_fields": text_fields, "propensity_a": a, "propensity_b": b}
+
 
 #: Dataset facts every method's preset shares: the name on the model card, the JSON fields read as text, the
 #: propensity constants of PSP@k (and of propensity sampling). Sources: official_code_facts.md section 1.
 DATASETS: dict[str, dict[str, Any]] = {
-    "lf-amazontitles-131k": {"dataset_name": "LF-AmazonTitles-131K", "text_fields": "title", "label_text_fields": "title", "propensity_a": 0.6, "propensity_b": 2.6},
-    "lf-amazon-131k": {"dataset_name": "LF-Amazon-131K", "text_fields": "title,content", "label_text_fields": "title,content", "propensity_a": 0.6, "propensity_b": 2.6},
-    "lf-amazontitles-1.3m": {"dataset_name": "LF-AmazonTitles-1.3M", "text_fields": "title", "label_text_fields": "title", "propensity_a": 0.6, "propensity_b": 2.6},
-    "lf-wikititles-500k": {"dataset_name": "LF-WikiTitles-500K", "text_fields": "title", "label_text_fields": "title", "propensity_a": 0.5, "propensity_b": 0.4},
-    "lf-wikipedia-500k": {"dataset_name": "LF-Wikipedia-500K", "text_fields": "title,content", "label_text_fields": "title,content", "propensity_a": 0.5, "propensity_b": 0.4},
-    "lf-wikiseealso-320k": {"dataset_name": "LF-WikiSeeAlso-320K", "text_fields": "title,content", "label_text_fields": "title,content", "propensity_a": 0.55, "propensity_b": 1.5},
-    "lf-wikiseealsotitles-320k": {"dataset_name": "LF-WikiSeeAlsoTitles-320K", "text_fields": "title", "label_text_fields": "title", "propensity_a": 0.55, "propensity_b": 1.5},
+    name.lower(): _dataset(name, fields) for name, fields in (
+        ("LF-AmazonTitles-131K", "title"),
+        ("LF-Amazon-131K", "title,content"),
+        ("LF-AmazonTitles-1.3M", "title"),
+        ("LF-WikiTitles-500K", "title"),
+        ("LF-Wikipedia-500K", "title,content"),
+        ("LF-WikiSeeAlso-320K", "title,content"),
+        ("LF-WikiSeeAlsoTitles-320K", "title"),
+    )
 }
 
 # ------------------------------------------------------------------------------------------------------------- PRIME

@@ -44,6 +44,13 @@ class XMCDataArguments:
     test_filter_file: Optional[str] = field(
         default=None, metadata={"help": "Pairs 'point_idx label_idx' removed from test predictions before scoring (point_idx: row of the test file or split)."}
     )
+    skip_unlabeled_test_points: bool = field(
+        default=False,
+        metadata={"help": "Test points without a label are counted as misses by default (score 0 in P@k, nDCG@k and R@k), as pyxclib and "
+                  "the XC repository's tables do. True: averaged over labelled test points only, as some papers do; name it in every "
+                  "table that uses it (eval_results.json records test_unlabeled_points and test_unlabeled_counted). Training and "
+                  "validation points without a label are always skipped."},
+    )
     train_filter_file: Optional[str] = field(
         default=None,
         metadata={"help": "Pairs 'point_idx label_idx' of the training points (the XC repository's filter_labels_train.txt) that are neither "
@@ -546,7 +553,7 @@ def load_data(data_args: XMCDataArguments, training_args: Optional[XMCTrainingAr
             label_dataset_name=data_args.label_dataset_name, label_dataset_config_name=data_args.label_dataset_config_name,
             label_split=data_args.label_split, text_column=data_args.text_column, label_column=data_args.label_column,
             image_column=data_args.image_column, label_text_column=data_args.label_text_column, label_image_column=data_args.label_image_column,
-            validation_split=data_args.validation_split,
+            validation_split=data_args.validation_split, skip_unlabeled_test_points=data_args.skip_unlabeled_test_points,
         )
         logger.info("data from datasets %s: %d train, %d test points, %d labels", data_args.dataset_name, len(data.train), len(data.test), len(data.label_texts))
     else:
@@ -560,6 +567,7 @@ def load_data(data_args: XMCDataArguments, training_args: Optional[XMCTrainingAr
             text_fields=tuple(data_args.text_fields.split(",")), label_text_fields=tuple(data_args.label_text_fields.split(",")),
             text_column=data_args.text_column, label_column=data_args.label_column, image_column=data_args.image_column,
             label_text_column=data_args.label_text_column, label_image_column=data_args.label_image_column,
+            skip_unlabeled_test_points=data_args.skip_unlabeled_test_points,
         )
         logger.info("data: %d train, %d test points, %d labels", len(data.train), len(data.test), len(data.label_texts))
     train_filter = training_filter_file(data_args)
@@ -648,8 +656,9 @@ def prepare_validation(data: XCData, data_args: XMCDataArguments, training_args:
 
 
 def build_evaluator(data: XCData, data_args: XMCDataArguments) -> XMCEvaluator:
-    """The test-set evaluator of the contract (``test_*`` keys, filter file applied when given); ``data.train`` may
-    be None (no propensities, so no PSP@k / PSnDCG@k)."""
+    """The test-set evaluator of the contract (``test_*`` keys, filter file applied when given, and the convention of
+    test points without a label recorded: ``test_unlabeled_points``, ``test_unlabeled_counted``); ``data.train`` may be
+    None (no propensities, so no PSP@k / PSnDCG@k)."""
     filt = None
     if data_args.test_filter_file:
         filt = read_filter_file(data_args.test_filter_file, num_points=data.test.num_source_records, num_labels=len(data.label_texts))
@@ -666,6 +675,7 @@ def build_evaluator(data: XCData, data_args: XMCDataArguments) -> XMCEvaluator:
         batch_size=data_args.eval_batch_size,
         dataset_name=card_dataset_name(data_args),
         dataset_id=hub_dataset_id(data_args),
+        unlabeled_counted=not data_args.skip_unlabeled_test_points,
     )
 
 
@@ -733,6 +743,8 @@ def tune_after_training(model, trainer: XMCTrainer, data: XCData, validation: Op
     if channel is not None:
         metrics["lexical_fit_runtime"] = round(time.perf_counter() - start, 4)
         metrics["lexical_ranker_weight"], metrics["lexical_text_weight"] = channel.settings["ranker_weight"], channel.settings["text_weight"]
+        on_edge = (channel.tuning or {}).get("on_edge", [])  # 1: the tuned weight ended on its grid's cap (docs/lexical.md)
+        metrics["lexical_ranker_weight_on_edge"], metrics["lexical_text_weight_on_edge"] = int("ranker_weight" in on_edge), int("text_weight" in on_edge)
     method = training_args.score_calibration
     if method == "auto":
         method = "isotonic" if validation is not None else "none"
@@ -744,6 +756,11 @@ def tune_after_training(model, trainer: XMCTrainer, data: XCData, validation: Op
         other = tuple(m for m in CALIBRATION_METHODS if m != method)  # fitted beside it: its test ECE is reported too
         calibrations = fit_score_calibration(model, validation, method, also=other)
         metrics["calibration_runtime"] = round(time.perf_counter() - start, 4)
+    if validation is not None:
+        # the final model's validation metrics (eval_*, eval_dense_* with a channel): what a sweep or a "which
+        # default" decision reads, never the test split; before the ranker is trained again on these queries
+        trainer.evaluator = validation
+        metrics.update({k: v for k, v in trainer.evaluate(metric_key_prefix=validation.name).items() if k != "epoch"})
     if training_args.lexical_channel != "none" and data.validation is not None and training_args.lexical_refit_ranker:
         from .lexical import refit_lexical_ranker
 

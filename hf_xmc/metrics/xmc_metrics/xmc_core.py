@@ -51,6 +51,7 @@ import scipy.sparse as sp
 
 __all__ = [
     "PROPENSITY_CONSTANTS",
+    "DATASET_PROPENSITY",
     "propensity_constants",
     "inverse_propensity",
     "label_lists_to_csr",
@@ -62,19 +63,54 @@ __all__ = [
     "psndcg_at_k",
     "xmc_metrics",
     "precision_by_frequency_bucket",
+    "coverage_at_k",
+    "seen_unseen_metrics",
 ]
 
-#: Dataset-specific (A, B) constants of the Jain et al. (2016) propensity model.
+#: (A, B) constants of the Jain et al. (2016) propensity model per dataset family (pyxclib's documented values).
 PROPENSITY_CONSTANTS: dict[str, tuple[float, float]] = {
     "amazon": (0.6, 2.6),
     "wikipedia": (0.5, 0.4),
     "default": (0.55, 1.5),
 }
 
+#: The family of :data:`PROPENSITY_CONSTANTS` of each known Extreme Classification Repository dataset, by lower-case
+#: name: the repository's convention (and its methods' configs). Amazon product data 0.6 / 2.6, except AmazonCat
+#: (0.55 / 1.5: pyxclib issue #7); Wikipedia-derived categories and tags 0.5 / 0.4; WikiSeeAlso (see-also links,
+#: whose configs use 0.55 / 1.5) and everything else 0.55 / 1.5. The training presets read their constants here.
+DATASET_PROPENSITY: dict[str, str] = {
+    "amazon-670k": "amazon",
+    "amazon-3m": "amazon",
+    "amazontitles-670k": "amazon",
+    "amazontitles-3m": "amazon",
+    "lf-amazon-131k": "amazon",
+    "lf-amazontitles-131k": "amazon",
+    "lf-amazontitles-1.3m": "amazon",
+    "amazoncat-13k": "default",
+    "wikilshtc-325k": "wikipedia",
+    "wiki10-31k": "wikipedia",
+    "wikipedia-500k": "wikipedia",
+    "lf-wikipedia-500k": "wikipedia",
+    "lf-wikititles-500k": "wikipedia",
+    "lf-wikiseealso-320k": "default",
+    "lf-wikiseealsotitles-320k": "default",
+    "wikiseealsotitles-350k": "default",
+    "eurlex-4k": "default",
+    "eurlex-4.3k": "default",
+}
 
-def propensity_constants(dataset_name: Optional[str]) -> tuple[float, float]:
-    """Return the (A, B) propensity constants for a dataset name ("amazon"/"wiki" substring, else default)."""
-    name = (dataset_name or "").lower()
+
+def propensity_constants(dataset_name: Optional[str], exact: bool = False) -> tuple[float, float]:
+    """Return the (A, B) propensity constants of a dataset: its entry of :data:`DATASET_PROPENSITY` (name compared
+    case-insensitively), else by substring ("amazoncat" and "seealso" default, then "amazon", then "wiki"), else the
+    default 0.55 / 1.5. ``exact``: a name outside the table is a ``KeyError`` instead of a guess."""
+    name = (dataset_name or "").strip().lower()
+    if name in DATASET_PROPENSITY:
+        return PROPENSITY_CONSTANTS[DATASET_PROPENSITY[name]]
+    if exact:
+        raise KeyError(f"no propensity constants recorded for dataset {dataset_name!r} (known: {', '.join(DATASET_PROPENSITY)})")
+    if "amazoncat" in name or "seealso" in name:
+        return PROPENSITY_CONSTANTS["default"]
     if "amazon" in name:
         return PROPENSITY_CONSTANTS["amazon"]
     if "wiki" in name:
@@ -436,3 +472,105 @@ def precision_by_frequency_bucket(
             }
         )
     return result
+
+
+# --------------------------------------------------------------------------------------
+# coverage and the seen / unseen split (what XMC papers report beside P@k and PSP@k)
+# --------------------------------------------------------------------------------------
+
+
+def coverage_at_k(topk: np.ndarray, truth: sp.spmatrix, k: int) -> float:
+    """Return coverage@k = #distinct labels hit in some query's top-k / #distinct labels with a positive in ``truth``.
+
+    The convention of napkinXC's ``napkinxc.metrics.coverage_at_k`` (its ``CoverageAtK``: unique true positives in the
+    top k over unique true labels, pooled over the query set): the share of the labels that occur in the evaluated
+    ground truth that the model ranks correctly, within the top ``k``, for at least one query. A label without
+    positives in ``truth`` (absent from this query set) is in neither count; 0 when ``truth`` has no positive at all.
+    Unlike P@k, a model cannot raise it by predicting the head labels well: it counts each label once.
+    """
+    k = _check_k(k)
+    topk, truth = _prepare(topk, truth)
+    relevant = np.unique(truth.indices).size
+    if relevant == 0:
+        return 0.0
+    hits, ids = _hits(topk, truth, k)
+    return float(np.unique(ids[hits]).size / relevant)
+
+
+def _train_label_freq(train_label_freq: Union[np.ndarray, sp.spmatrix], num_labels: int) -> np.ndarray:
+    """Per-label train counts from a count vector (length L) or a train target matrix (n_train x L), checked."""
+    if sp.issparse(train_label_freq):
+        freq = np.asarray(train_label_freq.sum(axis=0), dtype=np.float64).ravel()
+    else:
+        freq = np.asarray(train_label_freq, dtype=np.float64).ravel()
+    if freq.shape[0] != num_labels:
+        raise ValueError(f"train_label_freq has {freq.shape[0]} labels but truth has {num_labels}")
+    if np.any(freq < 0):
+        raise ValueError("train_label_freq must be non-negative")
+    return freq
+
+
+def _best_ps_terms(truth: sp.csr_matrix, inv_p: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(label ids, inverse propensities) of the terms of the ideal PSP@k: each row's min(k, |P_i|) positives of largest
+    inverse propensity, chosen as :func:`_best_ps_gains` chooses them (their weights sum to PSP@k's normaliser)."""
+    if truth.nnz == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
+    rows = np.repeat(np.arange(truth.shape[0], dtype=np.int64), np.diff(truth.indptr))
+    w = inv_p[truth.indices]
+    order = np.lexsort((-w, rows))  # by row, then decreasing weight (ties: label order), as _best_ps_gains
+    rank = np.arange(truth.nnz, dtype=np.int64) - truth.indptr[rows]
+    kept = order[rank < k]
+    return truth.indices[kept].astype(np.int64), w[kept]
+
+
+def seen_unseen_metrics(
+    topk: np.ndarray,
+    truth: sp.spmatrix,
+    train_label_freq: Union[np.ndarray, sp.spmatrix],
+    inv_propensity: Optional[np.ndarray] = None,
+    k: int = 5,
+) -> dict[str, float]:
+    """Split P@k (and PSP@k) between the labels without training points ("unseen") and the others ("seen").
+
+    ``train_label_freq`` is the per-label train counts (length L) or the train target matrix; a label is *unseen* when
+    its count is 0 (a zero-shot label: a classifier or a tree that learns from the training queries never predicts it;
+    only a label-text score can). Returns fractions (the keys with ``{k}`` filled in):
+
+    * ``unseen_labels``: the number of distinct unseen labels with a positive in ``truth``;
+    * ``unseen_positive_share``: the share of ``truth``'s positives (query-label pairs) on unseen labels;
+    * ``seen_P@{k}`` / ``unseen_P@{k}``: P@k's *contributions*, hits on seen (unseen) labels / (n k), so that
+      ``seen_P@k + unseen_P@k = P@k``;
+    * with ``inv_propensity``: ``unseen_PSP@{k}_mass``, the share of PSP@k's ideal mass (its normaliser
+      ``D = sum_i sum_{r<=min(k,|P_i|)} q*_ir``) on unseen labels, ``m = D_unseen / D`` (``D_unseen``: the inverse
+      propensities of the unseen labels among each row's ideal terms; the terms are chosen as for PSP@k itself, by
+      decreasing ``q``); ``unseen_PSP@{k}`` = sum of ``q`` over the top-k hits on unseen labels / ``D_unseen``, and
+      ``seen_PSP@{k}`` the same over seen labels / ``D - D_unseen``. Hits on seen plus hits on unseen labels are all
+      the hits, so ``PSP@k = m * unseen_PSP@k + (1 - m) * seen_PSP@k``. ``unseen_PSP@k`` is at most 1 whenever
+      unseen labels have the largest ``q`` (the usual case: ``q`` decreases with the train count when ``N >= 3``);
+      ``seen_PSP@k`` can exceed 1 in principle (a hit on a seen label in a slot the ideal ranking gives to an unseen
+      one). A ratio whose denominator is 0 is 0 (read it with its mass: ``m = 0`` means no unseen label to find).
+    """
+    k = _check_k(k)
+    topk, truth = _prepare(topk, truth)
+    n, num_labels = truth.shape
+    unseen = _train_label_freq(train_label_freq, num_labels) == 0
+    hits, ids = _hits(topk, truth, k)
+    hit_unseen = hits & unseen[np.where(hits, ids, 0)]
+    out: dict[str, float] = {
+        "unseen_labels": int(np.count_nonzero(unseen[np.unique(truth.indices)])),
+        "unseen_positive_share": float(unseen[truth.indices].mean()) if truth.nnz else 0.0,
+        f"seen_P@{k}": float((hits & ~hit_unseen).sum() / (n * k)) if n else 0.0,
+        f"unseen_P@{k}": float(hit_unseen.sum() / (n * k)) if n else 0.0,
+    }
+    if inv_propensity is not None:
+        inv_p = _check_inv_propensity(inv_propensity, num_labels)
+        gains = _ps_gains(hits, ids, inv_p)
+        ideal_ids, ideal_w = _best_ps_terms(truth, inv_p, k)
+        ideal_unseen = unseen[ideal_ids]
+        mass_unseen, mass_seen = float(ideal_w[ideal_unseen].sum()), float(ideal_w[~ideal_unseen].sum())
+        gain_unseen, gain_seen = float(gains[hit_unseen].sum()), float(gains[hits & ~hit_unseen].sum())
+        total = mass_unseen + mass_seen
+        out[f"unseen_PSP@{k}_mass"] = mass_unseen / total if total > 0 else 0.0
+        out[f"seen_PSP@{k}"] = gain_seen / mass_seen if mass_seen > 0 else 0.0
+        out[f"unseen_PSP@{k}"] = gain_unseen / mass_unseen if mass_unseen > 0 else 0.0
+    return out
