@@ -137,3 +137,20 @@ def test_gpu_preset_is_a_budget_on_the_recipes_defaults(tmp_path):
     assert (t.per_device_train_batch_size, t.max_steps, t.classifier_batch_size) == (512, 10, 1024)
     m, d, t = parse("unidec", "--preset", "gpu", "--model_name_or_path", "x", tmp_path=tmp_path)
     assert (t.max_label_pool, t.hard_negative_top_k, t.cluster_batch_mode) == (1536, 100, "concat")
+
+
+def test_the_scripts_default_propensity_constants_are_the_datasets():
+    """Without --propensity_a / --propensity_b (and without a preset) PSP@k uses the XC repository's constants of the
+    dataset's name (the train file's folder, or --dataset_name); one given flag wins over the name."""
+    from hf_xmc.metrics import propensity_constants
+    from hf_xmc.training.script_utils import XMCDataArguments
+
+    def constants(path, **kwargs):
+        args = XMCDataArguments(train_file=path, test_file=path, label_file=path, **kwargs)
+        return args.propensity_a, args.propensity_b
+
+    assert constants("/d/LF-AmazonTitles-131K/trn.json.gz") == (0.6, 2.6) == propensity_constants("LF-AmazonTitles-131K")
+    assert constants("/d/LF-WikiTitles-500K/trn.json.gz") == (0.5, 0.4)
+    assert constants("/d/LF-WikiSeeAlso-320K/trn.json.gz") == (0.55, 1.5)
+    assert constants("/d/debtags/trn.json.gz") == (0.55, 1.5)
+    assert constants("/d/LF-AmazonTitles-131K/trn.json.gz", propensity_a=0.3) == (0.3, 2.6)

@@ -80,8 +80,11 @@ class XMCDataArguments:
     label_image_column: str = field(default="images", metadata={"help": "Column of the label images, when present."})
     max_seq_length: int = field(default=32, metadata={"help": "Token budget of a query."})
     label_max_seq_length: Optional[int] = field(default=None, metadata={"help": "Token budget of a label (default: max_seq_length)."})
-    propensity_a: float = field(default=0.55, metadata={"help": "Propensity constant A for PSP@k (0.6 Amazon, 0.5 Wikipedia)."})
-    propensity_b: float = field(default=1.5, metadata={"help": "Propensity constant B for PSP@k (2.6 Amazon, 0.4 Wikipedia)."})
+    propensity_a: Optional[float] = field(
+        default=None, metadata={"help": "Propensity constant A for PSP@k (default: the Extreme Classification Repository's for the dataset's "
+                                        "name, --dataset_name or the train file's folder: 0.6 Amazon, 0.5 Wikipedia, else 0.55)."})
+    propensity_b: Optional[float] = field(
+        default=None, metadata={"help": "Propensity constant B for PSP@k (default: the dataset's, as for A: 2.6 Amazon, 0.4 Wikipedia, else 1.5)."})
     eval_batch_size: int = field(default=256, metadata={"help": "Encoding batch size at evaluation."})
     preset: Optional[str] = field(
         default=None,
@@ -101,6 +104,12 @@ class XMCDataArguments:
     validation_size: Optional[int] = field(default=None, metadata={"help": "Number of training points held out for validation, instead of a percentage (0 = none)."})
 
     def __post_init__(self):
+        if self.propensity_a is None or self.propensity_b is None:  # the dataset's constants (hf_xmc.metrics.propensity_constants)
+            from ..metrics import propensity_constants
+
+            a, b = propensity_constants(card_dataset_name(self) if (self.dataset_name or self.train_file) else None)
+            self.propensity_a = a if self.propensity_a is None else self.propensity_a
+            self.propensity_b = b if self.propensity_b is None else self.propensity_b
         for name in ("max_seq_length", "label_max_seq_length", "eval_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
