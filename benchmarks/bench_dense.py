@@ -37,6 +37,7 @@ from benchmarks.bench_validation import (  # noqa: E402
     TAIL_NOTE,
     data_setup,
     has_tail,
+    metric_cell,
     pick,
     pick_tail,
     tail_cells,
@@ -266,7 +267,7 @@ def table(rows: list[dict]) -> str:
         if not ours:
             continue
         for name, metrics in references(dataset):
-            cells.append([dataset, name, "", "", "", *(f"{metrics[m]:.2f}" if m in metrics else "" for m in SHOWN), "", "", ""])
+            cells.append([dataset, name, "", "", "", *(metric_cell(dataset, metrics, m) for m in SHOWN), "", "", ""])
         if not any(r["recipe"] == "gpu_preset" for r in ours):  # the issue asks the table to say so
             cells.append([dataset, "every text method", "gpu_preset", budget(dataset, RECIPES["gpu_preset"]),
                           "not measured: no GPU was lent to the sessions so far", *([""] * len(SHOWN)), "", "", ""])
@@ -277,7 +278,7 @@ def table(rows: list[dict]) -> str:
                 recipe = f"script's defaults{' before' if before else ''} (validation_fusion.json)"
             for ranking in ("dense", "fused"):
                 objective = validation_objective(r, ranking)
-                cells.append([dataset, r["method"], recipe, budget(dataset, r["flags"]), ranking, *(f"{r[ranking][m]:.2f}" for m in SHOWN),
+                cells.append([dataset, r["method"], recipe, budget(dataset, r["flags"]), ranking, *(metric_cell(dataset, r[ranking], m) for m in SHOWN),
                               f"{sum(objective.values()):.2f}" if len(objective) == len(SELECTION_KEYS) else "-",
                               "chosen" if ranking == "fused" and id(r) in chosen else "", f"{r['wall_seconds'] / 60:.1f}"])
     rendered = markdown_table(header, cells, "lllll" + "r" * (len(SHOWN) + 1) + "lr") + "\n"

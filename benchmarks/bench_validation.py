@@ -87,6 +87,18 @@ def run_row(dataset: str, method: str, work: str) -> dict:
     return row
 
 
+#: label counts of the datasets: a recall cut-off at or above it says nothing (every ranking of the whole label set
+#: reaches 100), so its cell is "-" (Reuters' R@100 over 90 topics)
+NUM_LABELS = {"wordnet": 52992, "debtags": 597, "reuters": 90}
+
+
+def metric_cell(dataset: str, metrics: dict, metric: str) -> str:
+    """A metric's table cell: ``"-"`` for a recall cut-off that covers every label of ``dataset``, "" when absent."""
+    if metric.startswith("R@") and int(metric[2:]) >= NUM_LABELS.get(dataset, float("inf")):
+        return "-"
+    return f"{metrics[metric]:.2f}" if metric in metrics else ""
+
+
 def pick(results: dict, prefix: str) -> dict:
     return {m: results[prefix + m] for m in SHOWN if prefix + m in results}
 
@@ -257,7 +269,7 @@ def tables(rows: list[dict]) -> str:
         if r["method"] == "zeroshot":
             lines = [lines[0], lines[3], *lines[4:]]
         for name, metrics, weights in lines:
-            cells.append([r["dataset"], DESCRIPTIONS[r["method"]], name, *(f"{metrics[m]:.2f}" for m in SHOWN), weights, wall])
+            cells.append([r["dataset"], DESCRIPTIONS[r["method"]], name, *(metric_cell(r["dataset"], metrics, m) for m in SHOWN), weights, wall])
         if r["method"] != "zeroshot":
             question = "fused now >= max(dense, untrained + channel) - 0.3 on P@1 and PSP@5?"
             cells.append([r["dataset"], DESCRIPTIONS[r["method"]], question, invariant(r, zs), *[None] * (len(SHOWN) + 1)])
