@@ -29,7 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
-from benchmarks.sweep_defaults import minilm, prepare, run_training_script  # noqa: E402
+from benchmarks.sweep_defaults import prepare, run_training_script  # noqa: E402
 
 SHOWN = ("P@1", "P@5", "PSP@5")
 #: per (dataset, method): the flags of the headline run (after the dataset's own) and how the table names its budget
