@@ -300,3 +300,15 @@ def test_the_headline_table_gives_each_ranking_its_mean_and_sample_std_over_the_
     assert "| 42, 43, 44 | 91.00 ± 1.00 | 40.00 ± 0.00 |" in dense  # mean 91, sample std 1 (not the population's 0.82)
     assert "| 92.00 ± 1.73 |" in fused
     assert "| Omikuji |  | 42 | 90.30 | 47.60 | 68.80 | 0.10 | 0.10 | library defaults |" in bench_headline.table(rows)
+
+
+def test_the_fusion_invariant_is_checked_on_the_validation_split_once_rows_carry_it():
+    from benchmarks import bench_validation
+
+    zeroshot = {"fused_now": {"P@1": 50.0, "PSP@5": 40.0}, "validation_fused": {"P@1": 52.0, "PSP@5": 41.0}}
+    row = {"dense": {"P@1": 45.0, "PSP@5": 30.0}, "fused_now": {"P@1": 55.0, "PSP@5": 42.0},
+           "validation_dense": {"P@1": 47.0, "PSP@5": 31.0}, "validation_fused": {"P@1": 51.0, "PSP@5": 43.0}}
+    assert bench_validation.invariant(row, zeroshot) == "yes"
+    assert bench_validation.invariant(row, zeroshot, "validation") == "no (P@1 -1.00)"  # 51 under the untrained 52 on validation
+    old = {k: v for k, v in row.items() if not k.startswith("validation")}
+    assert bench_validation.invariant(old, zeroshot, "validation") == "-"
