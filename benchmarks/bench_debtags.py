@@ -22,11 +22,11 @@ if REPO not in sys.path:
 from benchmarks.harness import bench_parser, publish, read_json, result_path, write_json, write_text  # noqa: E402
 from benchmarks.peers import peers_table, run_peers  # noqa: E402
 
-
 #: the peers beside the quickstart: Omikuji with Parabel's and Bonsai's settings, napkinXC's PLT, PECOS XR-Linear
 #: (in its own interpreter: ``.venv-pecos``, see peers.py; the run stops with the command that makes it when missing) and the
 #: label-text TF-IDF zero-shot
 PEERS = ("omikuji", "omikuji_bonsai", "napkinxc", "xr_linear", "zeroshot")
+
 
 def measure(args) -> dict:
     """The quickstart (trained and zero-shot DEXML) and the peers on Debtags."""
