@@ -742,3 +742,98 @@ def test_the_calibration_fit_leaves_out_items_ranked_without_the_channel(task):
     assert calibration.info["queries"] == 18
     ids, _, _ = evaluator.predict(model)
     assert calibration.info["pairs"] == int((ids[6:, :5] >= 0).sum())  # the 18 fused items' ranks only
+
+
+def test_modality_subset_metrics_score_the_rows_that_carry_each_modality(task):
+    """The metrics over the test points with a text / with an image are the same ranking's rows of those points, with
+    the evaluator's propensities; a modality no point carries gives its count (0) and no metric."""
+    from hf_xmc.metrics import xmc_metrics
+    from hf_xmc.training.recipes.mufin import modality_subset_metrics
+
+    data = task[0]
+    n = len(data.test)
+    texts, images = list(data.test.texts), list(data.test.images)
+    texts[:10] = [""] * 5 + [" "] * 5  # ten points without text (a blank text is a missing one)
+    images[5:20] = [[]] * 15  # fifteen without an image, five of them without text too
+    points = dataclasses.replace(data.test, texts=texts, images=images)
+    evaluator = XMCEvaluator(data.test, data.label_texts, data.label_uids, train_targets=data.train.targets)
+    truth = data.test.targets.tocsr()
+    ranking = np.tile(np.arange(5), (n, 1))
+    ranking[::2, 0] = [truth.indices[truth.indptr[i]] for i in range(0, n, 2)]  # every other point: a hit at rank 1
+    evaluator.last_predictions = ranking
+    out = modality_subset_metrics(evaluator, points, "text,image")
+    with_text, with_image = np.arange(10, n), np.r_[0:5, 20:n]
+    assert out["test_points_with_text"] == len(with_text) and out["test_points_with_image"] == len(with_image)
+    for name, rows in (("text", with_text), ("image", with_image)):
+        hits = sum(int(truth[i, ranking[i, 0]] > 0) for i in rows)
+        assert out[f"test_with_{name}_P@1"] == pytest.approx(100.0 * hits / len(rows))
+        expected = xmc_metrics(ranking[rows], truth[rows], evaluator.inv_propensity, ks=(1, 3, 5), recall_ks=())
+        assert {k: out[f"test_with_{name}_{k}"] for k in expected} == pytest.approx(expected)
+    assert set(modality_subset_metrics(evaluator, points, "text")) == {k for k in out if "text" in k}
+    no_images = modality_subset_metrics(evaluator, dataclasses.replace(points, images=None), "image")
+    assert no_images == {"test_points_with_image": 0}
+
+
+def test_text_only_ablation_reports_its_metrics_on_the_test_points_with_text(task, tmp_path, monkeypatch):
+    """Issue 65: the text-only ablation cannot hit a test point without text (it gets no prediction), so besides
+    test_P@1 over all points eval_results.json holds test_with_text_* over the points with a text in the data: the
+    rows of the same ranking, with the propensities of every training point (the one without text included)."""
+    from hf_xmc.data import write_xc_raw
+    from hf_xmc.metrics import inverse_propensity, xmc_metrics
+    from hf_xmc.training.recipes import mufin as recipe
+
+    data, root, *_ = task
+    textless = np.arange(0, len(data.test), 4)  # 12 of the 48 test points: an image, no text
+    test_texts = ["" if i in set(textless.tolist()) else t for i, t in enumerate(data.test.texts)]
+    write_xc_raw(str(tmp_path / "tst.json.gz"), dataclasses.replace(data.test, texts=test_texts))
+    write_xc_raw(str(tmp_path / "trn.json.gz"), dataclasses.replace(data.train, texts=[""] + list(data.train.texts[1:])))
+    out = tmp_path / "out"
+    argv = script_command(task, out)[2:]
+    argv[argv.index("--train_file") + 1], argv[argv.index("--test_file") + 1] = str(tmp_path / "trn.json.gz"), str(tmp_path / "tst.json.gz")
+    argv += ["--item_modalities", "text", "--siamese_epochs", "1", "--num_train_epochs", "1", "--per_device_train_batch_size", "16",
+             "--learning_rate", "2e-3", "--ranker_learning_rate", "2e-3", "--ranker_negatives", "3", "--hard_negative_top_k", "6",
+             "--propensity_a", "0.55", "--propensity_b", "1.5", "--disable_tqdm", "true", "--use_cpu", "true", "--seed", "0"]
+    built, build_evaluator = [], recipe.build_evaluator
+
+    def recorded(*args, **kwargs):  # the run's test evaluator: its last ranking is what the subset metrics score
+        built.append(build_evaluator(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(recipe, "build_evaluator", recorded)
+    returned = recipe.main(argv)
+    results = json.loads((out / "eval_results.json").read_text())
+    subset = {k: v for k, v in results.items() if "with_" in k}
+    assert subset and {k: returned[k] for k in subset} == subset
+    n, with_text = len(data.test), np.setdiff1d(np.arange(len(data.test)), textless)
+    assert results["test_points_with_text"] == len(with_text) == 36 and "test_points_with_image" not in results
+    assert not any(k.startswith("test_with_image_") for k in results)  # a text-only run: its own modality only
+    (evaluator,) = built
+    ranking, truth = evaluator.last_predictions, evaluator.data.targets.tocsr()
+    assert (ranking[textless] == -1).all() and (ranking[with_text] >= 0).all()  # the textless points: no prediction
+    hits = sum(int(truth[i, ranking[i, 0]] > 0) for i in with_text)
+    assert hits > 0 and results["test_with_text_P@1"] == pytest.approx(100.0 * hits / len(with_text))
+    # the textless rows are all misses, so P@k and nDCG@k (means over the rows) are test_* rescaled by n / n_with_text
+    for key in ("P@1", "P@3", "P@5", "nDCG@5"):
+        assert results[f"test_with_text_{key}"] == pytest.approx(results[f"test_{key}"] * n / len(with_text)), key
+    # PSP@k: the propensities of all 160 training points, though the run trained on the 159 with a text
+    full = inverse_propensity(data.train.targets, 0.55, 1.5)
+    np.testing.assert_allclose(evaluator.inv_propensity, full)
+    expected = xmc_metrics(ranking[with_text], truth[with_text], full, ks=(1, 3, 5), recall_ks=())
+    assert {k: results[f"test_with_text_{k}"] for k in expected} == pytest.approx(expected)
+    dropped = xmc_metrics(ranking[with_text], truth[with_text], inverse_propensity(data.train.targets[1:], 0.55, 1.5), ks=(5,), recall_ks=())
+    assert dropped["PSP@5"] != pytest.approx(expected["PSP@5"], abs=1e-9)  # the check above tells the two apart
+
+
+def test_bench_mufin_table_shows_the_metrics_on_the_points_with_the_runs_modality():
+    """benchmarks/bench_mufin.py: P@1 / P@5 with text and with an image per row, "-" where a row lacks them (a run
+    that does not use the modality, or one that predates the keys: the committed rows)."""
+    from benchmarks.bench_mufin import BENCH_SHOWN, mufin_table
+
+    base = {k: 10.0 for k in BENCH_SHOWN}
+    results = {"siamese_epochs": "1", "epochs": "1", "args": ["--learning_rate", "3e-4", "--ranker_learning_rate", "3e-4"], "rows": [
+        {"description": "old", "wall_seconds": 1.0, **base},
+        {"description": "text", "wall_seconds": 1.0, **base, "test_with_text_P@1": 12.5, "test_with_text_P@5": 6.25},
+    ]}
+    lines = mufin_table(results).splitlines()
+    assert lines[0].endswith("| P@1 with text | P@5 with text | P@1 with image | P@5 with image | wall s |")
+    assert lines[2].endswith("| 10.00 | - | - | - | - | 1 |") and lines[3].endswith("| 10.00 | 12.50 | 6.25 | - | - | 1 |")

@@ -22,7 +22,10 @@ re-encoded every ``--ranker_label_refresh_steps``. After Module IV the label
 centroids are recomputed and the label bags re-encoded with the final encoder, so the saved index holds one embedding
 space. Prediction fuses the shortlist score and the classifier score, ``0.7 c + 0.3 a``; labels without a training
 positive are scored zero-shot (``w_l = z_l^1``). Writes OUT/ (loadable with AutoModel.from_pretrained(OUT,
-trust_remote_code=True), image processor and label index included) and OUT/eval_results.json.
+trust_remote_code=True), image processor and label index included) and OUT/eval_results.json; beside ``test_*`` it
+holds the metrics over the test points that carry each modality the run uses (``test_with_text_P@1``, ...,
+``test_points_with_text``; ``image`` likewise): a point without text is a miss for the text-only ablation whatever it
+learns, so ``test_with_text_*`` is what that ablation does where it can.
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+from transformers import TrainerCallback
+
 from ...data import XCData, XMCDataset
+from ...metrics import xmc_metrics
 from ...models import MUFINModel
 from ...models.provenance import StaleDerivedPartError
 from ..evaluation import XMCEvaluator
@@ -199,11 +206,20 @@ def build_collator(model: MUFINModel, data: XCData, args: MUFINTrainingArguments
     )
 
 
+ITEM_MODALITIES = ("text", "image")
+
+
+def parse_modalities(modalities: str) -> list[str]:
+    """The modalities ``--item_modalities`` names (``'text,image'``, ``'text'``, ``'image'``), in :data:`ITEM_MODALITIES` order."""
+    keep = {m.strip() for m in modalities.split(",") if m.strip()}
+    if not keep or keep - set(ITEM_MODALITIES):
+        raise ValueError(f"item_modalities must name 'text' and/or 'image', got {modalities!r}")
+    return [m for m in ITEM_MODALITIES if m in keep]
+
+
 def keep_modalities(data: XCData, modalities: str) -> XCData:
     """``data`` with the points' texts or images dropped (the single-modality ablations); labels keep theirs."""
-    keep = {m.strip() for m in modalities.split(",") if m.strip()}
-    if not keep or keep - {"text", "image"}:
-        raise ValueError(f"item_modalities must name 'text' and/or 'image', got {modalities!r}")
+    keep = set(parse_modalities(modalities))
     if keep == {"image"} and data.train.images is None:
         raise ValueError("item_modalities='image' but the training points carry no images")
     if keep == {"text", "image"}:
@@ -222,7 +238,56 @@ def keep_modalities(data: XCData, modalities: str) -> XCData:
     if not described.all():
         logger.info("item_modalities=%s: %d training points without a descriptor dropped", modalities, int((~described).sum()))
         train = train.select(described)
-    return dataclasses.replace(data, train=train, test=test, validation=validation)
+    # PSP@k's propensities stay those of every training point (as a validation split leaves them): the ablations are
+    # scored with the multimodal run's, whatever points they drop
+    return dataclasses.replace(data, train=train, test=test, validation=validation, all_train_targets=data.propensity_targets())
+
+
+def points_with(split: XMCDataset, modality: str) -> np.ndarray:
+    """Boolean mask of the points of ``split`` that carry ``modality``: a non-blank text (a blank one is a missing
+    one, as in ``has_descriptor``), or at least one image."""
+    if modality == "text":
+        return np.array([bool(t and t.strip()) for t in split.texts], dtype=bool)
+    if modality == "image":
+        return np.array([bool(split.images is not None and split.images[i]) for i in range(len(split))], dtype=bool)
+    raise ValueError(f"modality must be one of {', '.join(ITEM_MODALITIES)}, got {modality!r}")
+
+
+def modality_subset_metrics(evaluator: XMCEvaluator, points: XMCDataset, modalities: str) -> dict[str, float]:
+    """The last evaluation of ``evaluator`` scored again over the points that carry each of ``modalities`` in
+    ``points`` (its queries as the data had them, before an ablation dropped a modality): a text-only run cannot hit a
+    point that has no text, so its ``test_P@k`` counts those points as misses; these keys leave them out.
+
+    Returns ``<name>_points_with_<modality>`` (the count) and, when it is not 0, ``<name>_with_<modality>_<metric>``
+    for P@k, nDCG@k, PSP@k and PSnDCG@k at the evaluator's ``ks``: the same rows of the same ranking (its top
+    ``max(ks)``, ``last_predictions``: no R@k), with the evaluator's inverse propensities (of the full training set);
+    PSP@k is normalised by the best ranking of these points, so it is not ``test_PSP@k`` rescaled as P@k is."""
+    ranking = evaluator.last_predictions
+    if ranking is None or len(ranking) != len(points):
+        raise ValueError(f"{evaluator.name}: no evaluation of these {len(points)} points to score again")
+    out: dict[str, float] = {}
+    for modality in parse_modalities(modalities):
+        rows = np.flatnonzero(points_with(points, modality))
+        out[f"{evaluator.name}_points_with_{modality}"] = int(rows.size)
+        if rows.size:
+            scored = xmc_metrics(ranking[rows], evaluator.data.targets[rows], evaluator.inv_propensity, ks=evaluator.ks, recall_ks=())
+            out.update({f"{evaluator.name}_with_{modality}_{key}": float(value) for key, value in scored.items()})
+    return out
+
+
+class ModalitySubsetCallback(TrainerCallback):
+    """Adds :func:`modality_subset_metrics` to the metrics of the test evaluation (the one whose keys carry
+    ``evaluator``'s name), in place: ``train_and_evaluate`` logs, writes to ``eval_results.json`` and pushes the dict
+    that ``evaluate`` returns, and ``on_evaluate`` is the hook between the evaluation and those. Validation
+    evaluations (``eval_*``) are left as they are."""
+
+    def __init__(self, evaluator: XMCEvaluator, points: XMCDataset, modalities: str):
+        self.evaluator, self.points, self.modalities = evaluator, points, modalities
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if metrics is not None and f"{self.evaluator.name}_P@{self.evaluator.ks[0]}" in metrics:
+            metrics.update(modality_subset_metrics(self.evaluator, self.points, self.modalities))
+        return control
 
 
 def fit_dimensions(config: dict, text_encoder: str, vision_encoder: Optional[str]) -> None:
@@ -282,7 +347,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     vision_encoder = config.pop("vision_model_name_or_path")
     if config["vision_trainable_layers"] is None:  # freezing a tower built at random would keep it random
         config["vision_trainable_layers"] = 1 if vision_encoder else -1
-    data = keep_modalities(data, config.pop("item_modalities"))
+    modalities = config.pop("item_modalities")
+    test_points = data.test  # the test points' own descriptors: the metrics over those that carry the run's modalities
+    data = keep_modalities(data, modalities)
     fit_dimensions(config, model_args.model_name_or_path, vision_encoder)
     model = MUFINModel.from_encoders_pretrained(model_args.model_name_or_path, vision_encoder, label_space_size=len(data.label_texts), **config)
     model.freeze_vision_layers()
@@ -292,7 +359,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     collator = pretrain_and_mine(model, data, training_args, **stage_evaluation(data, evaluator))
     # after Module IV the centroids are recomputed with the final encoder: evaluation and the saved index use one space
     callbacks = [MUFINCentroidCallback(data.train.texts, data.train.images, data.train.targets, batch_size=data_args.eval_batch_size),
-                 MUFINShortlistRecordCallback(shortlist_fingerprint(data.train.targets, data.train.filter_matrix))]
+                 MUFINShortlistRecordCallback(shortlist_fingerprint(data.train.targets, data.train.filter_matrix)),
+                 ModalitySubsetCallback(evaluator, test_points, modalities)]
     if training_args.ranker_label_side == "cache":  # the pool's label bags come from the cache, re-encoded on this schedule
         callbacks.insert(0, MUFINLabelRefreshCallback(training_args.ranker_label_refresh_steps, batch_size=data_args.eval_batch_size))
     try:
