@@ -37,6 +37,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from benchmarks.harness import bench_parser, markdown_table, result_path, write_json  # noqa: E402
 
 CHECKS: list[dict] = []
+#: the report's path while the checks run (main sets it): every check rewrites it, so a run cut short (a time limit,
+#: benchmarks/gpu_check.sh's budget) keeps the checks it finished, marked ``"partial": true``
+PARTIAL_OUT: str | None = None
 
 REMOTE_PREDICT = """
 import json, sys
@@ -53,6 +56,11 @@ print("RESULT " + json.dumps({"module": type(model).__module__, "device": str(ne
 def remote_predict(save_dir: str, texts: list, device: str) -> dict:
     """Reload ``save_dir`` through remote code in a fresh process without hf_xmc and predict on ``device``."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # the repo off the path (hf_xmc must come from the model directory); other entries stay: the packages a
+    # bundle for a machine without network puts there (benchmarks/gpu_check.sh) are the ones this run imports
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != REPO]
+    if kept:
+        env["PYTHONPATH"] = os.pathsep.join(kept)
     proc = subprocess.run([sys.executable, "-c", REMOTE_PREDICT, save_dir, json.dumps(texts), device], capture_output=True,
                           text=True, env=env, cwd=save_dir, timeout=300, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -63,6 +71,8 @@ def remote_predict(save_dir: str, texts: list, device: str) -> dict:
 
 def record(name: str, passed: bool, **details) -> None:
     CHECKS.append({"check": name, "passed": bool(passed), **details})
+    if PARTIAL_OUT:
+        write_json(PARTIAL_OUT, {"partial": True, "checks": CHECKS}, sort_keys=False, default=str)
     shown = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in details.items() if k != "error")
     print(f"[{'PASS' if passed else 'FAIL'}] {name}: {shown}", flush=True)
     if "error" in details:
@@ -298,7 +308,8 @@ def check_index(device: str) -> None:
         (s_cpu, i_cpu), t_cpu = timed(LabelIndex(labels, kind="torch", use_gpu=False, chunk_size=16384))
         dev_index = LabelIndex(labels, kind="torch", use_gpu=device == "cuda", chunk_size=16384)
         (s_dev, i_dev), t_dev = timed(dev_index)
-        on = str(dev_index._torch_labels.device)
+        # the vectors' copy on the GPU (kept between searches); on the CPU the search reads the blocks, no copy is made
+        on = str(dev_index._torch_labels.device) if dev_index._torch_labels is not None else "cpu"
         same = float(np.mean(i_cpu == i_dev))
         diff = float(np.abs(s_cpu - s_dev).max())
         record("label index: torch on device = torch on cpu", same > 0.999 and diff < 1e-3 and on.startswith(device),
@@ -317,7 +328,8 @@ def check_index(device: str) -> None:
         same = float(np.mean(i == reference[1]))
         diff = float(np.abs(s - reference[0]).max())
         record("label index: faiss exact (auto) = torch", same > 0.999 and diff < 1e-3, faiss_gpu=faiss_gpu_available(),
-               use_gpu=index.use_gpu, on_gpu=index._gpu_index is not None, same_ids=same, max_score_diff=diff, search_s=t)
+               use_gpu=index.use_gpu, on_gpu=bool(index.use_gpu and index._index is not None),  # exact: faiss GPU copy, else torch
+               same_ids=same, max_score_diff=diff, search_s=t)
 
     faiss_auto()
     if faiss_gpu_available():
@@ -349,6 +361,8 @@ def main() -> None:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.time()
+    global PARTIAL_OUT
+    PARTIAL_OUT = args.out
     with tempfile.TemporaryDirectory() as tmp:
         data, _ = make_tiny_task(os.path.join(tmp, "task"))
         encoder_dir = make_tiny_encoder(os.path.join(tmp, "encoder"), data)
