@@ -428,14 +428,7 @@ def precision_by_frequency_bucket(
     num_buckets = _check_k(num_buckets, "num_buckets")
     topk, truth = _prepare(topk, truth)
     num_labels = truth.shape[1]
-    if sp.issparse(train_label_freq):
-        freq = np.asarray(train_label_freq.sum(axis=0), dtype=np.float64).ravel()
-    else:
-        freq = np.asarray(train_label_freq, dtype=np.float64).ravel()
-    if freq.shape[0] != num_labels:
-        raise ValueError(f"train_label_freq has {freq.shape[0]} labels but truth has {num_labels}")
-    if np.any(freq < 0):
-        raise ValueError("train_label_freq must be non-negative")
+    freq = _train_label_freq(train_label_freq, num_labels)
     order = np.lexsort((np.arange(num_labels), -freq))  # decreasing frequency, ties by id
     total_mass = freq.sum()
     bucket_of = np.empty(num_labels, dtype=np.int64)
