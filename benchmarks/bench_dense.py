@@ -160,9 +160,28 @@ RECIPE_BUDGETS: dict[tuple[str, ...], list[str]] = {
 TRAIN_FILTERS = {"wordnet": "filter_labels_train.txt"}
 
 
+BUDGET_FLAGS = ("--num_train_epochs", "--max_steps", "--per_device_train_batch_size")
+
+
+def without_budget(flags: list[str]) -> list[str]:
+    """``flags`` without their budget and batch flags (:data:`BUDGET_FLAGS` and each one's value): given on the command
+    line they would win over a preset's."""
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in BUDGET_FLAGS:
+            skip = True
+        else:
+            out.append(flag)
+    return out
+
+
 def run_row(dataset: str, method: str, recipe: str, work: str) -> dict:
     """Train through the script (``run_training_script``) and keep what its eval_results.json says."""
     data_dir, data_flags = data_setup(dataset, work)
+    if recipe in OWN_BUDGET:  # the recipe's budget and batch (--preset gpu's 512), not the dataset's CPU ones
+        data_flags = without_budget(data_flags)
     if dataset in TRAIN_FILTERS:
         data_flags = [*data_flags, "--train_filter_file", os.path.join(data_dir, TRAIN_FILTERS[dataset])]
     import torch

@@ -312,3 +312,13 @@ def test_the_fusion_invariant_is_checked_on_the_validation_split_once_rows_carry
     assert bench_validation.invariant(row, zeroshot, "validation") == "no (P@1 -1.00)"  # 51 under the untrained 52 on validation
     old = {k: v for k, v in row.items() if not k.startswith("validation")}
     assert bench_validation.invariant(old, zeroshot, "validation") == "-"
+
+
+def test_a_recipe_with_its_own_budget_drops_the_datasets_cpu_budget_and_batch():
+    """--preset gpu's batch of 512 and its steps are not overridden by Debtags' CPU flags (--per_device_train_batch_size
+    64, --num_train_epochs 0.5), which, given on the command line, would win over the preset's."""
+    from benchmarks import bench_dense
+
+    flags = ["--num_train_epochs", "0.5", "--per_device_train_batch_size", "64", "--max_seq_length", "32"]
+    assert bench_dense.without_budget(flags) == ["--max_seq_length", "32"]
+    assert "gpu_preset" in bench_dense.OWN_BUDGET
