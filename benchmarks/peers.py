@@ -338,9 +338,11 @@ def run_peers(data, k: int = 100, threads: int = 2, seed: int = 0, only: Sequenc
     """
     from hf_xmc.data import filter_predictions
     from hf_xmc.metrics import inverse_propensity, xmc_metrics
+    from hf_xmc.training.evaluation import tail_metrics
 
     trn, tst = data.train, data.test
     inv_p = inverse_propensity(trn.targets, propensity_a, propensity_b)
+    train_counts = np.asarray(trn.targets.sum(axis=0)).ravel()
     methods = list(only or PEER_NAMES)
     extra = int(np.diff(sp.csr_matrix(filter_matrix).indptr).max()) if filter_matrix is not None and filter_matrix.nnz else 0
     k_ranked = k + extra
@@ -375,6 +377,8 @@ def run_peers(data, k: int = 100, threads: int = 2, seed: int = 0, only: Sequenc
         rows.append({
             "method": PEER_NAMES[m], "key": m,
             "metrics": xmc_metrics(topk, tst.targets, inv_propensity=inv_p, ks=(1, 3, 5), recall_ks=(10, 100)),
+            # coverage@5, seen / unseen, deciles: as the training scripts report them (a tree cannot predict an unseen label)
+            "tail": tail_metrics(topk, tst.targets, train_counts, inv_p, 5),
             "train_seconds": e2e_tr, "predict_queries_per_second": n / max(e2e_pr, 1e-9),
             "model_train_seconds": tr, "model_predict_queries_per_second": n / max(pr, 1e-9),
             "predict_seconds": e2e_pr, "propensity_a": propensity_a, "propensity_b": propensity_b,

@@ -201,3 +201,17 @@ def test_main_counts_unlabelled_test_points_and_records_the_constants(tmp_path, 
             assert result["test_unlabeled_counted"] is True and row["metrics"]["P@1"] == pytest.approx(50.0)
         else:  # b left out (the filter's row 3 still means d): 2 of 3
             assert result["test_unlabeled_counted"] is False and row["metrics"]["P@1"] == pytest.approx(200 / 3)
+
+
+def test_run_peers_reports_the_tail_metrics_the_scripts_report(task):
+    """coverage@5, seen / unseen and the deciles of a peer's ranking are the evaluator's functions on its top-k; the
+    seen and unseen P@5 add up to its P@5 and the deciles too."""
+    from hf_xmc.metrics import coverage_at_k
+
+    data, _, _ = task
+    row = peers.run_peers(data, k=K, only=["zeroshot"])[0]
+    tail, metrics = row["tail"], row["metrics"]
+    topk, _, _ = peers.run_tfidf_zero_shot(data.train.texts, data.test.texts, list(data.label_texts), k=K)
+    assert tail["coverage@5"] == pytest.approx(100 * coverage_at_k(topk, data.test.targets, 5))
+    assert tail["seen_P@5"] + tail["unseen_P@5"] == pytest.approx(metrics["P@5"])
+    assert sum(tail[f"P@5_decile{d}"] for d in range(1, 11)) == pytest.approx(metrics["P@5"])

@@ -22,6 +22,42 @@ logger = logging.getLogger(__name__)
 TAIL_BUCKETS = 10
 
 
+def tail_metrics(ids: np.ndarray, truth: sp.spmatrix, train_label_counts: Optional[np.ndarray], inv_propensity: Optional[np.ndarray],
+                 k: int, ranking_only: bool = False) -> dict[str, float]:
+    """What XMC papers report beside P@k, for the ranking ``ids`` (n, >= k) of queries with targets ``truth``: percentages
+    (one count) keyed without the ``<name>_`` prefix. Scalars only, so that the Trainer's log, ``eval_results.json``
+    and the benchmark rows carry them as they carry P@k.
+
+    * ``coverage@k``: the distinct labels hit in some query's top k over the distinct labels with a positive
+      (:func:`hf_xmc.metrics.coverage_at_k`, napkinXC's convention).
+
+    With train targets (:func:`hf_xmc.metrics.seen_unseen_metrics`; *unseen*: no point of the training file has the
+    label, the validation split's included):
+
+    * ``seen_P@k`` / ``unseen_P@k``: hits on seen / unseen labels over ``n k``; they add up to P@k;
+    * ``seen_PSP@k`` / ``unseen_PSP@k``: the propensity gains of hits on seen / unseen labels over the part of
+      PSP@k's ideal mass on seen / unseen labels; ``unseen_PSP@k_mass``: that part's share of the ideal mass ``m``,
+      so that ``PSP@k = m unseen_PSP@k + (1 - m) seen_PSP@k``;
+    * ``unseen_labels`` (a count: distinct unseen labels with a positive here) and ``unseen_positive_share`` (the
+      share of the positives on them);
+    * ``P@k_decile1`` .. ``P@k_decile10``: P@k's contribution of each tenth of the labels by train frequency, head
+      first, cut at equal shares of the train positives (:func:`hf_xmc.metrics.precision_by_frequency_bucket`; the
+      unseen labels are in the last); they add up to P@k.
+
+    ``ranking_only`` leaves out what depends on the data alone (``unseen_labels``, ``unseen_positive_share``,
+    ``unseen_PSP@k_mass``): a second ranking of the same queries (the dense one) needs them once."""
+    out: dict[str, float] = {f"coverage@{k}": 100.0 * coverage_at_k(ids, truth, k)}
+    if train_label_counts is None:
+        return out
+    data_only = ("unseen_labels", "unseen_positive_share", f"unseen_PSP@{k}_mass")
+    for key, value in seen_unseen_metrics(ids, truth, train_label_counts, inv_propensity, k).items():
+        if not (ranking_only and key in data_only):
+            out[key] = int(value) if key == "unseen_labels" else 100.0 * value
+    buckets = precision_by_frequency_bucket(ids, truth, train_label_counts, k=k, num_buckets=TAIL_BUCKETS)
+    out.update({f"P@{k}_decile{b['bucket'] + 1}": 100.0 * b["precision_contribution"] for b in buckets})
+    return out
+
+
 class XMCEvaluator:
     """Computes P@k, nDCG@k, PSP@k, PSnDCG@k and R@k of a model on a labelled query set.
 
@@ -181,40 +217,9 @@ class XMCEvaluator:
         return scores, ids
 
     def tail_metrics(self, ids: np.ndarray, ranking_only: bool = False) -> dict[str, float]:
-        """What XMC papers report beside P@k, for the ranking ``ids`` of these queries at ``k = max(ks)``: percentages
-        (one count) keyed without the ``<name>_`` prefix. Scalars only, so that the Trainer's log, ``eval_results.json``
-        and the benchmark rows carry them as they carry P@k.
-
-        * ``coverage@k``: the distinct labels hit in some query's top k over the distinct labels with a positive
-          (:func:`hf_xmc.metrics.coverage_at_k`, napkinXC's convention).
-
-        With train targets (:func:`hf_xmc.metrics.seen_unseen_metrics`; *unseen*: no point of the training file has the
-        label, the validation split's included):
-
-        * ``seen_P@k`` / ``unseen_P@k``: hits on seen / unseen labels over ``n k``; they add up to P@k;
-        * ``seen_PSP@k`` / ``unseen_PSP@k``: the propensity gains of hits on seen / unseen labels over the part of
-          PSP@k's ideal mass on seen / unseen labels; ``unseen_PSP@k_mass``: that part's share of the ideal mass ``m``,
-          so that ``PSP@k = m unseen_PSP@k + (1 - m) seen_PSP@k``;
-        * ``unseen_labels`` (a count: distinct unseen labels with a positive here) and ``unseen_positive_share`` (the
-          share of the positives on them);
-        * ``P@k_decile1`` .. ``P@k_decile10``: P@k's contribution of each tenth of the labels by train frequency, head
-          first, cut at equal shares of the train positives (:func:`hf_xmc.metrics.precision_by_frequency_bucket`; the
-          unseen labels are in the last); they add up to P@k.
-
-        ``ranking_only`` leaves out what depends on the data alone (``unseen_labels``, ``unseen_positive_share``,
-        ``unseen_PSP@k_mass``): a second ranking of the same queries (the dense one) needs them once."""
-        k = max(self.ks)
-        truth = self.data.targets
-        out: dict[str, float] = {f"coverage@{k}": 100.0 * coverage_at_k(ids, truth, k)}
-        if self.train_label_counts is None:
-            return out
-        data_only = ("unseen_labels", "unseen_positive_share", f"unseen_PSP@{k}_mass")
-        for key, value in seen_unseen_metrics(ids, truth, self.train_label_counts, self.inv_propensity, k).items():
-            if not (ranking_only and key in data_only):
-                out[key] = int(value) if key == "unseen_labels" else 100.0 * value
-        buckets = precision_by_frequency_bucket(ids, truth, self.train_label_counts, k=k, num_buckets=TAIL_BUCKETS)
-        out.update({f"P@{k}_decile{b['bucket'] + 1}": 100.0 * b["precision_contribution"] for b in buckets})
-        return out
+        """:func:`tail_metrics` of the ranking ``ids`` of these queries at ``k = max(ks)`` (with this evaluator's train
+        counts and propensities)."""
+        return tail_metrics(ids, self.data.targets, self.train_label_counts, self.inv_propensity, max(self.ks), ranking_only)
 
     def latency_bs1_ms(self, model, num_queries: Optional[int] = None) -> float:
         """The median wall milliseconds of ``model.rank`` on one query (batch size 1, its top ``max(ks)``) over
