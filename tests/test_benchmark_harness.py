@@ -76,6 +76,7 @@ def _blocks() -> dict:
         bench_debtags,
         bench_dense,
         bench_dexml_modes,
+        bench_headline,
         bench_index,
         bench_mufin,
         bench_new_labels,
@@ -125,6 +126,7 @@ def _blocks() -> dict:
         "calibration_depth": ("calibration_depth.json", bench_calibration_depth.table),
         "wordnet_quality": ("wordnet_quality.json", bench_wordnet.table),
         "peers_wordnet": ("peers_wordnet.json", lambda r: peers.peers_table(r["rows"])),
+        "headline": ("headline.json", bench_headline.table),
     }
 
 
