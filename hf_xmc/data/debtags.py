@@ -19,7 +19,7 @@ DEBTAGS_DIR: Path = Path(__file__).resolve().parent / "debtags"
 
 
 def load_debtags() -> XCData:
-    """Load the bundled Debtags dataset (points without tags, if any, are skipped)."""
+    """Load the bundled Debtags dataset (every point has at least one tag)."""
     root = resources.files(__package__) / "debtags"
     with resources.as_file(root / "trn.json.gz") as trn, resources.as_file(root / "tst.json.gz") as tst, \
             resources.as_file(root / "lbl.json.gz") as lbl:
