@@ -277,10 +277,7 @@ def table(rows: list[dict]) -> str:
     cells = []
     rows = rows + validation_rows(rows)
     recipes = ["defaults", *RECIPES]
-    objectives = [validation_objective(r, "fused") for r in rows]  # chosen_by_group marks them by id(): map back to rows
-    row_of = {id(objective): r for objective, r in zip(objectives, rows)}
-    picked = chosen_by_group(objectives, lambda o: (row_of[id(o)]["dataset"], row_of[id(o)]["method"]))
-    chosen = {id(row_of[i]) for i in picked}
+    chosen = chosen_by_group(rows, lambda r: (r["dataset"], r["method"]), metrics=lambda r: validation_objective(r, "fused"))
     for dataset in DATASETS:
         ours = sorted((r for r in rows if r["dataset"] == dataset), key=lambda r: (METHODS.index(r["method"]), recipes.index(r["recipe"])))
         if not ours:

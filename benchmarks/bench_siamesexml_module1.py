@@ -94,17 +94,14 @@ def run_variant(dataset: str, epochs: str, flags: list[str], work: str) -> dict:
 def table(rows: list[dict]) -> str:
     """One line per (variant, ranking): the validation metrics a choice reads ("-" for rows run before they were
     measured), ``chosen`` on the shortlist line of the best variant per (dataset, epochs), then the test metrics."""
-    shortlists = [r.get("shortlist_validation", {}) for r in rows]
-    groups = {id(s): (r["dataset"], r["epochs"]) for s, r in zip(shortlists, rows)}
-    picked = chosen_by_group(shortlists, lambda s: groups[id(s)])
-    chosen = {i for i, s in enumerate(shortlists) if id(s) in picked}
+    chosen = chosen_by_group(rows, lambda r: (r["dataset"], r["epochs"]), metrics=lambda r: r.get("shortlist_validation", {}))
     header = ["dataset", "Module I", "epochs", "ranking", *(f"val {k[5:]}" for k in SELECTION_KEYS), "by val", "P@1", "P@5", "PSP@1", "PSP@5", "R@100"]
     cells = []
-    for i, r in enumerate(rows):
+    for r in rows:
         for mode in ("shortlist", "label_text"):
             val = r.get(f"{mode}_validation", {})
             cells.append([r["dataset"], r["variant"], r["epochs"], {"shortlist": "shortlist (z~ + v)", "label_text": "label text"}[mode],
-                          *(f"{val[k]:.2f}" if k in val else "-" for k in SELECTION_KEYS), "chosen" if mode == "shortlist" and i in chosen else "",
+                          *(f"{val[k]:.2f}" if k in val else "-" for k in SELECTION_KEYS), "chosen" if mode == "shortlist" and id(r) in chosen else "",
                           *(f"{r[mode][k]:.2f}" for k in SHOWN)])
     return markdown_table(header, cells)
 

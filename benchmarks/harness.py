@@ -208,14 +208,16 @@ def choose(rows: Sequence[dict], keys: Sequence[str] = SELECTION_KEYS) -> dict:
     return max(rows, key=lambda r: selection_score(r, keys))
 
 
-def chosen_by_group(rows: Sequence[dict], group, keys: Sequence[str] = SELECTION_KEYS) -> set[int]:
+def chosen_by_group(rows: Sequence[dict], group, keys: Sequence[str] = SELECTION_KEYS, metrics=None) -> set[int]:
     """The ``id()`` of the row :func:`choose` picks within each group of ``rows`` (``group``: a key, e.g.
     ``"dataset"``, or a function of a row), skipping groups where a row has no validation metrics (rows measured
-    before the scripts reported them)."""
+    before the scripts reported them). ``metrics`` (default: the row itself) gives the dict of a row the ``keys``
+    are read from, for rows that keep their validation metrics under a key of their own."""
     key = group if callable(group) else (lambda r: r[group])
+    of = metrics or (lambda r: r)
     picked = set()
     for value in dict.fromkeys(key(r) for r in rows):
         members = [r for r in rows if key(r) == value]
-        if all(all(r.get(k) is not None for k in keys) for r in members):
-            picked.add(id(choose(members, keys)))
+        if all(all(of(r).get(k) is not None for k in keys) for r in members):
+            picked.add(id(max(members, key=lambda r: selection_score(of(r), keys))))
     return picked
