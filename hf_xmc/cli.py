@@ -207,6 +207,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         propensity_a=args.propensity_a if args.propensity_a is not None else _config_value(model, "propensity_a"),
         propensity_b=args.propensity_b if args.propensity_b is not None else _config_value(model, "propensity_b"),
         eval_batch_size=args.batch_size,
+        latency_queries=args.latency_queries,
         dataset_name=dataset_name_from_path(args.train_file or args.test_file),
     )
     if args.train_file:
@@ -507,6 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--test_filter_file", help="pairs 'point_idx label_idx' removed from the predictions before scoring")
     p.add_argument("--skip_unlabeled_test_points", action="store_true",
                    help="average over the test points that have a label only (default: the others count as misses, as pyxclib does)")
+    p.add_argument("--latency_queries", type=int, default=0,
+                   help="also time this many test queries one at a time (test_latency_bs1_p50_ms, the median ms); 0: not measured")
     p.add_argument("--text_fields", default=defaults["text_fields"].default, help="comma-separated JSON fields joined into a query text")
     p.add_argument("--propensity_a", type=float, help="propensity constant A (default: the model's config)")
     p.add_argument("--propensity_b", type=float, help="propensity constant B (default: the model's config)")

@@ -160,6 +160,25 @@ def test_the_scripts_evaluator_counts_them_and_records_the_convention(xc_files):
     assert labelled_only["test_unlabeled_points"] == 2 and labelled_only["test_unlabeled_counted"] is False
 
 
+def test_the_scripts_latency_flag_times_the_final_model_one_query_at_a_time(xc_files):
+    """``--latency_queries n`` reaches the scripts' evaluator: ``test_latency_bs1_p50_ms`` from n single-query calls
+    (after 3 untimed), absent by default; a negative count is refused when the arguments are parsed."""
+    calls = []
+
+    class CountingRanker(FixedRanker):
+        def rank(self, texts, k, batch_size=None, **kwargs):
+            calls.append((len(texts), batch_size))
+            return super().rank(texts, k, batch_size, **kwargs)
+
+    args = _args(xc_files, latency_queries=4)
+    metrics = build_evaluator(load_data(args), args)(CountingRanker())
+    assert metrics["test_latency_bs1_p50_ms"] > 0
+    assert calls.count((1, 1)) == 3 + 4  # 3 warm-up calls and 4 timed ones, one query each
+    assert "test_latency_bs1_p50_ms" not in build_evaluator(load_data(_args(xc_files)), _args(xc_files))(FixedRanker())
+    with pytest.raises(ValueError, match="--latency_queries"):
+        _args(xc_files, latency_queries=-1)
+
+
 def test_the_evaluator_refuses_a_convention_its_queries_contradict(xc_files):
     from hf_xmc.training.evaluation import XMCEvaluator
 

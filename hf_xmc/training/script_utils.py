@@ -86,6 +86,12 @@ class XMCDataArguments:
     propensity_b: Optional[float] = field(
         default=None, metadata={"help": "Propensity constant B for PSP@k (default: the dataset's, as for A: 2.6 Amazon, 0.4 Wikipedia, else 1.5)."})
     eval_batch_size: int = field(default=256, metadata={"help": "Encoding batch size at evaluation."})
+    latency_queries: int = field(
+        default=0,
+        metadata={"help": "Also time the final model on this many test queries one at a time (batch size 1, after 3 untimed calls): "
+                  "test_latency_bs1_p50_ms in eval_results.json, what one served request waits, beside test_samples_per_second's "
+                  "batched throughput. 0: not measured."},
+    )
     preset: Optional[str] = field(
         default=None,
         metadata={"help": "The paper's configuration for a dataset (e.g. lf-amazontitles-1.3m; 'list' names them): its values become the defaults, explicit flags win."},
@@ -110,6 +116,8 @@ class XMCDataArguments:
             a, b = propensity_constants(card_dataset_name(self) if (self.dataset_name or self.train_file) else None)
             self.propensity_a = a if self.propensity_a is None else self.propensity_a
             self.propensity_b = b if self.propensity_b is None else self.propensity_b
+        if self.latency_queries < 0:
+            raise ValueError(f"--latency_queries is a number of test queries >= 0, got {self.latency_queries}")
         for name in ("max_seq_length", "label_max_seq_length", "eval_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -685,6 +693,7 @@ def build_evaluator(data: XCData, data_args: XMCDataArguments) -> XMCEvaluator:
         dataset_name=card_dataset_name(data_args),
         dataset_id=hub_dataset_id(data_args),
         unlabeled_counted=not data_args.skip_unlabeled_test_points,
+        latency_queries=data_args.latency_queries,
     )
 
 
