@@ -341,7 +341,7 @@ def test_a_validation_pair_whose_reverse_is_a_training_pair_is_filtered_not_scor
     assert moved and val_pairs | moved == original and not val_pairs & moved
     assert all((label, q) in train_pairs for q, label in moved)
     assert not any((label, q) in train_pairs for q, label in val_pairs)
-    assert val.num_reciprocal_pairs == len(moved) and validation_record(data, "training split")["reciprocal_pairs_filtered"] == len(moved)
+    assert val.num_reciprocal_pairs_filtered == len(moved) and validation_record(data, "training split")["reciprocal_pairs_filtered"] == len(moved)
     # labels with ids of their own (Debtags' tags, Reuters' topics): nothing moves
     other = carve_validation(XCData(train=train, test=train, label_texts=[f"l{i}" for i in range(n)], label_uids=[f"tag{i}" for i in range(n)]), 10, seed=3)
     assert other.validation.filter_matrix is None and other.validation.targets.nnz == data.validation.targets.nnz + len(moved)

@@ -102,14 +102,15 @@ def filter_reciprocal_pairs(validation: XMCDataset, pairs: sp.csr_matrix) -> XMC
     targets.eliminate_zeros()
     filt = pairs if validation.filter_matrix is None else (validation.filter_matrix + pairs)
     return XMCDataset(texts=validation.texts, targets=targets, uids=validation.uids, source_rows=validation.source_rows,
-                      images=validation.images, filter_matrix=sp.csr_matrix(filt, dtype=bool))
+                      images=validation.images, filter_matrix=sp.csr_matrix(filt, dtype=bool),
+                      num_reciprocal_pairs_filtered=validation.num_reciprocal_pairs_filtered + int(pairs.nnz))
 
 
 def carve_validation(data: XCData, size: int, seed: int) -> XCData:
     """``data`` with ``size`` training queries moved to ``data.validation`` (``data.train`` keeps the rest). The
     propensities of PSP@k keep coming from every training query (:meth:`XCData.propensity_targets`). A validation pair
     whose reverse is a training pair (:func:`reciprocal_pairs`) is moved to the validation filter, as a test split's
-    reciprocal pairs are by the Extreme Classification Repository (``validation.num_reciprocal_pairs`` counts them)."""
+    reciprocal pairs are by the Extreme Classification Repository (``validation.num_reciprocal_pairs_filtered`` counts them)."""
     if data.validation is not None:
         raise ValueError("the data already has a validation split")
     full = data.train.targets
@@ -118,7 +119,6 @@ def carve_validation(data: XCData, size: int, seed: int) -> XCData:
     if pairs is not None:
         validation = filter_reciprocal_pairs(validation, pairs)
         logger.info("validation: %d pairs whose reverse is a training pair moved to the validation filter", pairs.nnz)
-    validation.num_reciprocal_pairs = 0 if pairs is None else int(pairs.nnz)
     return XCData(train=train, test=data.test, label_texts=data.label_texts, label_uids=data.label_uids,
                   label_images=data.label_images, validation=validation, all_train_targets=full)
 
@@ -128,8 +128,8 @@ def validation_record(data: XCData, source: str, seed: Optional[int] = None) -> 
     if data.validation is None:
         return None
     record = {"source": source, "queries": len(data.validation), "training_queries": len(data.train), "fingerprint": fingerprint(data.validation)}
-    if getattr(data.validation, "num_reciprocal_pairs", 0):
-        record["reciprocal_pairs_filtered"] = data.validation.num_reciprocal_pairs
+    if data.validation.num_reciprocal_pairs_filtered:
+        record["reciprocal_pairs_filtered"] = data.validation.num_reciprocal_pairs_filtered
     if seed is not None:
         record["seed"] = int(seed)
     return record

@@ -184,6 +184,9 @@ class XMCDataset:
     # it is scored and never drawn as a negative (a filter file's pairs, e.g. LF datasets' "a point is its own
     # label"); None: no such pairs. Memory: 5 bytes per pair plus 8 per point.
     filter_matrix: sp.csr_matrix | None = None
+    # validation pairs whose reverse is a training pair, moved from ``targets`` to ``filter_matrix`` when the split was
+    # carved (hf_xmc.data.splits.filter_reciprocal_pairs); recorded in the saved config's validation record
+    num_reciprocal_pairs_filtered: int = 0
 
     def __post_init__(self) -> None:
         """Normalise ``targets`` to CSR float32 and check that the lengths agree."""
