@@ -46,6 +46,8 @@ from benchmarks.harness import (  # noqa: E402
     SELECTION_KEYS,
     bench_parser,
     chosen_by_group,
+    data_version,
+    dataset_cell,
     markdown_table,
     publish,
     read_json,
@@ -193,7 +195,8 @@ def run_row(dataset: str, method: str, recipe: str, work: str) -> dict:
     out = os.path.join(work, f"{dataset}-{method}-{recipe}")
     results, wall = run_training_script(method, data_dir, minilm(), out, [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", *flags])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-    return {"row": f"{dataset}-{method}-{recipe}", "dataset": dataset, "method": method, "recipe": recipe, "flags": flags,
+    return {"row": f"{dataset}-{method}-{recipe}", "dataset": dataset, "data_version": data_version(dataset, data_dir), "method": method,
+            "recipe": recipe, "flags": flags,
             "commit": commit, "wall_seconds": round(wall, 1), "load_1min": round(os.getloadavg()[0], 2),
             "train_runtime": results.get("train_runtime"), "dense": pick(results, "test_dense_"), "fused": pick(results, "test_"),
             # the final model on the run's validation split: what choosing a default reads (benchmarks.harness.choose)
@@ -202,18 +205,20 @@ def run_row(dataset: str, method: str, recipe: str, work: str) -> dict:
             "tail": pick_tail(results)}  # coverage, seen / unseen, deciles of both rankings (bench_validation.TAIL_HEADER)
 
 
-def references(dataset: str) -> list[tuple[str, dict]]:
+def references(dataset: str) -> list[tuple[str, dict, str | None]]:
     """Every tree peer (none is picked by a test metric: the peers run no validation split) and the untrained encoder
-    (dense, + channel) of ``dataset`` from committed results."""
+    (dense, + channel) of ``dataset`` from committed results: ``(name, metrics, data version)``."""
     refs = []
     peers_file = {"wordnet": "peers_wordnet.json", "debtags": "debtags.json", "reuters": "peers_reuters.json"}.get(dataset)
     if peers_file and os.path.exists(result_path(peers_file)):
-        rows = [r for r in read_json(result_path(peers_file))["rows"] if "hf_xmc" not in r["method"] and "zero-shot" not in r["method"]]
-        refs += [(f"tree peer: {r['method']}", r["metrics"]) for r in rows]
+        result = read_json(result_path(peers_file))
+        rows = [r for r in result["rows"] if "hf_xmc" not in r["method"] and "zero-shot" not in r["method"]]
+        refs += [(f"tree peer: {r['method']}", r["metrics"], result.get("data_version")) for r in rows]
     validation = result_path("validation_fusion.json")
     zeroshot = next((r for r in read_json(validation) if r["row"] == f"{dataset}-zeroshot"), None) if os.path.exists(validation) else None
     if zeroshot:
-        refs += [("untrained all-MiniLM-L6-v2, dense", zeroshot["dense"]), ("untrained all-MiniLM-L6-v2 + channel", zeroshot["fused_now"])]
+        version = zeroshot.get("data_version")
+        refs += [("untrained all-MiniLM-L6-v2, dense", zeroshot["dense"], version), ("untrained all-MiniLM-L6-v2 + channel", zeroshot["fused_now"], version)]
     return refs
 
 
@@ -282,10 +287,10 @@ def table(rows: list[dict]) -> str:
         ours = sorted((r for r in rows if r["dataset"] == dataset), key=lambda r: (METHODS.index(r["method"]), recipes.index(r["recipe"])))
         if not ours:
             continue
-        for name, metrics in references(dataset):
-            cells.append([dataset, name, "", "", "", *(metric_cell(dataset, metrics, m) for m in SHOWN), "", "", ""])
+        for name, metrics, version in references(dataset):
+            cells.append([dataset_cell(dataset, version), name, "", "", "", *(metric_cell(dataset, metrics, m) for m in SHOWN), "", "", ""])
         if not any(r["recipe"] == "gpu_preset" for r in ours):  # the issue asks the table to say so
-            cells.append([dataset, "every text method", "gpu_preset", budget(dataset, RECIPES["gpu_preset"]),
+            cells.append([dataset_cell(dataset, data_version(dataset)), "every text method", "gpu_preset", budget(dataset, RECIPES["gpu_preset"]),
                           "not measured: no GPU was lent to the sessions so far", *([""] * len(SHOWN)), "", "", ""])
         for r in ours:
             recipe = r["recipe"] + (" (default)" if SCRIPT_DEFAULTS.get((r["method"], dataset)) == r["recipe"] else "")
@@ -295,7 +300,7 @@ def table(rows: list[dict]) -> str:
                 recipe = f"script's defaults{' before' if before else ''} (validation_fusion.json)"
             for ranking in ("dense", "fused"):
                 objective = validation_objective(r, ranking)
-                cells.append([dataset, r["method"], recipe, budget(dataset, r["flags"]), ranking, *(metric_cell(dataset, r[ranking], m) for m in SHOWN),
+                cells.append([dataset_cell(dataset, r.get("data_version")), r["method"], recipe, budget(dataset, r["flags"]), ranking, *(metric_cell(dataset, r[ranking], m) for m in SHOWN),
                               f"{sum(objective.values()):.2f}" if len(objective) == len(SELECTION_KEYS) else "-",
                               "chosen" if ranking == "fused" and id(r) in chosen else "", f"{r['wall_seconds'] / 60:.1f}"])
     rendered = markdown_table(header, cells, "lllll" + "r" * (len(SHOWN) + 1) + "lr") + "\n"
@@ -315,13 +320,14 @@ def tail_table(rows: list[dict]) -> str:
         ours = sorted((r for r in rows if r["dataset"] == dataset), key=lambda r: (METHODS.index(r["method"]), recipes.index(r["recipe"])))
         if not ours:
             continue
-        zeroshot = next((r.get("tail", {}) for r in measured if r["row"] == f"{dataset}-zeroshot"), None)
-        if zeroshot is not None:
-            cells += [[dataset, "untrained all-MiniLM-L6-v2", "", ranking, *tail_cells(zeroshot.get(key), zeroshot.get("fused"))]
+        row = next((r for r in measured if r["row"] == f"{dataset}-zeroshot"), None)
+        if row is not None:
+            zeroshot = row.get("tail", {})
+            cells += [[dataset_cell(dataset, row.get("data_version")), "untrained all-MiniLM-L6-v2", "", ranking, *tail_cells(zeroshot.get(key), zeroshot.get("fused"))]
                       for ranking, key in (("dense", "dense"), ("+ channel", "fused"))]
         for r in ours:
             tail = r.get("tail", {})
-            cells += [[dataset, r["method"], r["recipe"], ranking, *tail_cells(tail.get(ranking), tail.get("fused"))] for ranking in ("dense", "fused")]
+            cells += [[dataset_cell(dataset, r.get("data_version")), r["method"], r["recipe"], ranking, *tail_cells(tail.get(ranking), tail.get("fused"))] for ranking in ("dense", "fused")]
     return markdown_table(["dataset", "model", "recipe", "ranking", *TAIL_HEADER], cells, "llll" + "r" * (len(TAIL_HEADER) - 1) + "l")
 
 

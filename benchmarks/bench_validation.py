@@ -40,7 +40,16 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    bench_parser,
+    data_version,
+    dataset_cell,
+    markdown_table,
+    publish,
+    read_json,
+    result_path,
+    write_json,
+)
 from benchmarks.sweep_defaults import minilm, prepare, run_training_script  # noqa: E402
 
 SHOWN = ("P@1", "P@5", "PSP@1", "PSP@5", "R@100")
@@ -79,7 +88,8 @@ def run_row(dataset: str, method: str, work: str) -> dict:
     flags = ["--max_steps", "0"] if method == "zeroshot" else BUDGETS.get((dataset, method), [])
     results, wall = run_training_script(script, data_dir, minilm(), out, [*data_flags, "--seed", "42", "--lexical_channel", "omikuji",
                                                                            "--latency_queries", str(LATENCY_QUERIES), *flags])
-    row = {"row": f"{dataset}-{method}", "dataset": dataset, "method": method, "flags": flags, "wall_seconds": round(wall, 1),
+    row = {"row": f"{dataset}-{method}", "dataset": dataset, "data_version": data_version(dataset, data_dir), "method": method,
+           "flags": flags, "wall_seconds": round(wall, 1),
            "load_1min": round(os.getloadavg()[0], 2), "fused_now": pick(results, "test_"), "dense": pick(results, "test_dense_"),
            "weights_now": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")],
            "ece": {k[len("test_ECE_"):]: v for k, v in results.items() if k.startswith("test_ECE_")},
@@ -290,12 +300,15 @@ def tables(rows: list[dict]) -> str:
         if r["method"] == "zeroshot":
             lines = [lines[0], lines[3], *lines[4:]]
         for name, metrics, weights in lines:
-            cells.append([r["dataset"], DESCRIPTIONS[r["method"]], name, *(metric_cell(r["dataset"], metrics, m) for m in SHOWN), weights, wall])
+            cells.append([dataset_cell(r["dataset"], r.get("data_version")), DESCRIPTIONS[r["method"]], name,
+                          *(metric_cell(r["dataset"], metrics, m) for m in SHOWN), weights, wall])
         if r["method"] != "zeroshot":
             question = "fused now >= max(dense, untrained + channel) - 0.3 on P@1 and PSP@5?"
-            cells.append([r["dataset"], DESCRIPTIONS[r["method"]], question, invariant(r, zs), *[None] * (len(SHOWN) + 1)])
+            cells.append([dataset_cell(r["dataset"], r.get("data_version")), DESCRIPTIONS[r["method"]], question, invariant(r, zs),
+                          *[None] * (len(SHOWN) + 1)])
             if r.get("validation_fused"):
-                cells.append([r["dataset"], DESCRIPTIONS[r["method"]], "the same on the validation split?", invariant(r, zs, "validation"),
+                cells.append([dataset_cell(r["dataset"], r.get("data_version")), DESCRIPTIONS[r["method"]], "the same on the validation split?",
+                              invariant(r, zs, "validation"),
                               *[None] * (len(SHOWN) + 1)])
     fusion = markdown_table(header, cells, "lll" + "r" * len(SHOWN) + "lr")
     # the calibration is fitted and its ECE measured on each query's top 100 since issue 64 (rows run since carry
@@ -303,12 +316,41 @@ def tables(rows: list[dict]) -> str:
     # the two depths do not compare
     ece = markdown_table(["dataset", "model", "test ECE, isotonic (the default)", "test ECE, Platt", "ranks", "ms a query, one at a time (p50)",
                           "queries/s, batched"],
-                         [[r["dataset"], DESCRIPTIONS[r["method"]], f"{r['ece'].get('isotonic', float('nan')):.2f}", f"{r['ece'].get('platt', float('nan')):.2f}",
+                         [[dataset_cell(r["dataset"], r.get("data_version")), DESCRIPTIONS[r["method"]], f"{r['ece'].get('isotonic', float('nan')):.2f}", f"{r['ece'].get('platt', float('nan')):.2f}",
                            "top 100" if r.get("validation_fused") else "top 20", speed_cell(r.get("latency_bs1_ms"), "{:.1f}"),
                            speed_cell(r.get("queries_per_second"), "{:,.0f}")]
                           for r in rows], "llrrlrr")
     tail = "\n" + TAIL_NOTE + "\n\n" + tail_table(rows) + "\n" if has_tail(rows) else ""  # once rows carry them
     return fusion + "\n\n" + ece + "\n" + tail
+
+
+#: the committed peers results per dataset (``benchmarks/peers.py``; Debtags' through ``bench_debtags.py``)
+PEERS_RESULTS = {"debtags": "debtags.json", "reuters": "peers_reuters.json", "wordnet": "peers_wordnet.json"}
+TAIL_OVERVIEW_NOTE = ("Per dataset: every peer of its committed peers table (`benchmarks/peers.py`, library defaults, "
+                      "TF-IDF) and the hf_xmc rows of this benchmark (the untrained encoder + channel and DEXML with the "
+                      "script's defaults, dense and fused), on the test split with its filter file. ")
+
+
+def tail_overview(rows: list[dict], peers_results: dict[str, dict] | None = None) -> str:
+    """The tail metrics of the three datasets in one table: the peers' (from their committed results, rows that carry
+    ``tail``) beside this benchmark's untrained encoder + channel and DEXML rows (dense and fused), with P@5 and PSP@5
+    for scale. ``peers_results``: ``{dataset: results}`` (default: read :data:`PEERS_RESULTS`)."""
+    if peers_results is None:
+        peers_results = {d: read_json(result_path(f)) for d, f in PEERS_RESULTS.items() if os.path.exists(result_path(f))}
+    cells = []
+    for dataset in ("debtags", "reuters", "wordnet"):
+        peers_result = peers_results.get(dataset) or {}
+        for r in (r for r in peers_result.get("rows", []) if r.get("tail")):
+            m = r["metrics"]
+            cells.append([dataset_cell(dataset, peers_result.get("data_version")), r["method"], "peer", f"{m['P@5']:.2f}", f"{m['PSP@5']:.2f}", *tail_cells(r["tail"])])
+        for r in rows:
+            if r["dataset"] != dataset or r["method"] not in ("zeroshot", "dexml") or not has_tail([r]):
+                continue
+            for name, key, metrics in (("dense", "dense", r["dense"]), ("fused (tuned on validation)", "fused", r["fused_now"])):
+                cells.append([dataset_cell(dataset, r.get("data_version")), DESCRIPTIONS[r["method"]], name, f"{metrics['P@5']:.2f}", f"{metrics['PSP@5']:.2f}",
+                              *tail_cells(r["tail"].get(key), r["tail"].get("fused"))])
+    table = markdown_table(["dataset", "model", "ranking", "P@5", "PSP@5", *TAIL_HEADER], cells, "lllrr" + "r" * (len(TAIL_HEADER) - 1) + "l")
+    return TAIL_OVERVIEW_NOTE + TAIL_NOTE + "\n\n" + table + "\n"
 
 
 def speed_cell(value, fmt: str) -> str:
@@ -322,7 +364,7 @@ def tail_table(rows: list[dict]) -> str:
     for r in rows:
         tail = r.get("tail", {})
         for name, key in (("dense", "dense"), ("fused now (tuned on validation)", "fused")):
-            cells.append([r["dataset"], DESCRIPTIONS[r["method"]], name, *tail_cells(tail.get(key), tail.get("fused"))])
+            cells.append([dataset_cell(r["dataset"], r.get("data_version")), DESCRIPTIONS[r["method"]], name, *tail_cells(tail.get(key), tail.get("fused"))])
     return markdown_table(["dataset", "model", "ranking", *TAIL_HEADER], cells, "lll" + "r" * (len(TAIL_HEADER) - 1) + "l")
 
 
@@ -361,6 +403,7 @@ def main(argv=None) -> list[dict]:
                     print(f"{name}: now {row['fused_now']} before {row['fused_before']} dense {row['dense']} ({row['wall_seconds'] / 60:.1f} min)", flush=True)
     publish(tables(rows), "validation_fusion", args.update_docs)
     publish(reliability(rows), "validation_reliability", args.update_docs)
+    publish(tail_overview(rows), "tail", args.update_docs)
     return rows
 
 

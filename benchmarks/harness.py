@@ -31,6 +31,26 @@ def result_path(name: str) -> str:
     return os.path.join(RESULTS_DIR, name)
 
 
+#: the data directories whose builder writes a ``version`` into ``stats.json`` (WordNet-XMC: v1 kept reciprocal test
+#: pairs, v2 removes them); a result row records the version it ran on (``data_version``)
+VERSIONED_DATA = {"wordnet": os.path.join(REPO, "outputs", "wordnet-xmc")}
+
+
+def data_version(dataset: str, data_dir: str | None = None) -> str | None:
+    """The version in ``stats.json`` of a versioned dataset's directory (``"v1"`` when it predates the field), None for
+    a dataset without versions or not built."""
+    path = os.path.join(data_dir or VERSIONED_DATA.get(dataset, ""), "stats.json")
+    if dataset not in VERSIONED_DATA or not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("version", "v1")
+
+
+def dataset_cell(dataset: str, version: str | None) -> str:
+    """A table's dataset cell: a versioned dataset names its version (a row that predates ``data_version`` ran v1)."""
+    return f"{dataset} {version or 'v1'}" if dataset in VERSIONED_DATA else dataset
+
+
 def docs_marker(name: str) -> str:
     """The marker line of docs block ``name``: ``<!-- bench:NAME -->``."""
     return f"<!-- bench:{name} -->"

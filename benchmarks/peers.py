@@ -439,7 +439,7 @@ def _main() -> None:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if repo not in sys.path:
         sys.path.insert(0, repo)
-    from benchmarks.harness import bench_parser, publish, read_json, write_json
+    from benchmarks.harness import bench_parser, data_version, publish, read_json, write_json
 
     ap = bench_parser(__doc__, None, docs_block="peers_<dataset>", table_only=True)
     ap.add_argument("--dataset", default="debtags", help="debtags, wordnet or an XC raw directory")
@@ -480,6 +480,7 @@ def _main() -> None:
 
         unlabeled = int(np.count_nonzero(np.diff(data.test.targets.indptr) == 0)) + data.test.num_skipped
         write_json(args.out, {"dataset": args.dataset, "threads": args.threads, "cpu_count": os.cpu_count(),
+                              "data_version": data_version("wordnet" if args.dataset == "wordnet" else args.dataset),
                               "filtered": filt is not None, "propensity_a": a, "propensity_b": b,
                               "test_unlabeled_points": unlabeled, "test_unlabeled_counted": not args.skip_unlabeled_test_points,
                               "filter_overlap_pairs": filter_overlap_pairs(filt, data.test.targets) if filt is not None else 0,

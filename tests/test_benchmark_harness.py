@@ -123,6 +123,7 @@ def _blocks() -> dict:
         "dense": ("dense.json", bench_dense.table),
         "siamesexml_module1": ("siamesexml_module1.json", bench_siamesexml_module1.table),
         "validation_reliability": ("validation_fusion.json", bench_validation.reliability),
+        "tail": ("validation_fusion.json", bench_validation.tail_overview),
         "calibration_depth": ("calibration_depth.json", bench_calibration_depth.table),
         "wordnet_quality": ("wordnet_quality.json", bench_wordnet.table),
         "peers_wordnet": ("peers_wordnet.json", lambda r: peers.peers_table(r["rows"])),
