@@ -12,7 +12,7 @@ an epoch, Reuters one), ``--lexical_channel omikuji`` (so the fused ranking is m
 weights tuned on the validation split) and the training filter file where the dataset has one; the recipe's flags
 come last and win (a recipe may change the step budget, so that two recipes cost the same wall time). *Dense* is the
 trained model alone (``test_dense_*``), *fused* what the script saves and reports (``test_*``). The references are
-read from committed results: the best tree peer by P@1 (``peers_wordnet.json``, ``debtags.json``, ``peers_reuters.json``:
+read from committed results: every tree peer (``peers_wordnet.json``, ``debtags.json``, ``peers_reuters.json``:
 ``python benchmarks/peers.py --dataset outputs/reuters --only omikuji omikuji_bonsai napkinxc zeroshot --out
 benchmarks/results/peers_reuters.json``) and the untrained
 all-MiniLM-L6-v2 with and without the channel (the ``zeroshot`` rows of ``validation_fusion.json``). Wall minutes are
@@ -124,6 +124,17 @@ RECIPES: dict[str, list[str]] = {
     # one H100): alone, without the dataset's CPU step budget; runs only where CUDA is available
     "gpu_preset": ["--preset", "gpu"],
 }
+#: the decisions the table settles on validation: per (dataset, method), recipes compared at one budget; the one with
+#: the best fused validation P@1 + PSP@5 is marked ``chosen (<decision>)`` once each of them carries validation metrics.
+#: The other recipes of a (dataset, method) form one group of their own, as before.
+DECISIONS: dict[str, tuple[str, ...]] = {"negatives": ("in_batch", "hard_negatives", "clustered")}
+
+
+def decision_of(recipe: str) -> str | None:
+    """The :data:`DECISIONS` entry a recipe belongs to (None: none)."""
+    return next((name for name, recipes in DECISIONS.items() if recipe in recipes), None)
+
+
 #: recipes that bring their own budget (the dataset's CPU step budget of BUDGETS is not added)
 OWN_BUDGET = {"gpu_preset"}
 #: step budgets of a recipe that costs more per step, per dataset (None: the dataset's own budget): a hard-negative
@@ -266,6 +277,12 @@ def validation_rows(rows: list[dict]) -> list[dict]:
     return [{**r, "recipe": "defaults", "fused": r["fused_now"]} for r in read_json(path) if r["method"] in METHODS and r["method"] != "dexml"]
 
 
+def chosen_cell(row: dict) -> str:
+    """The ``by val`` cell of a row a decision takes: ``chosen``, and the decision's name where it has one."""
+    decision = decision_of(row["recipe"])
+    return f"chosen ({decision})" if decision else "chosen"
+
+
 def validation_objective(row: dict, ranking: str) -> dict:
     """A row's validation metrics of one ranking under the selection keys (``eval_P@1``, ...; {} for a row run before
     the scripts reported them), for :func:`benchmarks.harness.chosen_by_group`."""
@@ -276,13 +293,13 @@ def validation_objective(row: dict, ranking: str) -> dict:
 def table(rows: list[dict]) -> str:
     """Per dataset: the references (every tree peer, the untrained encoder), then per method and recipe the dense and
     fused rankings' test metrics. ``val P@1+PSP@5`` is the same ranking's objective on the run's validation split, and
-    ``by val`` marks the recipe a decision takes per (dataset, method): the best fused validation objective (rows run
-    before the scripts reported it show "-", and a group with such a row gets no mark)."""
+    ``by val`` marks the recipe a decision takes per (dataset, method) and :data:`DECISIONS` entry: the best fused
+    validation objective (rows run before the scripts reported it show "-", and a group with such a row gets no mark)."""
     header = ["dataset", "model", "recipe", "budget", "ranking", *SHOWN, "val P@1+PSP@5", "by val", "wall min"]
     cells = []
     rows = rows + validation_rows(rows)
     recipes = ["defaults", *RECIPES]
-    chosen = chosen_by_group(rows, lambda r: (r["dataset"], r["method"]), metrics=lambda r: validation_objective(r, "fused"))
+    chosen = chosen_by_group(rows, lambda r: (r["dataset"], r["method"], decision_of(r["recipe"])), metrics=lambda r: validation_objective(r, "fused"))
     for dataset in DATASETS:
         ours = sorted((r for r in rows if r["dataset"] == dataset), key=lambda r: (METHODS.index(r["method"]), recipes.index(r["recipe"])))
         if not ours:
@@ -302,7 +319,7 @@ def table(rows: list[dict]) -> str:
                 objective = validation_objective(r, ranking)
                 cells.append([dataset_cell(dataset, r.get("data_version")), r["method"], recipe, budget(dataset, r["flags"]), ranking, *(metric_cell(dataset, r[ranking], m) for m in SHOWN),
                               f"{sum(objective.values()):.2f}" if len(objective) == len(SELECTION_KEYS) else "-",
-                              "chosen" if ranking == "fused" and id(r) in chosen else "", f"{r['wall_seconds'] / 60:.1f}"])
+                              chosen_cell(r) if ranking == "fused" and id(r) in chosen else "", f"{r['wall_seconds'] / 60:.1f}"])
     rendered = markdown_table(header, cells, "lllll" + "r" * (len(SHOWN) + 1) + "lr") + "\n"
     if has_tail(rows):  # once rows carry them (results measured before render as they did)
         rendered += "\n" + TAIL_NOTE + "\n\n" + tail_table(rows) + "\n"

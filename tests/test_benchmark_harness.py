@@ -331,3 +331,39 @@ def test_a_recipe_with_its_own_budget_drops_the_datasets_cpu_budget_and_batch():
     flags = ["--num_train_epochs", "0.5", "--per_device_train_batch_size", "64", "--max_seq_length", "32"]
     assert bench_dense.without_budget(flags) == ["--max_seq_length", "32"]
     assert "gpu_preset" in bench_dense.OWN_BUDGET
+
+
+def test_a_decision_is_marked_among_its_own_recipes_once_each_has_validation_metrics(monkeypatch, tmp_path):
+    """bench_dense marks the recipe a DECISIONS entry takes by the fused validation P@1 + PSP@5 (never the test
+    columns); another recipe of the same (dataset, method) without validation metrics does not block it, while a
+    member of the decision without them does."""
+    from benchmarks import bench_dense
+
+    monkeypatch.setattr(bench_dense, "result_path", lambda name: str(tmp_path / name))
+    shown = {m: 50.0 for m in ("P@1", "P@5", "PSP@1", "PSP@5", "R@100")}
+
+    def row(recipe, val_p1, test_p1, validated=True):
+        r = {"row": f"debtags-dexml-{recipe}", "dataset": "debtags", "method": "dexml", "recipe": recipe, "flags": [], "wall_seconds": 60.0,
+             "dense": shown, "fused": {**shown, "P@1": test_p1}}
+        if validated:
+            r["validation_fused"] = {"P@1": val_p1, "PSP@5": 40.0}
+        return r
+
+    rows = [row("in_batch", 80.0, 95.0), row("hard_negatives", 85.0, 90.0), row("clustered", 82.0, 91.0), row("bf16", 0, 0, validated=False)]
+    fused = [line for line in bench_dense.table(rows).splitlines() if "| fused |" in line]
+    marked = [line for line in fused if "chosen" in line]
+    assert len(marked) == 1 and "| hard_negatives |" in marked[0] and "chosen (negatives)" in marked[0]  # not in_batch's test 95
+    rows[2] = row("clustered", 0, 0, validated=False)
+    assert "chosen" not in bench_dense.table(rows)
+
+
+def test_tables_name_the_wordnet_version_a_row_ran_on(tmp_path):
+    from benchmarks import harness
+
+    assert harness.dataset_cell("wordnet", None) == "wordnet v1"  # rows from before data_version ran v1
+    assert harness.dataset_cell("wordnet", "v2") == "wordnet v2" and harness.dataset_cell("debtags", None) == "debtags"
+    (tmp_path / "stats.json").write_text('{"version": "v2"}')
+    assert harness.data_version("wordnet", str(tmp_path)) == "v2"
+    (tmp_path / "stats.json").write_text("{}")
+    assert harness.data_version("wordnet", str(tmp_path)) == "v1"
+    assert harness.data_version("debtags", str(tmp_path)) is None
