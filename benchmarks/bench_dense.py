@@ -307,7 +307,7 @@ def table(rows: list[dict]) -> str:
         for name, metrics, version in references(dataset):
             cells.append([dataset_cell(dataset, version), name, "", "", "", *(metric_cell(dataset, metrics, m) for m in SHOWN), "", "", ""])
         if not any(r["recipe"] == "gpu_preset" for r in ours):  # the issue asks the table to say so
-            cells.append([dataset_cell(dataset, data_version(dataset)), "every text method", "gpu_preset", budget(dataset, RECIPES["gpu_preset"]),
+            cells.append([dataset, "every text method", "gpu_preset", budget(dataset, RECIPES["gpu_preset"]),
                           "not measured: no GPU was lent to the sessions so far", *([""] * len(SHOWN)), "", "", ""])
         for r in ours:
             recipe = r["recipe"] + (" (default)" if SCRIPT_DEFAULTS.get((r["method"], dataset)) == r["recipe"] else "")

@@ -299,7 +299,6 @@ class PredictionBatcher:
                 self._current, self._started = [], None
                 with self._lock:
                     self._failures_in_a_row = 0
-                self.batches, self.queries = self.batches + 1, self.queries + sum(len(r.texts) for r in batch)
             if stop:
                 return
 
@@ -375,6 +374,8 @@ class PredictionBatcher:
             else:  # a panic, SystemExit, ...: the worker stops on it; _supervise fails the request and starts it again
                 raise
             return
+        with self._lock:  # counted before any client has its answer: /health asked after it agrees
+            self.batches, self.queries = self.batches + 1, self.queries + len(texts)
         probabilities = pred.probabilities.tolist() if pred.probabilities is not None else None
         ids, scores, row = pred.label_ids.tolist(), pred.scores.tolist(), 0
         for r in requests:
