@@ -270,11 +270,14 @@ def budget(dataset: str, flags: list[str]) -> str:
 
 def validation_rows(rows: list[dict]) -> list[dict]:
     """The other methods' rows of ``validation_fusion.json`` (their scripts' defaults at the commit that ran them, the
-    same step budgets, the same channel), as rows of this table (recipe ``defaults``), beside what this benchmark ran."""
+    same step budgets, the same channel), as rows of this table (recipe ``defaults``), beside what this benchmark ran;
+    DEXML's too where this benchmark has no DEXML row on that dataset version (WordNet-XMC v2)."""
     path = result_path("validation_fusion.json")
     if not os.path.exists(path):
         return []
-    return [{**r, "recipe": "defaults", "fused": r["fused_now"]} for r in read_json(path) if r["method"] in METHODS and r["method"] != "dexml"]
+    ours = {(r["dataset"], r.get("data_version")) for r in rows if r["method"] == "dexml"}
+    return [{**r, "recipe": "defaults", "fused": r["fused_now"]} for r in read_json(path)
+            if r["method"] in METHODS and (r["method"] != "dexml" or (r["dataset"], r.get("data_version")) not in ours)]
 
 
 def chosen_cell(row: dict) -> str:

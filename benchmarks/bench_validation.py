@@ -326,26 +326,35 @@ def tables(rows: list[dict]) -> str:
 
 #: the committed peers results per dataset (``benchmarks/peers.py``; Debtags' through ``bench_debtags.py``)
 PEERS_RESULTS = {"debtags": "debtags.json", "reuters": "peers_reuters.json", "wordnet": "peers_wordnet.json"}
+#: bench_dense's recipe that is train_dexml.py's default at this benchmark's budgets (one mined negative a query, no
+#: cluster batching under 10,000 labels)
+DEXML_DEFAULT_RECIPE = {"debtags": "hard_negatives", "reuters": "hard_negatives"}
 TAIL_OVERVIEW_NOTE = ("Per dataset: every peer of its committed peers table (`benchmarks/peers.py`, library defaults, "
                       "TF-IDF) and the hf_xmc rows of this benchmark (the untrained encoder + channel and DEXML with the "
                       "script's defaults, dense and fused), on the test split with its filter file. ")
 
 
-def tail_overview(rows: list[dict], peers_results: dict[str, dict] | None = None) -> str:
+def tail_overview(rows: list[dict], peers_results: dict[str, dict] | None = None, dense_rows: list[dict] | None = None) -> str:
     """The tail metrics of the three datasets in one table: the peers' (from their committed results, rows that carry
-    ``tail``) beside this benchmark's untrained encoder + channel and DEXML rows (dense and fused), with P@5 and PSP@5
-    for scale. ``peers_results``: ``{dataset: results}`` (default: read :data:`PEERS_RESULTS`)."""
+    ``tail``) beside this benchmark's untrained encoder + channel and DEXML rows (dense and fused; where this benchmark
+    has no DEXML row with them, bench_dense's row of the script's default recipe at the same budgets,
+    :data:`DEXML_DEFAULT_RECIPE`), with P@5 and PSP@5 for scale. ``peers_results``: ``{dataset: results}`` (default:
+    read :data:`PEERS_RESULTS`); ``dense_rows``: bench_dense's rows (default: ``dense.json``)."""
     if peers_results is None:
         peers_results = {d: read_json(result_path(f)) for d, f in PEERS_RESULTS.items() if os.path.exists(result_path(f))}
+    if dense_rows is None:
+        dense_rows = read_json(result_path("dense.json")) if os.path.exists(result_path("dense.json")) else []
     cells = []
     for dataset in ("debtags", "reuters", "wordnet"):
         peers_result = peers_results.get(dataset) or {}
         for r in (r for r in peers_result.get("rows", []) if r.get("tail")):
             m = r["metrics"]
             cells.append([dataset_cell(dataset, peers_result.get("data_version")), r["method"], "peer", f"{m['P@5']:.2f}", f"{m['PSP@5']:.2f}", *tail_cells(r["tail"])])
-        for r in rows:
-            if r["dataset"] != dataset or r["method"] not in ("zeroshot", "dexml") or not has_tail([r]):
-                continue
+        ours = [r for r in rows if r["dataset"] == dataset and r["method"] in ("zeroshot", "dexml") and has_tail([r])]
+        if not any(r["method"] == "dexml" for r in ours):  # DEXML's default recipe at these budgets, run by bench_dense
+            ours += [{**r, "fused_now": r["fused"]} for r in dense_rows if r["dataset"] == dataset and r["method"] == "dexml"
+                     and r["recipe"] == DEXML_DEFAULT_RECIPE.get(dataset) and has_tail([r])]
+        for r in ours:
             for name, key, metrics in (("dense", "dense", r["dense"]), ("fused (tuned on validation)", "fused", r["fused_now"])):
                 cells.append([dataset_cell(dataset, r.get("data_version")), DESCRIPTIONS[r["method"]], name, f"{metrics['P@5']:.2f}", f"{metrics['PSP@5']:.2f}",
                               *tail_cells(r["tail"].get(key), r["tail"].get("fused"))])
