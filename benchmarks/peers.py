@@ -480,7 +480,9 @@ def _main() -> None:
 
         unlabeled = int(np.count_nonzero(np.diff(data.test.targets.indptr) == 0)) + data.test.num_skipped
         write_json(args.out, {"dataset": args.dataset, "threads": args.threads, "cpu_count": os.cpu_count(),
-                              "data_version": data_version("wordnet" if args.dataset == "wordnet" else args.dataset),
+                              # WordNet-XMC by name or by its directory: the version it ran on (v1 / v2)
+                              "data_version": data_version("wordnet", None if args.dataset == "wordnet" else args.dataset)
+                              if args.dataset == "wordnet" or os.path.basename(os.path.normpath(args.dataset)) == "wordnet-xmc" else None,
                               "filtered": filt is not None, "propensity_a": a, "propensity_b": b,
                               "test_unlabeled_points": unlabeled, "test_unlabeled_counted": not args.skip_unlabeled_test_points,
                               "filter_overlap_pairs": filter_overlap_pairs(filt, data.test.targets) if filt is not None else 0,
