@@ -60,9 +60,12 @@ DATASETS = ("wordnet", "debtags", "reuters")
 METHODS = ("dexml", "prime", "unidec", "siamesexml")
 #: one negative per query from its top 100 under the model's own index, first mined a twentieth of an epoch in
 MINED = ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negative_start_epoch", "0.05"]
-#: DEXML's default negatives and batches: MINED, mined again every epoch, clusters of 16 from the first mining pass
+#: DEXML's default negatives and batches: MINED, mined again every epoch, clusters of 16 from the first mining pass, on
+#: any label space (``--cluster_min_labels 0``: train_dexml.py gates clustering to 10,000 labels or more since
+#: 2026-11-29, so without it the recipe ran as ``hard_negatives`` on Debtags and Reuters)
 DEXML_NEGATIVES = [*MINED, "--hard_negative_refresh_interval", "1", "--cluster_batching", "true", "--cluster_start_epoch", "0.05",
-                   "--cluster_init_size", "16", "--cluster_curriculum_epochs", "100", "--cluster_refresh_interval", "1"]
+                   "--cluster_init_size", "16", "--cluster_curriculum_epochs", "100", "--cluster_refresh_interval", "1",
+                   "--cluster_min_labels", "0"]
 #: SiameseXML's Module I with DEXML's decoupled softmax (the ``softmax_module1`` recipe and its longer twin)
 SOFTMAX_MODULE1 = ["--siamese_loss", "softmax", "--learning_rate", "3e-4", "--label_sampling_power", "1.0", "--bf16", "true"]
 #: named flag sets appended to a row's command (the script's defaults fill in the rest, at the commit that ran the row)
