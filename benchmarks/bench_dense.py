@@ -32,6 +32,7 @@ sys.path.insert(0, REPO)
 
 from benchmarks.bench_validation import (  # noqa: E402
     BUDGETS,
+    PEERS_RESULTS,
     SHOWN,
     TAIL_HEADER,
     TAIL_NOTE,
@@ -223,7 +224,7 @@ def references(dataset: str) -> list[tuple[str, dict, str | None]]:
     """Every tree peer (none is picked by a test metric: the peers run no validation split) and the untrained encoder
     (dense, + channel) of ``dataset`` from committed results: ``(name, metrics, data version)``."""
     refs = []
-    peers_file = {"wordnet": "peers_wordnet.json", "debtags": "debtags.json", "reuters": "peers_reuters.json"}.get(dataset)
+    peers_file = PEERS_RESULTS.get(dataset)
     if peers_file and os.path.exists(result_path(peers_file)):
         result = read_json(result_path(peers_file))
         rows = [r for r in result["rows"] if "hf_xmc" not in r["method"] and "zero-shot" not in r["method"]]
