@@ -129,14 +129,35 @@ RECIPES: dict[str, list[str]] = {
     "gpu_preset": ["--preset", "gpu"],
 }
 #: the decisions the table settles on validation: per (dataset, method), recipes compared at one budget; the one with
-#: the best fused validation P@1 + PSP@5 is marked ``chosen (<decision>)`` once each of them carries validation metrics.
-#: The other recipes of a (dataset, method) form one group of their own, as before.
-DECISIONS: dict[str, tuple[str, ...]] = {"negatives": ("in_batch", "hard_negatives", "clustered")}
+#: the best fused validation P@1 + PSP@5 is marked ``chosen (<decision>)`` once each of them carries validation metrics
+#: and at least two of them were run for that (dataset, method). A recipe may take part in several decisions; recipes
+#: of none are never marked.
+DECISIONS: dict[str, tuple[str, ...]] = {
+    # DEXML's and UniDEC's negatives and batches: in-batch only, one mined negative a query, the same + NGAME clusters
+    "negatives": ("in_batch", "hard_negatives", "clustered"),
+    # SiameseXML's Module IV (both after the softmax Module I): [P]'s point likelihood over the 3 x |P_i| hardest
+    # shortlist negatives, or DEXML's decoupled softmax of each positive against all of the point's 100
+    "module_iv": ("softmax_module1", "softmax_classifiers"),
+}
 
 
-def decision_of(recipe: str) -> str | None:
-    """The :data:`DECISIONS` entry a recipe belongs to (None: none)."""
-    return next((name for name, recipes in DECISIONS.items() if recipe in recipes), None)
+def decisions_of(recipe: str) -> tuple[str, ...]:
+    """The :data:`DECISIONS` entries a recipe takes part in (none: ``()``)."""
+    return tuple(name for name, recipes in DECISIONS.items() if recipe in recipes)
+
+
+def chosen_decisions(rows: list[dict]) -> dict[int, list[str]]:
+    """``id(row)`` -> the decisions that row's recipe is chosen by: per :data:`DECISIONS` entry and (dataset, method)
+    with two or more of its recipes run, the best fused validation objective
+    (:func:`benchmarks.harness.chosen_by_group`: no mark while one of them predates the validation metrics)."""
+    taken: dict[int, list[str]] = {}
+    for decision, recipes in DECISIONS.items():
+        members = [r for r in rows if r["recipe"] in recipes]
+        run = {(r["dataset"], r["method"]): {m["recipe"] for m in members if (m["dataset"], m["method"]) == (r["dataset"], r["method"])} for r in members}
+        members = [r for r in members if len(run[(r["dataset"], r["method"])]) > 1]
+        for picked in chosen_by_group(members, lambda r: (r["dataset"], r["method"]), metrics=lambda r: validation_objective(r, "fused")):
+            taken.setdefault(picked, []).append(decision)
+    return taken
 
 
 #: recipes that bring their own budget (the dataset's CPU step budget of BUDGETS is not added)
@@ -284,10 +305,9 @@ def validation_rows(rows: list[dict]) -> list[dict]:
             if r["method"] in METHODS and (r["method"] != "dexml" or (r["dataset"], r.get("data_version")) not in ours)]
 
 
-def chosen_cell(row: dict) -> str:
-    """The ``by val`` cell of a row a decision takes: ``chosen``, and the decision's name where it has one."""
-    decision = decision_of(row["recipe"])
-    return f"chosen ({decision})" if decision else "chosen"
+def chosen_cell(decisions: list[str]) -> str:
+    """The ``by val`` cell of a row decisions take: ``chosen (<decision>, ...)``."""
+    return f"chosen ({', '.join(decisions)})"
 
 
 def validation_objective(row: dict, ranking: str) -> dict:
@@ -301,12 +321,13 @@ def table(rows: list[dict]) -> str:
     """Per dataset: the references (every tree peer, the untrained encoder), then per method and recipe the dense and
     fused rankings' test metrics. ``val P@1+PSP@5`` is the same ranking's objective on the run's validation split, and
     ``by val`` marks the recipe a decision takes per (dataset, method) and :data:`DECISIONS` entry: the best fused
-    validation objective (rows run before the scripts reported it show "-", and a group with such a row gets no mark)."""
+    validation objective (rows run before the scripts reported it show "-", and a group with such a row gets no mark;
+    :func:`chosen_decisions`)."""
     header = ["dataset", "model", "recipe", "budget", "ranking", *SHOWN, "val P@1+PSP@5", "by val", "wall min"]
     cells = []
     rows = rows + validation_rows(rows)
     recipes = ["defaults", *RECIPES]
-    chosen = chosen_by_group(rows, lambda r: (r["dataset"], r["method"], decision_of(r["recipe"])), metrics=lambda r: validation_objective(r, "fused"))
+    chosen = chosen_decisions(rows)
     for dataset in DATASETS:
         ours = sorted((r for r in rows if r["dataset"] == dataset), key=lambda r: (METHODS.index(r["method"]), recipes.index(r["recipe"])))
         if not ours:
@@ -326,7 +347,7 @@ def table(rows: list[dict]) -> str:
                 objective = validation_objective(r, ranking)
                 cells.append([dataset_cell(dataset, r.get("data_version")), r["method"], recipe, budget(dataset, r["flags"]), ranking, *(metric_cell(dataset, r[ranking], m) for m in SHOWN),
                               f"{sum(objective.values()):.2f}" if len(objective) == len(SELECTION_KEYS) else "-",
-                              chosen_cell(r) if ranking == "fused" and id(r) in chosen else "", f"{r['wall_seconds'] / 60:.1f}"])
+                              chosen_cell(chosen[id(r)]) if ranking == "fused" and id(r) in chosen else "", f"{r['wall_seconds'] / 60:.1f}"])
     rendered = markdown_table(header, cells, "lllll" + "r" * (len(SHOWN) + 1) + "lr") + "\n"
     if has_tail(rows):  # once rows carry them (results measured before render as they did)
         rendered += "\n" + TAIL_NOTE + "\n\n" + tail_table(rows) + "\n"

@@ -355,6 +355,15 @@ def test_a_decision_is_marked_among_its_own_recipes_once_each_has_validation_met
     assert len(marked) == 1 and "| hard_negatives |" in marked[0] and "chosen (negatives)" in marked[0]  # not in_batch's test 95
     rows[2] = row("clustered", 0, 0, validated=False)
     assert "chosen" not in bench_dense.table(rows)
+    # a recipe of no decision, or the only recipe run of its decision, is never marked however good its validation
+    lone = [row("bf16", 99.0, 99.0), row("softmax_module1", 99.0, 99.0)]
+    assert "chosen" not in bench_dense.table(lone)
+    # a decision between two recipes, per (dataset, method): SiameseXML's Module IV beside DEXML's negatives
+    siamese = [{**row("softmax_module1", 70.0, 99.0), "method": "siamesexml"}, {**row("softmax_classifiers", 75.0, 10.0), "method": "siamesexml"}]
+    fused = [line for line in bench_dense.table(rows[:2] + [row("clustered", 82.0, 91.0)] + siamese).splitlines() if "| fused |" in line]
+    marked = sorted(line.split("|")[3].strip().removesuffix(" (default)") for line in fused if "chosen" in line)
+    assert marked == ["hard_negatives", "softmax_classifiers"]
+    assert all("chosen (module_iv)" in line for line in fused if "softmax_classifiers" in line)
 
 
 def test_tables_name_the_wordnet_version_a_row_ran_on(tmp_path):
