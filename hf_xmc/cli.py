@@ -19,6 +19,7 @@ and exit status 2, before any model loads where it can be told; a command that f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import json
@@ -217,7 +218,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         print(f"{PROG} evaluate: note: no --train_file, so no label propensities: PSP@k and PSnDCG@k are left out",
               file=sys.stderr)
     data = XCData(train=train, test=test, label_texts=model.label_texts, label_uids=model.label_uids)
-    metrics = build_evaluator(data, data_args)(model)
+    with _query_encoder_of(model, args.model, args.query_encoder):
+        metrics = build_evaluator(data, data_args)(model)
     if args.output_file:
         write_json_atomic(args.output_file, metrics)
     print(json.dumps(metrics, indent=2, sort_keys=True))
@@ -248,7 +250,7 @@ def read_queries(path: str, text_fields: Sequence[str] = ("title",)) -> list[str
 
 
 def prediction_records(model, texts: Sequence[Optional[str]], k: Optional[int], batch_size: int, images: Optional[Sequence[Optional[str]]] = None,
-                       threshold: Optional[float] = None) -> Iterator[dict[str, Any]]:
+                       threshold: Optional[float] = None, query_encoder: Optional[str] = None) -> Iterator[dict[str, Any]]:
     """``{"text", "labels": [{"id", "uid", "text", "score"[, "probability"]}, ...]}`` per query (``"image"`` too when
     given), best label first (``model.predict`` top-``k``, or with ``threshold`` the labels whose calibrated probability
     reaches it; empty slots are dropped)."""
@@ -263,6 +265,8 @@ def prediction_records(model, texts: Sequence[Optional[str]], k: Optional[int], 
             extra["images"] = [[] if image is None else [image] for image in images[start : start + PREDICT_CHUNK]]
         if threshold is not None:
             extra["threshold"] = threshold
+        if query_encoder is not None:
+            extra["query_encoder"] = query_encoder
         pred = model.predict(chunk if any(t is not None for t in chunk) else None, k=k, batch_size=batch_size, **extra)
         probabilities = pred.probabilities.tolist() if pred.probabilities is not None else [None] * len(chunk)
         for i, (text, ids, scores, probs) in enumerate(zip(chunk, pred.label_ids.tolist(), pred.scores.tolist(), probabilities)):
@@ -270,6 +274,21 @@ def prediction_records(model, texts: Sequence[Optional[str]], k: Optional[int], 
             if images is not None:
                 record["image"] = images[start + i]
             yield record
+
+
+def _query_encoder_of(model, name: str, query_encoder: Optional[str]):
+    """The context ``model.using_query_encoder(query_encoder)`` (None: the model's own), its faults (no static encoder,
+    one fitted to other weights, a model with one encoder) checked first and given as one line."""
+    if query_encoder is None:
+        return contextlib.nullcontext()
+    if "query_encoder" not in inspect.signature(model.predict).parameters:
+        raise UserError(f"{name}: a {type(model).__name__} has one query encoder; --query_encoder is for the text models")
+    if query_encoder == "static":
+        try:
+            model.check_static_query_encoder()
+        except ValueError as err:
+            raise UserError(f"{name}: {_first_line(err)}") from None
+    return model.using_query_encoder(query_encoder)
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -301,9 +320,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
     _pick_device(model, args.device)
     if images is not None and "images" not in inspect.signature(model.predict).parameters:
         raise UserError(f"{args.model}: a {type(model).__name__} ranks texts only; --image needs a MUFIN model")
-    if args.threshold is not None and model.score_calibration is None:
-        raise UserError(f"{args.model}: the model has no score calibration, so --threshold has no probabilities to cut (train it with a validation split)")
-    records = prediction_records(model, texts, args.k, args.batch_size, images, threshold=args.threshold)
+    with _query_encoder_of(model, args.model, args.query_encoder):  # checked now: a stale or missing static encoder is one line
+        calibrated = model.score_calibration is not None
+    if args.threshold is not None and not calibrated:
+        raise UserError(f"{args.model}: the model has no score calibration{' for its static query encoder' if args.query_encoder == 'static' else ''}, "
+                        "so --threshold has no probabilities to cut (train it with a validation split)")
+    records = prediction_records(model, texts, args.k, args.batch_size, images, threshold=args.threshold, query_encoder=args.query_encoder)
     if args.output_file is None:
         _write_json_lines(sys.stdout, records)
     else:
@@ -392,6 +414,60 @@ def cmd_add_labels(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------------- static encoder
+def cmd_fit_static(args: argparse.Namespace) -> int:
+    """Fit a saved model's static query encoder on a training file (``hf_xmc.training.static_encoder``), tune its own
+    fusion weights and calibration on a validation file when given, and save the model again (in place unless
+    ``--output_dir``); prints what was fitted, with the validation metrics of both query encoders."""
+    from .data import XCData
+    from .data.data_files import read_points_file
+    from .training.script_utils import XMCDataArguments, build_evaluator, disk_full_named
+    from .training.static_encoder import fit_and_tune_static_query_encoder
+
+    _require_file(args.train_file, "--train_file")
+    _require_file(args.validation_file, "--validation_file")
+    _require_positive(args.epochs, "--epochs")
+    _require_positive(args.max_queries, "--max_queries")
+    _check_device(args.device)
+    if not args.output_dir and not os.path.isdir(args.model):
+        raise UserError(f"{args.model}: not a local model directory; give --output_dir for the model with its static encoder")
+    out = os.path.abspath(args.output_dir or args.model)
+    if args.output_dir and os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"{args.output_dir}: --output_dir is a file, not a directory")
+    model = load_model(args.model)
+    _pick_device(model, args.device)
+    if "query_encoder" not in inspect.signature(model.predict).parameters:
+        raise UserError(f"{args.model}: a {type(model).__name__} ranks texts with images; a static query encoder is for the text models")
+    num_labels = len(model.label_texts)
+    fields = tuple(args.text_fields.split(","))
+    train = read_points_file(args.train_file, num_labels, "train", text_fields=fields)
+    validation = evaluator = None
+    if args.validation_file:
+        validation = read_points_file(args.validation_file, num_labels, "validation", text_fields=fields)
+        data_args = XMCDataArguments(train_file=args.train_file, test_file=args.validation_file, label_file="", text_fields=args.text_fields,
+                                     propensity_a=_config_value(model, "propensity_a"), propensity_b=_config_value(model, "propensity_b"))
+        data = XCData(train=train, test=validation, label_texts=model.label_texts, label_uids=model.label_uids)
+        evaluator = build_evaluator(data, data_args)
+        evaluator.name = "eval"
+    calibration = args.score_calibration
+    if calibration == "auto":  # as the tower: calibrated when the tower is and there is a split to fit on
+        calibration = ((model.config.score_calibration or {}).get("method") or "isotonic") if model.config.score_calibration and evaluator else "none"
+    try:
+        info = fit_and_tune_static_query_encoder(model, train.texts, validation, train.targets, evaluator, calibration, epochs=args.epochs,
+                                                 max_queries=args.max_queries, seed=args.seed)
+    except ValueError as err:
+        raise UserError(f"{args.model}: {_first_line(err)}") from None
+    if evaluator is not None:
+        for encoder in ("transformer", "static"):
+            with model.using_query_encoder(encoder):
+                measured = evaluator(model)
+            info[f"{encoder}_eval"] = {k[len("eval_"):]: round(v, 2) for k, v in measured.items() if k[len("eval_"):] in ("P@1", "P@5", "PSP@5", "R@100")}
+    with disk_full_named(out, model):
+        model.save_pretrained(out)  # a complete directory or none: staged beside the target, then moved into place
+    print(json.dumps({"model": out, **info}))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------------- push
 def cmd_push(args: argparse.Namespace) -> int:
     """Upload a saved model directory to the Hub with :func:`hf_xmc.hub.push_to_hub`; prints the commit URL."""
@@ -463,6 +539,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = load_model(args.model, revision=args.revision)
     _pick_device(model, args.device)
     limits = ServingLimits(**{flag: getattr(args, flag) for flag in SERVE_LIMIT_FLAGS})
+    if args.query_encoder is not None:
+        try:  # every request is answered with it (the server's default: model.set_query_encoder)
+            model.set_query_encoder(args.query_encoder)
+        except ValueError as err:  # no static encoder, or one fitted to other weights
+            raise UserError(f"{args.model}: {_first_line(err)}") from None
     try:
         code = serve(model, host=args.host, port=args.port, limits=limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                      backend=args.backend)
@@ -485,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Extreme multi-label classification models: train, evaluate, predict, push.",
                                      allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,predict,add-labels,push,serve}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,predict,add-labels,fit-static,push,serve}")
 
     methods = ",".join(sorted(RECIPES))
     p = sub.add_parser(
@@ -516,6 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=defaults["eval_batch_size"].default, help="encoding batch size")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--output_file", help="also write the metrics JSON here")
+    p.add_argument("--query_encoder", choices=["transformer", "static"], help="rank with the trained tower or the model's static query encoder (default: the model's)")
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("predict", allow_abbrev=False, help="top-k labels for texts, as JSON lines",
@@ -533,6 +615,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=128, help="encoding batch size")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--output_file", help="write the JSON lines here (default: stdout)")
+    p.add_argument("--query_encoder", choices=["transformer", "static"], help="rank with the trained tower or the model's static query encoder "
+                   "(fit-static; its own fusion weights and calibration); default: the model's")
     p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("add-labels", allow_abbrev=False, help="add (or remove) labels of a trained model without retraining",
@@ -592,7 +676,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--backend", choices=["torch", "onnx"], default="torch",
                    help="query encoder: torch, or the model's exported ONNX encoder (model.export_onnx(), saved beside it)")
+    p.add_argument("--query_encoder", choices=["transformer", "static"], help="answer every request with the trained tower or the model's "
+                   "static query encoder (fit-static: a bag of token vectors, ~0.2 ms a query on a CPU); default: the model's")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("fit-static", allow_abbrev=False, help="fit a saved model's static query encoder (a bag of token vectors) to its query tower",
+                       description="Fit a static query encoder to a saved text model's query tower on training queries, tune its own "
+                       "fusion weights and calibration on --validation_file, and save the model again (in place unless --output_dir). "
+                       "predict / serve --query_encoder static use it.")
+    p.add_argument("model", help="model directory (or Hub repo id with --output_dir)")
+    p.add_argument("--train_file", required=True, help="training points (XC raw JSON lines): the queries the static encoder is fitted on")
+    p.add_argument("--validation_file", help="held-out points the fusion weights and calibration are tuned on (never the test file)")
+    p.add_argument("--text_fields", default="title", help="JSON fields joined into a query text")
+    p.add_argument("--epochs", type=int, default=8, help="passes over the training queries")
+    p.add_argument("--max_queries", type=int, help="fit on a seeded sample of at most this many training queries")
+    p.add_argument("--score_calibration", choices=["auto", "isotonic", "platt", "none"], default="auto",
+                   help="the static encoder's own calibration on --validation_file (auto: the tower's method, when the tower is calibrated)")
+    p.add_argument("--seed", type=int, default=42, help="seed of the sample and the fit's batches")
+    p.add_argument("--output_dir", help="where the model goes (default: the model directory itself)")
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    p.set_defaults(func=cmd_fit_static)
     return parser
 
 

@@ -224,3 +224,31 @@ def test_resuming_with_a_shortlist_of_other_training_pairs_is_refused(tiny_task,
     proc = run_script(args + ["--max_steps", "8", "--resume_from_checkpoint", "true", "--train_filter_file", str(filter_file)])
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "xmc_training_state.json: the training shortlists were made from other train_filter than the model's now: refused" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_fused_optimizer_step_is_seen_once_the_trainer_forgets_the_weights_fingerprint(tiny_encoder_dir):
+    """torch's fused AdamW (transformers' default optim) writes the weights without bumping their version counters, so
+    the cached fingerprint cannot see its steps: a model trained by a script kept the fingerprint of its untrained
+    weights, and its score calibration (recorded after training with that stale fingerprint) was dropped on reload.
+    XMCTrainer now forgets the fingerprint after every optimizer step (and after train)."""
+    from hf_xmc.training import XMCTrainer, XMCTrainingArguments
+
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir, max_seq_length=16)
+    before = model.weights_fingerprint()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=0.1, fused=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert model.weights_fingerprint() == before  # torch's behaviour: the cache keys on counters the step left alone
+    model.invalidate_weights_fingerprint()
+    assert model.weights_fingerprint() != before
+    # the trainer's optimizer forgets it on every step
+    args = XMCTrainingArguments(output_dir=str(tiny_encoder_dir) + "-unused", report_to="none", use_cpu=True)
+    trainer = XMCTrainer(model=model, args=args, train_dataset=None)
+    trainer.create_optimizer()
+    seen = model.weights_fingerprint()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    getattr(trainer.optimizer, "optimizer", trainer.optimizer).step()
+    assert model.weights_fingerprint() != seen

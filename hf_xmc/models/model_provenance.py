@@ -31,9 +31,10 @@ class ModelProvenanceMixin:
         device) gave a different fingerprint for the same weights (a MiniLM bias sum of -0.0436 moved by 2e-6 from 2
         threads to 1, enough to refuse an ONNX export as stale). Memory: none beyond one reduction at a time (no float64
         copy); time: one pass over the weights, taken again only when a weight was written since the last call (torch's
-        version counters and storage pointers: an optimiser step, ``load_state_dict`` or ``.to()`` changes them)."""
+        version counters and storage pointers: an optimiser step, ``load_state_dict`` or ``.to()`` changes them; torch's
+        fused AdamW does not bump the counters, hence :meth:`invalidate_weights_fingerprint`)."""
         tensors = (*self.parameters(), *self.buffers())
-        key = tuple((t.data_ptr(), t._version, t.dtype, t.device.type) for t in tensors)
+        key = (self.weights_epoch, *((t.data_ptr(), t._version, t.dtype, t.device.type) for t in tensors))
         cached = getattr(self, "_weights_fingerprint_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -41,6 +42,19 @@ class ModelProvenanceMixin:
         value = tuple(v for t in detached for v in (float(t.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(t, dtype=torch.float64))))
         self._weights_fingerprint_cache = (key, value)
         return value
+
+    @property
+    def weights_epoch(self) -> int:
+        """How many times :meth:`invalidate_weights_fingerprint` was called: part of every cache keyed on the weights."""
+        return getattr(self, "_weights_epoch", 0)
+
+    def invalidate_weights_fingerprint(self) -> None:
+        """Forget what was cached about the weights (their fingerprint, the checks of the ONNX export and the static
+        query encoder against them). For code that writes weights in place without bumping torch's version counters:
+        torch's fused AdamW (transformers' default ``adamw_torch_fused``) does not, so ``XMCTrainer`` calls this after
+        every optimizer step; a training loop of your own with a fused optimizer calls it once it is done."""
+        self._weights_epoch = self.weights_epoch + 1
+        self._weights_fingerprint_cache = None
 
     def weights_summary(self) -> list[float]:
         """Four numbers that change with any weight, kept in the fingerprints of derived parts (a config stays small):
@@ -69,7 +83,7 @@ class ModelProvenanceMixin:
         is attached and is dropped when it no longer matches (``provenance.py``)."""
         channel = self.lexical_channel
         return fingerprint_of(weights=self.weights_summary(), labels=self.labels_digest(), search_mode=self.search_mode,
-                              channel=channel.fingerprint() if channel is not None else None, query_encoder="transformer")
+                              channel=channel.fingerprint() if channel is not None else None, query_encoder=self.query_encoder_fingerprint())
 
     def current_lexical_channel(self) -> Optional[LexicalChannel]:
         """The lexical channel as :meth:`predict` fuses it, checked against the model's labels first: label rows made for
@@ -97,7 +111,7 @@ class ModelProvenanceMixin:
         dropped with a one-line warning and this is None until it is fitted again (``provenance.py``, policy ``drop``).
         A calibration saved before fingerprints is trusted as loaded. The check costs a few dictionary compares (the
         weights' fingerprint is taken again only after a weight was written)."""
-        values = self.config.score_calibration
+        values = self._calibration_values()  # the tower's (config.score_calibration) or the static encoder's
         if not values:
             return None
         cached = getattr(self, "_score_calibration_cache", None)
@@ -107,7 +121,7 @@ class ModelProvenanceMixin:
         recorded = values.get("fingerprint")
         if recorded and not check_derived("score_calibration", recorded, self.ranking_fingerprint(), type(self).__name__,
                                           "no probabilities or threshold= until it is fitted again (fit_score_calibration)"):
-            self.config.score_calibration = None
+            self._store_calibration_values(None)
             return None
         return cached[1]
 
@@ -115,9 +129,9 @@ class ModelProvenanceMixin:
         """Attach a fitted calibration (``hf_xmc.training.calibration.fit_score_calibration``), saved in the config with
         the fingerprint of the ranking it applies to (the current one: :meth:`ranking_fingerprint`); None removes it."""
         if calibration is None:
-            self.config.score_calibration = None
+            self._store_calibration_values(None)
             return
-        self.config.score_calibration = {**calibration.to_dict(), "fingerprint": self.ranking_fingerprint()}
+        self._store_calibration_values({**calibration.to_dict(), "fingerprint": self.ranking_fingerprint()})
 
     def unfused_items(self, texts, images=None) -> np.ndarray:
         """Which items the model ranks without its lexical channel (a boolean per item): none for a text model, whose

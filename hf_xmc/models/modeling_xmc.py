@@ -82,6 +82,7 @@ from .model_files import (
 from .model_provenance import ModelProvenanceMixin
 from .onnx_encoder import ONNX_ENCODER_FILE, ONNX_ENCODER_META, OnnxExportMixin
 from .provenance import changed_inputs
+from .static_encoder import STATIC_ENCODER_FILE, STATIC_ENCODER_META, StaticQueryEncoderMixin
 from .training_hooks import XMCTrainingHooks
 
 logger = logging.get_logger(__name__)
@@ -127,7 +128,8 @@ class XMCModelOutput(ModelOutput):
     loss_terms: Optional[dict[str, torch.Tensor]] = None
 
 
-class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin, OnnxExportMixin, ModelProvenanceMixin, PreTrainedModel):
+class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin, OnnxExportMixin, StaticQueryEncoderMixin, ModelProvenanceMixin,
+                         PreTrainedModel):
     """Base class of the hf_xmc models: encoder, pooling, label store, label index and ``predict``.
 
     Subclasses define their training objective (a dual encoder its ``pool_loss``, which :meth:`forward` calls; the
@@ -514,19 +516,22 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         return self.label_index
 
     def predict(self, texts: Sequence[str] | str, k: Optional[int] = None, batch_size: int = 128, show_progress_bar: Optional[bool] = None,
-                threshold: Optional[float] = None, backend: str = "torch") -> XMCPrediction:
+                threshold: Optional[float] = None, backend: str = "torch", query_encoder: Optional[str] = None) -> XMCPrediction:
         """Rank the model's labels for each text and return the top ``k`` (ids, scores, label texts and, for a calibrated
         model, probabilities). ``threshold``: keep only the labels whose calibrated probability is at least it, among
         the top ``k`` (default 5, or :data:`THRESHOLD_DEPTH` with a threshold); slots left empty hold ``-1``. ``backend="onnx"``
-        encodes the queries with the exported query encoder (:meth:`export_onnx`, ``onnx_encoder.py``)."""
+        encodes the queries with the exported query encoder (:meth:`export_onnx`, ``onnx_encoder.py``).
+        ``query_encoder``: ``"transformer"`` (the trained tower) or ``"static"`` (the fitted static encoder, with its own
+        fusion weights and calibration: ``static_encoder.py``); None: the model's :attr:`query_encoder`."""
         if isinstance(texts, str):
             texts = [texts]
-        k = self._prediction_depth(k, threshold)
-        self._require_labels()
-        if len(texts) == 0:  # as pipeline([]) gives []: an empty prediction, not an error
-            return self._prediction(np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32), threshold)
-        scores, ids = self.rank(texts, k, batch_size=batch_size, show_progress_bar=show_progress_bar, backend=backend)
-        return self._prediction(ids, scores, threshold)
+        with self.using_query_encoder(query_encoder):
+            k = self._prediction_depth(k, threshold)
+            self._require_labels()
+            if len(texts) == 0:  # as pipeline([]) gives []: an empty prediction, not an error
+                return self._prediction(np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32), threshold)
+            scores, ids = self.rank(texts, k, batch_size=batch_size, show_progress_bar=show_progress_bar, backend=backend)
+            return self._prediction(ids, scores, threshold)
 
     def rank(self, texts: Sequence[str], k: int, batch_size: int = 128, show_progress_bar: Optional[bool] = None, return_dense: bool = False,
              images: Optional[Sequence] = None, backend: str = "torch"):
@@ -628,7 +633,7 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         files = dict.fromkeys(TOKENIZER_FILES, False)
         files.update({"tokenizer_config.json": True, LABELS_FILE: True, LABEL_EMBEDDINGS_FILE: True, LABEL_EMBEDDINGS_INDEX_FILE: False})
         files.update({INDEX_FILE: False, INDEX_META_FILE: False, ADAPTER_CONFIG_FILE: False, ADAPTER_WEIGHTS_FILE: False, LEXICAL_FILE: False})
-        files.update(dict.fromkeys((MODEL_CARD_FILE, *MODEL_CARD_ASSETS, ONNX_ENCODER_FILE, ONNX_ENCODER_META), False))
+        files.update(dict.fromkeys((MODEL_CARD_FILE, *MODEL_CARD_ASSETS, ONNX_ENCODER_FILE, ONNX_ENCODER_META, STATIC_ENCODER_FILE, STATIC_ENCODER_META), False))
         return files
 
     def save_pretrained(
@@ -706,6 +711,7 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         if self.lexical_channel is not None:
             self.lexical_channel.save(os.path.join(save_directory, LEXICAL_FILE))
         self._save_onnx_encoder(save_directory)
+        self._save_static_encoder(save_directory)
         if self.model_card is not None:
             self.model_card.save(save_directory)
 
@@ -847,6 +853,7 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
                 raise ModelFileError(f"{lexical_path}: scores {channel.num_labels} labels but {LABELS_FILE} lists {len(self.label_texts)}")
             self.lexical_channel = channel
         self._load_onnx_encoder(fetch)
+        self._load_static_encoder(fetch)
         card_path = fetch(MODEL_CARD_FILE)
         if card_path is not None:
             files = {MODEL_CARD_FILE: card_path}

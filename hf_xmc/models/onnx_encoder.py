@@ -135,7 +135,7 @@ class OnnxExportMixin:
         files = getattr(self, "_onnx_encoder_files", None)
         if not files:
             raise ValueError(f"{type(self).__name__} has no exported query encoder: call model.export_onnx() (or save one with it)")
-        version = (sum(t._version for t in (*self.parameters(), *self.buffers())), self.onnx_query_head())
+        version = (self.weights_epoch, sum(t._version for t in (*self.parameters(), *self.buffers())), self.onnx_query_head())
         encoder = getattr(self, "_onnx_encoder", None)
         if encoder is not None and getattr(self, "_onnx_checked_version", None) == version:
             return encoder
@@ -167,9 +167,14 @@ class OnnxExportMixin:
         return True
 
     def query_vectors_with(self, backend: str, texts: Sequence[str], batch_size: int = 128, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
-        """The search-space query vectors of ``texts`` from ``backend`` (``torch``: ``query_search_vectors``)."""
+        """The search-space query vectors of ``texts`` from ``backend`` (``torch``: ``query_search_vectors``), or from the
+        static query encoder while it is the one in use (``StaticQueryEncoderMixin.using_query_encoder``)."""
         if backend not in QUERY_BACKENDS:
             raise ValueError(f"backend must be one of {QUERY_BACKENDS}, got {backend!r}")
+        if self.query_encoder == "static":  # the static encoder in use (predict's query_encoder=): no transformer to run
+            if backend != "torch":
+                raise ValueError(f"backend={backend!r} runs the transformer tower; query_encoder='static' runs none (leave backend='torch')")
+            return self.static_query_vectors(texts, batch_size=max(batch_size, 1024))
         if backend == "torch":
             return self.query_search_vectors(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
         return self.onnx_query_encoder().encode(self, list(texts), batch_size)

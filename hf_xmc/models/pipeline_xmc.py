@@ -37,6 +37,8 @@ class XMCPipeline(Pipeline):
     the model has fewer labels or MUFIN's shortlist is shorter), with ``"probability"`` for a calibrated model; a list
     of such lists for a list of inputs. ``threshold=p`` (a calibrated model) keeps the labels whose probability of being
     relevant is at least ``p``, among the top ``top_k`` (default with a threshold: the model's ``THRESHOLD_DEPTH``, 100).
+    ``query_encoder="static"`` ranks with the model's fitted static query encoder (a text model that has one; its own
+    fusion weights and calibration), ``"transformer"`` with the trained tower; default: the model's own choice.
     """
 
     # the model carries its own tokenizer (and MUFIN its image processor): nothing for the pipeline to load
@@ -46,15 +48,18 @@ class XMCPipeline(Pipeline):
     _load_processor = False
     _load_video_processor = False
 
-    def _sanitize_parameters(self, top_k: Optional[int] = None, threshold: Optional[float] = None, **kwargs):
+    def _sanitize_parameters(self, top_k: Optional[int] = None, threshold: Optional[float] = None, query_encoder: Optional[str] = None, **kwargs):
         # passed on as given: model.predict refuses a k that is no whole number and a threshold that is no finite
         # probability (int() / float() here let 2.5 through as 2 and "nan" as NaN)
         forward = {} if top_k is None else {"top_k": top_k}
         if threshold is not None:
             forward["threshold"] = threshold
+        if query_encoder is not None:
+            forward["query_encoder"] = query_encoder
         return {}, forward, {}
 
-    def __call__(self, inputs: Any, top_k: Optional[int] = None, batch_size: Optional[int] = None, threshold: Optional[float] = None, **kwargs) -> list:
+    def __call__(self, inputs: Any, top_k: Optional[int] = None, batch_size: Optional[int] = None, threshold: Optional[float] = None,
+                 query_encoder: Optional[str] = None, **kwargs) -> list:
         """Rank the labels of one input or a list of inputs (``batch_size`` inputs per ``predict`` call, default 64)."""
         if kwargs:
             raise TypeError(f"XMCPipeline got unexpected arguments {sorted(kwargs)}")
@@ -65,25 +70,29 @@ class XMCPipeline(Pipeline):
         size = batch_size or self._batch_size or 64
         rows: list = []
         for start in range(0, len(items), size):
-            rows.extend(self._rank(items[start : start + size], top_k, threshold))
+            rows.extend(self._rank(items[start : start + size], top_k, threshold, query_encoder))
         return rows[0] if single else rows
 
     # the single-item path of transformers' Pipeline (``pipe.preprocess`` / ``forward`` / ``postprocess``)
     def preprocess(self, inputs: Any) -> dict:
         return {"items": [inputs]}
 
-    def _forward(self, model_inputs: dict, top_k: Optional[int] = None, threshold: Optional[float] = None) -> dict:
-        return {"rows": self._rank(model_inputs["items"], top_k, threshold)}
+    def _forward(self, model_inputs: dict, top_k: Optional[int] = None, threshold: Optional[float] = None, query_encoder: Optional[str] = None) -> dict:
+        return {"rows": self._rank(model_inputs["items"], top_k, threshold, query_encoder)}
 
     def postprocess(self, model_outputs: dict) -> list[dict]:
         return model_outputs["rows"][0]
 
-    def _rank(self, items: list, top_k: Optional[int], threshold: Optional[float] = None) -> list[list[dict]]:
+    def _rank(self, items: list, top_k: Optional[int], threshold: Optional[float] = None, query_encoder: Optional[str] = None) -> list[list[dict]]:
         texts, images = self._split(items)
-        takes_images = "images" in inspect.signature(self.model.predict).parameters
-        if images is not None and not takes_images:
+        accepted = inspect.signature(self.model.predict).parameters
+        if images is not None and "images" not in accepted:
             raise ValueError(f"{type(self.model).__name__} ranks texts only; got an image input")
         kwargs = {"images": images} if images is not None else {}
+        if query_encoder is not None:
+            if "query_encoder" not in accepted:
+                raise ValueError(f"{type(self.model).__name__} has one query encoder; query_encoder= is for the text models")
+            kwargs["query_encoder"] = query_encoder
         if threshold is not None:
             kwargs["threshold"] = threshold
         elif top_k is None:

@@ -61,6 +61,8 @@ DERIVED_PARTS: dict[str, DerivedPart] = {
         DerivedPart("score_calibration", ("weights", "labels", "search_mode", "channel", "query_encoder"), "drop",
                     "config.score_calibration['fingerprint']"),
         DerivedPart("onnx_export", ("weights", "max_seq_length", "query_head", "file"), "refuse", "query_encoder.json"),
+        # a static query encoder maps queries into the tower's space: another tower, head or tokenizer, another space
+        DerivedPart("static_query_encoder", ("weights", "query_head", "max_seq_length", "tokenizer"), "refuse", "static_query_encoder.json"),
         # MUFIN's lazy label-image view: the identity of the file its offsets came from (its shortlist index is its
         # label_index, checked as every model's)
         DerivedPart("label_images", ("file",), "refuse", "the view (device, inode, size, mtime of the file)"),

@@ -779,16 +779,32 @@ def tune_after_training(model, trainer: XMCTrainer, data: XCData, validation: Op
         # default" decision reads, never the test split; before the ranker is trained again on these queries
         trainer.evaluator = validation
         metrics.update({k: v for k, v in trainer.evaluate(metric_key_prefix=validation.name).items() if k != "epoch"})
+    if training_args.static_query_encoder:  # fitted to the final tower, tuned on the same validation queries
+        from .static_encoder import fit_and_tune_static_query_encoder
+
+        metrics.update(fit_and_tune_static_query_encoder(
+            model, data.train.texts, data.validation, data.train.targets, validation, method, epochs=training_args.static_query_encoder_epochs,
+            max_queries=training_args.static_query_encoder_max_queries, seed=training_args.seed, ranker_weight=training_args.lexical_ranker_weight,
+            text_weight=training_args.lexical_text_weight, batch_size=evaluator.batch_size, show_progress_bar=not training_args.disable_tqdm))
+        if validation is not None:
+            trainer.evaluator = validation
+            with model.using_query_encoder("static"):
+                metrics.update({k: v for k, v in trainer.evaluate(metric_key_prefix=f"{validation.name}_static").items() if k != "epoch"})
     if training_args.lexical_channel != "none" and data.validation is not None and training_args.lexical_refit_ranker:
         from .lexical import refit_lexical_ranker
 
         start = time.perf_counter()  # after the calibration: it is fitted on queries the ranker has not seen
-        calibration = model.score_calibration
+        calibrations_by_encoder = {}
+        for encoder in ("transformer", "static") if model.static_query_encoder is not None else ("transformer",):
+            with model.using_query_encoder(encoder):
+                calibrations_by_encoder[encoder] = model.score_calibration
         refit_lexical_ranker(model.lexical_channel, data.train, data.validation)
-        if calibration is not None:
-            # carried over on purpose, and stamped with the refit ranker: the calibration models how this ranker family
-            # scores queries it has not trained on, which is what the refit ranker meets on every new query
-            model.set_score_calibration(calibration)
+        for encoder, calibration in calibrations_by_encoder.items():
+            if calibration is not None:
+                # carried over on purpose, and stamped with the refit ranker: the calibration models how this ranker family
+                # scores queries it has not trained on, which is what the refit ranker meets on every new query
+                with model.using_query_encoder(encoder):
+                    model.set_score_calibration(calibration)
         metrics["lexical_fit_runtime"] += round(time.perf_counter() - start, 4)
     return method, calibrations
 
@@ -813,6 +829,8 @@ def train_and_evaluate(
     before the lexical channel is fitted on top (None: all of them; ``()``: none, the values given are kept)."""
     validation = validation_evaluator(data, evaluator)
     check_validation(training_args, validation)
+    if getattr(training_args, "static_query_encoder", False) and model.takes_images:  # before training, not after
+        raise ValueError(f"--static_query_encoder: {type(model).__name__} ranks texts with images; a static query encoder is for the text models")
     model.config.validation = data.validation_record or NO_VALIDATION_SPLIT  # checkpoints record it: resume compares
     set_seed(training_args.seed)
     trainer = XMCTrainer(
@@ -864,6 +882,9 @@ def train_and_evaluate(
             metrics[f"{evaluator.name}_ECE_{name}"] = round(value, 4)
         metrics["calibration_method"] = method
         metrics["calibration_reliability"] = evaluator.last_reliability  # the reliability diagram's rows on the test split
+    if training_args.static_query_encoder:  # the static encoder's test metrics: test_static_*, test_static_dense_*
+        with model.using_query_encoder("static"):
+            metrics.update({k: v for k, v in trainer.evaluate(metric_key_prefix=f"{evaluator.name}_static").items() if k != "epoch"})
     with disk_full_named(training_args.output_dir, model):  # one line naming the directory and the space a save needs
         trainer.save_model(training_args.output_dir)  # after evaluate: the saved index matches the final weights
         if trainer.is_world_process_zero():

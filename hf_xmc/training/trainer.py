@@ -107,6 +107,11 @@ class XMCTrainingArguments(TrainingArguments):
     lexical_tune_queries: int = field(default=2000, metadata={"help": "--lexical_channel without a validation split (--validation_size 0): training queries held out from the ranker to tune the weights on (at most a tenth)."})
     lexical_refit_ranker: bool = field(default=True, metadata={"help": "--lexical_channel: once the weights are tuned on the validation split, train the ranker again on the training and validation queries (the saved ranker has seen every training query)."})
 
+    # --- a static query encoder fitted to the trained tower, for serving at the CPU's limit (hf_xmc.training.static_encoder) ---
+    static_query_encoder: bool = field(default=False, metadata={"help": "After training, the channel and the calibration: fit a static query encoder (a bag of token vectors over the model's tokenizer) to the trained query tower on the training queries, tune its own fusion weights and calibration on the validation split, report eval_static_* / test_static_* and save it with the model (predict(query_encoder='static'))."})
+    static_query_encoder_epochs: int = field(default=8, metadata={"help": "--static_query_encoder: passes over the training queries."})
+    static_query_encoder_max_queries: Optional[int] = field(default=None, metadata={"help": "--static_query_encoder: fit on a seeded sample of at most this many training queries (the tower's vectors of each are held in float16: 768 bytes a query at 384 dimensions)."})
+
     # --- scores turned into probabilities of relevance, fitted on the validation split (hf_xmc.training.calibration) ---
     score_calibration: str = field(default="auto", metadata={"help": "'isotonic' or 'platt': map predict's scores to the probability that a label is relevant (predict(threshold=)); 'auto': isotonic when the run has a validation split; 'none': no calibration."})
 
@@ -363,6 +368,9 @@ class XMCTrainer(Trainer):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
             self._release_model()
+            forget = getattr(self.model, "invalidate_weights_fingerprint", None)
+            if forget is not None:  # whatever wrote the weights (a checkpoint read back, an optimizer of the caller's)
+                forget()
 
     def _release_model(self) -> None:
         """Hand the model back as it came: accelerate wraps its ``forward`` in the run's autocast (bf16 / fp16) and
@@ -419,6 +427,13 @@ class XMCTrainer(Trainer):
                 [{"params": params, "lr": lr, "weight_decay": self.args.weight_decay if decays else 0.0} for (lr, decays), params in groups.items()],
                 **optimizer_kwargs,
             )
+        # torch's fused AdamW (the default optim) writes the weights without bumping their version counters, which the
+        # model's caches of its weights' fingerprint key on: every step makes the model forget them
+        base = getattr(self.optimizer, "optimizer", self.optimizer)
+        forget = getattr(self.model, "invalidate_weights_fingerprint", None)
+        if forget is not None and hasattr(base, "register_step_post_hook") and not getattr(base, "_forgets_weights_fingerprint", False):
+            base.register_step_post_hook(lambda *_: forget())
+            base._forgets_weights_fingerprint = True
         if sparse and not isinstance(getattr(self.optimizer, "optimizer", self.optimizer), SparseAdamW):  # Accelerate wraps it
             use_dense_gradients(opt_model)
             logger.warning(

@@ -34,6 +34,8 @@ REMOTE_PREDICT = textwrap.dedent(
         model.build_label_index()  # re-encode the labels from what the directory holds (texts, label images)
     if request.get("threshold") is not None:  # a calibrated model: the labels whose probability reaches it
         images["threshold"] = request["threshold"]
+    if request.get("query_encoder") is not None:  # the static query encoder, say
+        images["query_encoder"] = request["query_encoder"]
     pred = model.predict(request["texts"], k=5, **images)
     result = {"ids": pred.label_ids.tolist(), "scores": pred.scores.tolist(), "texts": pred.label_texts}
     if pred.probabilities is not None:
@@ -43,20 +45,23 @@ REMOTE_PREDICT = textwrap.dedent(
         pipe = pipeline(model=sys.argv[1], trust_remote_code=True, device="cpu")
         assert type(pipe).__module__.startswith("transformers_modules"), type(pipe).__module__
         inputs = request["pipeline_inputs"]
-        result["pipeline"] = {"task": pipe.task, "one": pipe(inputs[0], top_k=3), "many": pipe(inputs, top_k=5, batch_size=2)}
+        chosen = {"query_encoder": request["query_encoder"]} if request.get("query_encoder") is not None else {}
+        result["pipeline"] = {"task": pipe.task, "one": pipe(inputs[0], top_k=3, **chosen), "many": pipe(inputs, top_k=5, batch_size=2, **chosen)}
     print("RESULT " + json.dumps(result))
     """
 )
 
 
-def predict_through_remote_code(model_dir, tmp_path, texts, images=None, rebuild_index: bool = False, pipeline_inputs=None, threshold=None) -> dict:
+def predict_through_remote_code(model_dir, tmp_path, texts, images=None, rebuild_index: bool = False, pipeline_inputs=None, threshold=None,
+                                query_encoder=None) -> dict:
     """Top-5 of ``texts`` (and ``images``, paths) from ``model_dir`` loaded with ``trust_remote_code`` in a fresh
     process where hf_xmc cannot be imported, offline (with ``rebuild_index``, after re-encoding the labels); returns
     ``{"ids", "scores", "texts"}`` (and ``"probabilities"`` for a calibrated model; ``threshold`` goes to predict), plus
     ``"pipeline"`` (as :func:`pipeline_through_remote_code` returns it) when ``pipeline_inputs`` are given: one process
-    start for both."""
+    start for both. ``query_encoder`` goes to predict and the pipeline."""
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", PYTHONPATH="")
-    request = {"texts": texts, "images": images, "rebuild_index": rebuild_index, "pipeline_inputs": pipeline_inputs, "threshold": threshold}
+    request = {"texts": texts, "images": images, "rebuild_index": rebuild_index, "pipeline_inputs": pipeline_inputs, "threshold": threshold,
+               "query_encoder": query_encoder}
     proc = subprocess.run(
         [sys.executable, "-c", REMOTE_PREDICT, str(model_dir), json.dumps(request)],
         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300, stdin=subprocess.DEVNULL,

@@ -1,0 +1,411 @@
+"""A static query encoder: a bag of token vectors fitted to the model's trained query tower, for serving at the CPU's
+limit (a table lookup and a mean instead of a transformer forward).
+
+``model.fit_static_query_encoder(texts)`` (or ``--static_query_encoder`` of every training script, or ``hf-xmc
+fit-static``) fits a ``(vocab, dim)`` table over the model's own tokenizer so that the mean of a query's token rows,
+L2-normalised, reproduces the tower's search vector of the query (cosine loss, lazy Adam, a few epochs over the
+training queries; the rows start from each vocabulary token's vector through the tower, Model2Vec's initialisation).
+The label vectors, the index, the lexical channel stay the model's: only the query side changes, chosen per call
+(``predict(texts, query_encoder="static")``, the pipeline's ``query_encoder=``, ``hf-xmc predict / serve
+--query_encoder static``). The static encoder keeps its own lexical fusion weights and score calibration (tuned on
+the validation split with this encoder's ranking, not the tower's), applied while it ranks.
+
+``save_pretrained`` writes ``static_query_encoder.safetensors`` (the table) and ``static_query_encoder.json`` (width,
+sequence length, output scale, its fusion weights and calibration, how it was fitted and the **fingerprint of what it
+was fitted from**: the tower's weights, query head, query length and tokenizer vocabulary). A static encoder fitted to
+other weights (the model trained further, another UniDEC search mode, another tokenizer) maps queries into a space the
+label vectors no longer share: it is refused in one line (``provenance.py``, part ``static_query_encoder``, policy
+``refuse``). Labels added or removed later are fine: the label vectors are still the tower's (its calibration, tied to
+the ranking, is dropped as every calibration is).
+
+Memory: the table, ``vocab x dim x 4`` bytes (all-MiniLM-L6-v2: 30,522 x 384, 47 MB); per call one batch of token ids
+(4 bytes a token) and its ``(batch, dim)`` vectors. The fit holds the tower's vectors of the fitted queries in float16
+(``queries x dim x 2`` bytes: 2.2M queries x 384 = 1.7 GB; ``max_queries`` caps it) and their token ids (4 bytes a
+token), plus Adam's two moments of the table (2 x the table).
+
+Remote-code file: imports torch, numpy, safetensors and its siblings only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .io_utils import atomic_write, progress_bar_disabled, write_json
+from .provenance import array_digest, check_derived, digest, fingerprint_of
+
+STATIC_ENCODER_FILE = "static_query_encoder.safetensors"
+STATIC_ENCODER_META = "static_query_encoder.json"
+QUERY_ENCODERS = ("transformer", "static")
+#: the fusion weights a static encoder keeps of its own (the channel's other settings are shared)
+STATIC_FUSION_KEYS = ("ranker_weight", "text_weight")
+
+
+class StaticQueryEncoder(nn.Module):
+    """Query text -> the model's tokens (no special tokens) -> mean of their rows of a ``(vocab, dim)`` table ->
+    L2-normalised, times ``output_scale`` (1 for a tower whose query vectors are unit vectors; else the median norm of
+    the tower's vectors it was fitted to, so dense scores keep their range for the fusion). A query without a token
+    gets the zero vector (every label scores 0: a fused ranking falls back on the lexical channel).
+
+    Memory: ``vocab x dim x 4`` bytes for the table; a call holds its batch's token ids and vectors."""
+
+    def __init__(self, vocab_size: int, dim: int, output_scale: float = 1.0):
+        super().__init__()
+        self.embeddings = nn.EmbeddingBag(vocab_size, dim, mode="mean", sparse=True)
+        self.output_scale = float(output_scale)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embeddings.num_embeddings
+
+    @property
+    def dim(self) -> int:
+        return self.embeddings.embedding_dim
+
+    def forward(self, token_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """``(batch, dim)`` vectors of bags given as flat ``token_ids`` and each bag's start ``offsets``."""
+        return F.normalize(self.embeddings(token_ids, offsets), dim=-1) * self.output_scale
+
+    @staticmethod
+    def token_bags(tokenizer, texts: Sequence[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat token ids and offsets of ``texts`` as the tower reads them: the same tokenizer and truncation
+        (``max_length`` counts the special tokens the tower adds, which the bags leave out)."""
+        budget = max(1, int(max_length) - tokenizer.num_special_tokens_to_add(pair=False))
+        rows = tokenizer(list(texts), add_special_tokens=False, truncation=True, max_length=budget)["input_ids"]
+        lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+        offsets = np.zeros(len(rows), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=offsets[1:])
+        flat = np.fromiter((t for r in rows for t in r), dtype=np.int64, count=int(lengths.sum()))
+        return torch.from_numpy(flat), torch.from_numpy(offsets)
+
+    @torch.no_grad()
+    def encode(self, tokenizer, texts: Sequence[str], max_length: int, batch_size: int = 1024) -> torch.Tensor:
+        """``(n, dim)`` float32 query vectors, ``batch_size`` texts at a time."""
+        out = torch.empty(len(texts), self.dim)
+        for start in range(0, len(texts), batch_size):
+            ids, offsets = self.token_bags(tokenizer, texts[start : start + batch_size], max_length)
+            out[start : start + len(offsets)] = self(ids.to(self.embeddings.weight.device), offsets.to(self.embeddings.weight.device)).float().cpu()
+        return out
+
+    def table_digest(self) -> str:
+        """A digest of the table and the output scale: what the encoder's own ranking (its calibration) records."""
+        return array_digest(self.embeddings.weight.detach().cpu().numpy(), np.array([self.output_scale]))
+
+
+# ---------------------------------------------------------------------------------------------------------- fitting
+@torch.no_grad()
+def tower_token_vectors(model, batch_size: int = 512, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
+    """Each vocabulary token's search vector through the model's query tower, alone between the tokenizer's special
+    tokens (Model2Vec's initialisation of a static table): ``(vocab, dim)`` float32. Memory: the result and one batch."""
+    from tqdm.auto import tqdm
+
+    tokenizer = model._require_tokenizer()
+    vocab = len(tokenizer)
+    # the special tokens the tower wraps a text in ([CLS] ... [SEP]), read off one encoded word
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    wrapped = tokenizer("a")["input_ids"]
+    cut = next((i for i in range(len(wrapped) - len(plain) + 1) if wrapped[i : i + len(plain)] == plain), None)
+    wrap = None if cut is None else [*wrapped[:cut], -1, *wrapped[cut + len(plain):]]
+    position = None if wrap is None else wrap.index(-1)
+    was_training = model.training
+    model.eval()
+    out = None
+    show = vocab > 10 * batch_size if show_progress_bar is None else show_progress_bar
+    try:
+        for start in tqdm(range(0, vocab, batch_size), desc="Static encoder: token vectors", disable=not show or progress_bar_disabled(), unit="batch"):
+            ids = torch.arange(start, min(start + batch_size, vocab))
+            if position is None:
+                input_ids = ids[:, None]
+            else:
+                input_ids = torch.tensor(wrap, dtype=torch.long).repeat(len(ids), 1)
+                input_ids[:, position] = ids
+            mask = torch.ones_like(input_ids)
+            vectors = model.embed(input_ids.to(model.device), mask.to(model.device), **model.query_embed_kwargs()).float().cpu()
+            if out is None:
+                out = torch.empty(vocab, vectors.shape[1])
+            out[start : start + len(ids)] = vectors
+    finally:
+        model.train(was_training)
+    return out
+
+
+def fit_static_encoder(
+    model,
+    texts: Sequence[str],
+    epochs: int = 8,
+    batch_size: int = 256,
+    learning_rate: float = 1e-3,
+    init: str = "tower",
+    max_queries: Optional[int] = None,
+    seed: int = 0,
+    show_progress_bar: Optional[bool] = None,
+) -> tuple[StaticQueryEncoder, dict]:
+    """Fit a :class:`StaticQueryEncoder` to ``model``'s query vectors of ``texts`` (the training queries: never the
+    validation or test ones, which tune and judge it): minimise ``1 - cos(static(q), tower(q))`` with lazy Adam
+    (``torch.optim.SparseAdam``: a step touches only the rows of its batch's tokens) for ``epochs`` passes in shuffled
+    batches. ``init``: ``"tower"`` (each token's vector through the tower, :func:`tower_token_vectors`) or
+    ``"random"`` (normal, std 1 / sqrt(dim)). ``max_queries``: fit on a seeded sample of that many texts (memory:
+    the module docstring). Returns the encoder and what the fit did (the meta's ``fit`` entry)."""
+    from tqdm.auto import tqdm
+
+    if init not in ("tower", "random"):
+        raise ValueError(f"init must be 'tower' or 'random', got {init!r}")
+    if epochs < 0 or batch_size < 1 or not learning_rate > 0:
+        raise ValueError(f"need epochs >= 0, batch_size >= 1 and learning_rate > 0, got {epochs}, {batch_size}, {learning_rate}")
+    texts = list(texts)
+    if not texts:
+        raise ValueError("fit_static_query_encoder got no texts")
+    started = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    if max_queries is not None and len(texts) > max_queries:
+        texts = [texts[i] for i in np.sort(rng.choice(len(texts), int(max_queries), replace=False))]
+    tokenizer = model._require_tokenizer()
+    max_length = int(model.config.max_seq_length)
+    targets = model.query_search_vectors(texts, show_progress_bar=show_progress_bar).float()
+    encode_seconds = time.perf_counter() - started
+    norms = targets.norm(dim=1)
+    unit = bool(torch.allclose(norms, torch.ones_like(norms), atol=1e-3))
+    scale = 1.0 if unit else float(norms.median())
+    targets = F.normalize(targets, dim=1).to(torch.float16)  # the fit matches directions; the scale is a constant
+    encoder = StaticQueryEncoder(len(tokenizer), targets.shape[1], output_scale=scale)
+    if init == "tower":
+        encoder.embeddings.weight.data.copy_(tower_token_vectors(model, show_progress_bar=show_progress_bar))
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        encoder.embeddings.weight.data.normal_(0.0, 1.0 / math.sqrt(targets.shape[1]), generator=generator)
+    ids, offsets = StaticQueryEncoder.token_bags(tokenizer, texts, max_length)
+    lengths = torch.diff(torch.cat([offsets, torch.tensor([len(ids)])]))
+    optimizer = torch.optim.SparseAdam(encoder.parameters(), lr=learning_rate)
+    losses = []
+    show = len(texts) * epochs > 50 * batch_size if show_progress_bar is None else show_progress_bar
+    for _ in tqdm(range(epochs), desc="Static encoder: fit", disable=not show or progress_bar_disabled(), unit="epoch"):
+        order = torch.from_numpy(rng.permutation(len(texts)))
+        total, seen = 0.0, 0
+        for start in range(0, len(order), batch_size):
+            rows = order[start : start + batch_size]
+            rows = rows[lengths[rows] > 0]  # a text without a token teaches nothing
+            if len(rows) == 0:
+                continue
+            bag_ids = torch.cat([ids[offsets[r] : offsets[r] + lengths[r]] for r in rows.tolist()])
+            bag_offsets = torch.zeros(len(rows), dtype=torch.long)
+            bag_offsets[1:] = torch.cumsum(lengths[rows], 0)[:-1]
+            predicted = F.normalize(encoder.embeddings(bag_ids, bag_offsets), dim=-1)
+            loss = (1.0 - (predicted * targets[rows].float()).sum(1)).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total, seen = total + loss.item() * len(rows), seen + len(rows)
+        losses.append(round(total / max(seen, 1), 5))
+    encoder.eval()
+    fit = {"queries": len(texts), "epochs": int(epochs), "batch_size": int(batch_size), "learning_rate": float(learning_rate), "init": init,
+           "seed": int(seed), "loss": "cosine", "epoch_losses": losses, "encode_seconds": round(encode_seconds, 2),
+           "seconds": round(time.perf_counter() - started, 2)}
+    return encoder, fit
+
+
+# ---------------------------------------------------------------------------------------------------------- on the model
+def read_static_meta(path: Optional[str]) -> Optional[dict]:
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+class StaticQueryEncoderMixin:
+    """The static query encoder of ``XMCPreTrainedModel``: fit, choose per call, save, load, check (module docstring)."""
+
+    static_query_encoder_meta: Optional[dict] = None
+    _query_encoder = "transformer"
+
+    @property
+    def static_query_encoder(self) -> Optional[StaticQueryEncoder]:
+        """The attached static encoder, or None. Kept outside the model's modules on purpose: its table is no weight of
+        the model (not in ``model.safetensors``, not in the weights' fingerprint it is checked against)."""
+        return self.__dict__.get("_static_encoder")
+
+    def _set_static(self, encoder: Optional[StaticQueryEncoder], meta: Optional[dict], path: Optional[str] = None) -> None:
+        object.__setattr__(self, "_static_encoder", encoder)  # not nn.Module.__setattr__: no submodule (see the property)
+        self.static_query_encoder_meta = meta
+        self._static_checked_version, self._static_encoder_path = None, path
+
+    # ------------------------------------------------------------------ what it was fitted from
+    def static_encoder_inputs(self) -> dict:
+        """The fingerprint a static encoder records and is checked against: the tower's weights, query head, query
+        length and tokenizer vocabulary (its ``len`` and a digest of its tokens in id order, taken once per tokenizer)."""
+        tokenizer = self._require_tokenizer()
+        cached = getattr(self, "_tokenizer_digest_cache", None)
+        if cached is None or cached[0] is not tokenizer:
+            vocab = tokenizer.get_vocab()
+            cached = (tokenizer, digest([len(tokenizer), *sorted(vocab.items(), key=lambda kv: kv[1])]))
+            self._tokenizer_digest_cache = cached
+        return fingerprint_of(weights=self.weights_summary(), query_head=self.onnx_query_head(), max_seq_length=int(self.config.max_seq_length),
+                              tokenizer=cached[1])
+
+    def check_static_query_encoder(self) -> StaticQueryEncoder:
+        """The attached static encoder, checked against the model (:meth:`static_encoder_inputs`); a one-line
+        ``StaleDerivedPartError`` when it was fitted from other weights, head, length or tokenizer, a ``ValueError``
+        when the model has none. The check is repeated only after a weight was written (torch's version counters)."""
+        encoder = self.static_query_encoder
+        if encoder is None:
+            raise ValueError(f"{type(self).__name__} has no static query encoder: fit one (model.fit_static_query_encoder(texts), "
+                             "--static_query_encoder, or hf-xmc fit-static)")
+        version = (self.weights_epoch, sum(t._version for t in (*self.parameters(), *self.buffers())), self.onnx_query_head(), id(self.tokenizer))
+        if getattr(self, "_static_checked_version", None) != version:
+            recorded = (self.static_query_encoder_meta or {}).get("fitted_from")
+            check_derived("static_query_encoder", recorded, self.static_encoder_inputs(), getattr(self, "_static_encoder_path", None) or type(self).__name__,
+                          "fit it again (model.fit_static_query_encoder(texts))")
+            self._static_checked_version = version
+        return encoder
+
+    def fit_static_query_encoder(self, texts: Sequence[str], **fit_kwargs) -> StaticQueryEncoder:
+        """Fit a static query encoder to this model's query tower on ``texts`` (training queries) and attach it
+        (:func:`fit_static_encoder` for the arguments). Its fusion weights start as the tower's and it has no
+        calibration: ``hf_xmc.training.static_encoder.tune_static_query_encoder`` tunes both on a validation split."""
+        if self.takes_images:
+            raise NotImplementedError(f"{type(self).__name__} ranks texts with images: a static query encoder is for the text models")
+        encoder, fit = fit_static_encoder(self, texts, **fit_kwargs)
+        self.attach_static_query_encoder(encoder, {"fit": fit})
+        return encoder
+
+    def attach_static_query_encoder(self, encoder: Optional[StaticQueryEncoder], meta: Optional[dict] = None) -> None:
+        """Attach ``encoder`` (fitted to this model now: its fingerprint is recorded) with ``meta`` (its ``fit``, and
+        its own ``fusion`` weights and ``score_calibration`` if it has them); None removes it."""
+        if encoder is None:
+            self._set_static(None, None)
+            return
+        meta = dict(meta or {})
+        meta.update(dim=encoder.dim, vocab_size=encoder.vocab_size, output_scale=encoder.output_scale, max_seq_length=int(self.config.max_seq_length),
+                    fitted_from=self.static_encoder_inputs())
+        self._set_static(encoder.to(self.device), meta)
+
+    # ------------------------------------------------------------------ choosing it
+    @property
+    def query_encoder(self) -> str:
+        """The query encoder ``predict`` uses when a call does not name one: ``transformer`` (the trained tower) or
+        ``static`` (:meth:`set_query_encoder`)."""
+        return self._query_encoder
+
+    def set_query_encoder(self, name: str) -> None:
+        """Use ``name`` (``transformer`` | ``static``) for every call that does not name one (a server's default)."""
+        if name not in QUERY_ENCODERS:
+            raise ValueError(f"query_encoder must be one of {QUERY_ENCODERS}, got {name!r}")
+        if name == "static":
+            self.check_static_query_encoder()
+        self._query_encoder = name
+
+    @contextmanager
+    def using_query_encoder(self, name: Optional[str]):
+        """Rank with query encoder ``name`` inside the block (None: the model's :attr:`query_encoder`): its query
+        vectors, its lexical fusion weights and its score calibration; restored after. Not for two threads ranking
+        with different encoders on one model at once (a server sets one for good: :meth:`set_query_encoder`)."""
+        name = self._query_encoder if name is None else name
+        if name not in QUERY_ENCODERS:
+            raise ValueError(f"query_encoder must be one of {QUERY_ENCODERS}, got {name!r}")
+        if name == "static":
+            self.check_static_query_encoder()
+        previous = self._query_encoder
+        channel = self.lexical_channel
+        saved = None
+        fusion = (self.static_query_encoder_meta or {}).get("fusion") if name == "static" else None
+        if channel is not None and fusion:
+            saved = {key: channel.settings[key] for key in STATIC_FUSION_KEYS}
+            channel.settings.update({key: float(fusion[key]) for key in STATIC_FUSION_KEYS if key in fusion})
+        self._query_encoder = name
+        try:
+            yield self
+        finally:
+            self._query_encoder = previous
+            if saved is not None:
+                channel.settings.update(saved)
+
+    def set_static_fusion_weights(self, weights: dict) -> None:
+        """The static encoder's own lexical fusion weights (``ranker_weight``, ``text_weight``), used while it ranks."""
+        if self.static_query_encoder_meta is None:
+            raise ValueError(f"{type(self).__name__} has no static query encoder")
+        self.static_query_encoder_meta["fusion"] = {key: float(weights[key]) for key in STATIC_FUSION_KEYS}
+
+    def static_query_vectors(self, texts: Sequence[str], batch_size: int = 1024) -> torch.Tensor:
+        """``(n, dim)`` search vectors of ``texts`` from the static encoder (checked first)."""
+        encoder = self.check_static_query_encoder()
+        return encoder.encode(self._require_tokenizer(), list(texts), int(self.config.max_seq_length), batch_size=max(batch_size, 1))
+
+    def query_encoder_fingerprint(self) -> str:
+        """What the ranking's query vectors come from, for :meth:`ranking_fingerprint`: ``transformer``, or
+        ``static:<digest of its table>`` (taken once per attached table)."""
+        if self._query_encoder != "static" or self.static_query_encoder is None:
+            return "transformer"
+        cached = getattr(self, "_static_digest_cache", None)
+        if cached is None or cached[0] is not self.static_query_encoder or cached[1] != self.static_query_encoder.embeddings.weight._version:
+            cached = (self.static_query_encoder, self.static_query_encoder.embeddings.weight._version, self.static_query_encoder.table_digest())
+            self._static_digest_cache = cached
+        return f"static:{cached[2]}"
+
+    # ------------------------------------------------------------------ its calibration
+    def _calibration_values(self) -> Optional[dict]:
+        """Where the calibration of the query encoder in use lives: ``config.score_calibration`` for the tower, the
+        static encoder's meta for it."""
+        if self._query_encoder == "static":
+            return (self.static_query_encoder_meta or {}).get("score_calibration")
+        return self.config.score_calibration
+
+    def _store_calibration_values(self, values: Optional[dict]) -> None:
+        if self._query_encoder == "static":
+            if self.static_query_encoder_meta is not None:
+                self.static_query_encoder_meta["score_calibration"] = values
+        else:
+            self.config.score_calibration = values
+
+    # ------------------------------------------------------------------ persistence
+    def _save_static_encoder(self, save_directory: str) -> None:
+        """Write the attached static encoder (when it is current for the model: a stale one is left out, and a later
+        ``query_encoder="static"`` says there is none) as safetensors and its meta as JSON, each through a temp file."""
+        if self.static_query_encoder is None:
+            return
+        try:
+            self.check_static_query_encoder()
+        except ValueError:
+            return
+        from safetensors.torch import save_file
+
+        weights = {"embeddings.weight": self.static_query_encoder.embeddings.weight.detach().cpu().contiguous()}
+        atomic_write(os.path.join(save_directory, STATIC_ENCODER_FILE), lambda p: save_file(weights, p, metadata={"format": "pt"}))
+        atomic_write(os.path.join(save_directory, STATIC_ENCODER_META), lambda p: write_json(p, self.static_query_encoder_meta))
+
+    def _load_static_encoder(self, fetch) -> None:
+        """Attach a saved static encoder (``fetch(name)``: its local path or None); its fingerprint is checked on use."""
+        from .model_files import ModelFileError
+
+        weights_path, meta_path = fetch(STATIC_ENCODER_FILE), fetch(STATIC_ENCODER_META)
+        if weights_path is None and meta_path is None:
+            return
+        if weights_path is None or meta_path is None:
+            missing, present = (STATIC_ENCODER_FILE, meta_path) if weights_path is None else (STATIC_ENCODER_META, weights_path)
+            raise ModelFileError(f"{os.path.join(os.path.dirname(present), missing)}: missing, but {os.path.basename(present)} is there (save the model again)")
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            meta = read_static_meta(meta_path)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ModelFileError(f"{meta_path}: not valid JSON ({err})") from None
+        try:
+            table = load_file(weights_path)["embeddings.weight"]
+        except (SafetensorError, KeyError, OSError) as err:
+            raise ModelFileError(f"{weights_path}: not a static encoder's safetensors ({type(err).__name__}: {err})") from None
+        if not isinstance(meta, dict) or table.ndim != 2 or list(table.shape) != [meta.get("vocab_size"), meta.get("dim")]:
+            raise ModelFileError(f"{weights_path}: a table of shape {tuple(table.shape)} where {STATIC_ENCODER_META} says "
+                                 f"{(meta or {}).get('vocab_size')} x {(meta or {}).get('dim')}")
+        encoder = StaticQueryEncoder(table.shape[0], table.shape[1], output_scale=float(meta.get("output_scale", 1.0)))
+        encoder.embeddings.weight.data.copy_(table)
+        encoder.eval()
+        self._set_static(encoder.to(self.device), meta, weights_path)

@@ -1,0 +1,96 @@
+"""Fit and tune a model's static query encoder (``hf_xmc.models.static_encoder``) after training: what
+``--static_query_encoder`` of every training script and ``hf-xmc fit-static`` run.
+
+Order: fit the table to the trained tower's vectors of the training queries, then, with the static encoder ranking,
+tune its own lexical fusion weights and fit its own score calibration on the validation split (the same grid, the
+same objective P@1 + PSP@5 and the same calibration method as the tower's), and report its validation metrics. The
+tower's weights, calibration and metrics are not touched.
+
+Memory: the fit's (module docstring of ``hf_xmc.models.static_encoder``); the tuning's as
+:func:`hf_xmc.training.lexical.tune_fusion_weights` and the calibration's as the tower's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Optional
+
+import scipy.sparse as sp
+
+from ..data import XMCDataset
+from .lexical import RANKER_WEIGHTS, TEXT_WEIGHTS, tune_fusion_weights
+
+logger = logging.getLogger(__name__)
+
+
+def tune_static_query_encoder(
+    model,
+    validation: Optional[XMCDataset],
+    train_targets: sp.spmatrix,
+    validation_evaluator=None,
+    calibration_method: str = "none",
+    ranker_weight: Optional[float] = None,
+    text_weight: Optional[float] = None,
+    batch_size: int = 128,
+) -> dict:
+    """With the model's static encoder ranking: tune the lexical channel's weights left ``None`` on ``validation``
+    (the model has a channel and a validation split; else the tower's weights stay), then fit the score calibration
+    ``calibration_method`` (``isotonic`` / ``platt``; ``none``: none) on ``validation_evaluator``'s ranking. Returns
+    ``static_*`` entries for ``eval_results.json``: the tuned weights, whether each ended on its grid's cap, the
+    runtimes."""
+    info: dict = {}
+    with model.using_query_encoder("static"):
+        channel = model.current_lexical_channel()
+        if channel is not None and validation is not None and (ranker_weight is None or text_weight is None):
+            start = time.perf_counter()
+            chosen = tune_fusion_weights(model, channel, validation, train_targets,
+                                         RANKER_WEIGHTS if ranker_weight is None else (ranker_weight,),
+                                         TEXT_WEIGHTS if text_weight is None else (text_weight,), batch_size=batch_size)
+            model.set_static_fusion_weights(chosen)
+            info.update(static_lexical_ranker_weight=chosen["ranker_weight"], static_lexical_text_weight=chosen["text_weight"],
+                        static_lexical_ranker_weight_on_edge=int("ranker_weight" in chosen["on_edge"]),
+                        static_lexical_text_weight_on_edge=int("text_weight" in chosen["on_edge"]),
+                        static_lexical_tuning_runtime=round(time.perf_counter() - start, 4))
+            logger.info("static query encoder: fusion weights tuned on %d validation queries: ranker %g, label text %g", len(validation),
+                        chosen["ranker_weight"], chosen["text_weight"])
+    if calibration_method != "none" and validation_evaluator is not None:
+        from .calibration import fit_score_calibration
+
+        start = time.perf_counter()
+        with model.using_query_encoder("static"):  # entered again: the weights just tuned are the ones it fuses with
+            fit_score_calibration(model, validation_evaluator, calibration_method)
+        info["static_calibration_runtime"] = round(time.perf_counter() - start, 4)
+    return info
+
+
+def fit_and_tune_static_query_encoder(
+    model,
+    train_texts: Sequence[str],
+    validation: Optional[XMCDataset] = None,
+    train_targets: Optional[sp.spmatrix] = None,
+    validation_evaluator=None,
+    calibration_method: str = "none",
+    epochs: int = 8,
+    max_queries: Optional[int] = None,
+    seed: int = 0,
+    ranker_weight: Optional[float] = None,
+    text_weight: Optional[float] = None,
+    batch_size: int = 128,
+    show_progress_bar: Optional[bool] = None,
+) -> dict:
+    """:meth:`fit_static_query_encoder` on ``train_texts``, then :func:`tune_static_query_encoder`; returns the
+    ``static_*`` entries (``static_fit_runtime``, the fit's loss, the tuned weights, the runtimes)."""
+    start = time.perf_counter()
+    model.fit_static_query_encoder(train_texts, epochs=epochs, max_queries=max_queries, seed=seed, show_progress_bar=show_progress_bar)
+    fit = model.static_query_encoder_meta["fit"]
+    info = {"static_fit_runtime": round(time.perf_counter() - start, 4), "static_fit_queries": fit["queries"],
+            "static_fit_loss": fit["epoch_losses"][-1] if fit["epoch_losses"] else None}
+    logger.info("static query encoder: fitted on %d training queries in %.1f s (cosine loss by epoch %s)", fit["queries"],
+                info["static_fit_runtime"], fit["epoch_losses"])
+    if train_targets is None and validation is not None:
+        raise ValueError("tuning the static encoder's fusion weights needs the training targets (their propensities weigh PSP@5)")
+    info.update(tune_static_query_encoder(model, validation, train_targets, validation_evaluator, calibration_method, ranker_weight, text_weight,
+                                          batch_size=batch_size))
+    return info

@@ -1,0 +1,231 @@
+"""The static query encoder: its vectors are the normalised mean of its token rows, the fit moves it toward the tower,
+it fuses with its own weights and calibration, saves and reloads with equal outputs (remote code and pipeline
+included), is refused once the tower changed, and comes out of every training script with --static_query_encoder."""
+
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModel
+
+from hf_xmc import cli
+from hf_xmc.models import DEXMLModel, UniDECModel
+from hf_xmc.models.calibration import ScoreCalibration
+from hf_xmc.models.provenance import StaleDerivedPartError
+from hf_xmc.models.static_encoder import STATIC_ENCODER_FILE, STATIC_ENCODER_META, StaticQueryEncoder, tower_token_vectors
+from hf_xmc.training.calibration import fit_score_calibration
+from hf_xmc.training.evaluation import XMCEvaluator
+from hf_xmc.training.lexical import fit_lexical_channel
+from hf_xmc.training.static_encoder import tune_static_query_encoder
+from tests.models.test_modeling_common import predict_through_remote_code
+from tests.test_training import contract_args, run_script
+
+
+def tiny_model(tiny_encoder_dir, data, channel: bool = False):
+    torch.manual_seed(0)
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir, max_seq_length=16)
+    model.set_labels(data.label_texts, data.label_uids)
+    if channel:
+        fit_lexical_channel(model, data.train, ranker_weight=1.0, text_weight=0.5, n_threads=1)
+    else:
+        model.build_label_index()
+    return model
+
+
+def cosine_to_tower(model, texts) -> float:
+    static = model.static_query_vectors(texts)
+    tower = model.query_search_vectors(texts)
+    return float(torch.nn.functional.cosine_similarity(static, tower, dim=1).mean())
+
+
+def test_static_vectors_are_the_normalised_mean_of_their_token_rows(tiny_encoder_dir, tiny_task):
+    data = tiny_task[0]
+    model = tiny_model(tiny_encoder_dir, data)
+    tokenizer = model.tokenizer
+    encoder = StaticQueryEncoder(len(tokenizer), 4, output_scale=2.0)
+    table = torch.randn(len(tokenizer), 4, generator=torch.Generator().manual_seed(3))
+    encoder.embeddings.weight.data.copy_(table)
+    long_text = " ".join(data.train.texts[:6])  # more tokens than the tower reads: cut where the tower cuts
+    texts = [data.train.texts[0], long_text, ""]
+    got = encoder.encode(tokenizer, texts, max_length=16)
+    for text, vector in zip(texts, got):
+        ids = tokenizer(text, truncation=True, max_length=16)["input_ids"]
+        ids = [i for i in ids if i not in tokenizer.all_special_ids]  # the tower's tokens without [CLS] / [SEP]
+        if not ids:
+            np.testing.assert_array_equal(vector.numpy(), np.zeros(4, dtype=np.float32))  # no token: scores 0 everywhere
+            continue
+        mean = table[ids].mean(0)
+        np.testing.assert_allclose(vector.numpy(), (2.0 * mean / mean.norm()).numpy(), rtol=1e-5, atol=1e-6)
+    assert len(tokenizer(long_text, add_special_tokens=False)["input_ids"]) > 14  # the cut was exercised
+
+
+def test_token_vectors_are_each_token_through_the_tower_between_its_special_tokens(tiny_encoder_dir, tiny_task):
+    model = tiny_model(tiny_encoder_dir, tiny_task[0])
+    vectors = tower_token_vectors(model, batch_size=100)
+    tokenizer = model.tokenizer
+    assert vectors.shape == (len(tokenizer), model.config.hidden_size if hasattr(model.config, "hidden_size") else vectors.shape[1])
+    for token_id in (tokenizer.unk_token_id, 7, len(tokenizer) - 1):
+        ids = torch.tensor([[tokenizer.cls_token_id, token_id, tokenizer.sep_token_id]])
+        with torch.no_grad():
+            expected = model.eval().embed(ids, torch.ones_like(ids))[0]
+        np.testing.assert_allclose(vectors[token_id].numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_fit_moves_the_static_vectors_toward_the_towers(tiny_encoder_dir, tiny_task):
+    data = tiny_task[0]
+    model = tiny_model(tiny_encoder_dir, data)
+    texts = list(data.train.texts)
+    model.fit_static_query_encoder(texts, epochs=0, init="random", seed=1)
+    random_start = cosine_to_tower(model, texts)
+    model.fit_static_query_encoder(texts, epochs=0, seed=1)
+    tower_start = cosine_to_tower(model, texts)
+    model.fit_static_query_encoder(texts, epochs=30, learning_rate=1e-2, seed=1)
+    fitted = cosine_to_tower(model, texts)
+    losses = model.static_query_encoder_meta["fit"]["epoch_losses"]
+    assert tower_start > random_start + 0.1  # Model2Vec's start is already in the tower's space
+    assert fitted > tower_start + 0.05 and losses[-1] < 0.7 * losses[0]
+    assert fitted > cosine_to_tower(model, list(data.test.texts)) - 0.2  # held-out queries follow, less closely
+    assert not any(name.startswith("_static") or "static" in name for name, _ in model.named_parameters())  # no weight of the model
+
+
+def test_a_saved_static_encoder_reloads_with_equal_rankings_through_remote_code_and_the_pipeline(tiny_encoder_dir, tiny_task, tmp_path):
+    data = tiny_task[0]
+    model = tiny_model(tiny_encoder_dir, data, channel=True)
+    model.fit_static_query_encoder(list(data.train.texts), epochs=3, seed=0)
+    model.set_static_fusion_weights({"ranker_weight": 0.25, "text_weight": 1.5})
+    texts = list(data.test.texts[:12])
+    before = model.predict(texts, k=5, query_encoder="static")
+    tower = model.predict(texts, k=5)
+    model.save_pretrained(tmp_path / "m")
+    assert (tmp_path / "m" / STATIC_ENCODER_FILE).exists() and (tmp_path / "m" / STATIC_ENCODER_META).exists()
+    reloaded = AutoModel.from_pretrained(tmp_path / "m")
+    after = reloaded.predict(texts, k=5, query_encoder="static")
+    np.testing.assert_array_equal(after.label_ids, before.label_ids)
+    np.testing.assert_allclose(after.scores, before.scores, rtol=1e-6)
+    np.testing.assert_array_equal(reloaded.predict(texts, k=5).label_ids, tower.label_ids)
+    assert reloaded.static_query_encoder_meta["fusion"] == {"ranker_weight": 0.25, "text_weight": 1.5}
+    remote = predict_through_remote_code(tmp_path / "m", tmp_path, texts[:4], pipeline_inputs=texts[:2], query_encoder="static")
+    assert remote["ids"] == before.label_ids[:4].tolist()
+    np.testing.assert_allclose(remote["scores"], before.scores[:4], rtol=1e-5)
+    assert [r["label_id"] for r in remote["pipeline"]["many"][1]] == before.label_ids[1].tolist()
+
+
+def test_the_static_encoder_fuses_with_its_own_weights_and_calibration(tiny_encoder_dir, tiny_task, caplog):
+    data = tiny_task[0]
+    model = tiny_model(tiny_encoder_dir, data, channel=True)
+    model.set_score_calibration(ScoreCalibration("platt", a=5.0, b=0.0))  # the tower's
+    tower_calibration = dict(model.config.score_calibration)
+    model.fit_static_query_encoder(list(data.train.texts), epochs=3, seed=0)
+    model.set_static_fusion_weights({"ranker_weight": 0.0, "text_weight": 2.0})
+    texts = list(data.test.texts[:10])
+    channel = model.lexical_channel
+    pred = model.predict(texts, k=5, query_encoder="static")
+    # by hand: the static vectors searched, fused with the static encoder's weights
+    dense_scores, dense_ids = model.search(model.static_query_vectors(texts), int(channel.settings["dense_depth"]))
+    kept = dict(channel.settings)
+    channel.settings.update(ranker_weight=0.0, text_weight=2.0)
+    scores, ids = channel.fuse(texts, dense_scores, dense_ids, 5)
+    channel.settings.update(kept)
+    np.testing.assert_array_equal(pred.label_ids, ids)
+    np.testing.assert_allclose(pred.scores, scores, rtol=1e-6)
+    assert (channel.settings["ranker_weight"], channel.settings["text_weight"]) == (1.0, 0.5)  # the tower's, restored
+    assert pred.probabilities is None  # the tower's calibration is not the static encoder's
+    # its own calibration, fitted on its own ranking; the tower's untouched
+    evaluator = XMCEvaluator(data.test, data.label_texts, data.label_uids, train_targets=data.train.targets, name="eval")
+    tune_static_query_encoder(model, data.test, data.train.targets, evaluator, calibration_method="isotonic")
+    assert model.config.score_calibration == tower_calibration
+    assert model.static_query_encoder_meta["score_calibration"]["method"] == "isotonic"
+    assert set(model.static_query_encoder_meta["fusion"]) == {"ranker_weight", "text_weight"}  # tuned on the split
+    calibrated = model.predict(texts, k=5, query_encoder="static")
+    with model.using_query_encoder("static"):
+        expected = model.score_calibration(calibrated.scores)
+    np.testing.assert_allclose(calibrated.probabilities, np.where(calibrated.label_ids >= 0, expected, 0.0), rtol=1e-6)
+    assert model.predict(texts, k=5).probabilities is not None  # the tower keeps its own
+    # fitted again, the table changed: its calibration (tied to its ranking) is dropped, the tower's kept
+    model.fit_static_query_encoder(list(data.train.texts), epochs=1, seed=5)
+    model.static_query_encoder_meta["score_calibration"] = calibrated_meta = {**ScoreCalibration("platt", a=1.0, b=0.0).to_dict(),
+                                                                           "fingerprint": {"query_encoder": "static:0000"}}
+    with caplog.at_level(logging.WARNING):
+        assert model.predict(texts, k=5, query_encoder="static").probabilities is None
+    assert "query_encoder" in caplog.text and calibrated_meta is not None
+    assert model.predict(texts, k=5).probabilities is not None
+
+
+def test_a_static_encoder_of_another_tower_is_refused_and_not_saved(tiny_encoder_dir, tiny_task, tmp_path):
+    data = tiny_task[0]
+    model = tiny_model(tiny_encoder_dir, data)
+    with pytest.raises(ValueError, match="no static query encoder"):
+        model.predict(["a"], query_encoder="static")
+    with pytest.raises(ValueError, match="query_encoder must be one of"):
+        model.predict(["a"], query_encoder="bag")
+    model.fit_static_query_encoder(list(data.train.texts[:100]), epochs=1)
+    model.set_query_encoder("static")  # a server's default
+    assert model.predict(["a"]).label_ids.shape == (1, 5)
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)  # trained further: the static encoder maps into a space the labels left
+    with pytest.raises(StaleDerivedPartError, match="static query encoder was made from other weights"):
+        model.predict(["a"])
+    with pytest.raises(StaleDerivedPartError):
+        model.set_query_encoder("static")
+    model.set_query_encoder("transformer")
+    model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved" / STATIC_ENCODER_FILE).exists()  # a stale encoder is not carried
+    unidec = UniDECModel.from_encoder_pretrained(tiny_encoder_dir, label_space_size=len(data.label_texts), max_seq_length=16)
+    unidec.set_labels(data.label_texts, data.label_uids)
+    unidec.fit_static_query_encoder(list(data.train.texts[:100]), epochs=1)
+    assert unidec.static_query_vectors(["a"]).shape[1] == unidec.query_search_vectors(["a"]).shape[1]  # its search space
+    unidec.set_search_mode("de" if unidec.search_mode != "de" else "concat")
+    with pytest.raises(StaleDerivedPartError, match="query_head"):  # another head: another space
+        unidec.predict(["a"], query_encoder="static")
+
+
+def test_a_saved_directory_missing_half_of_the_static_encoder_is_refused_in_one_line(tiny_encoder_dir, tiny_task, tmp_path):
+    from hf_xmc.models.model_files import ModelFileError
+
+    data = tiny_task[0]
+    model = tiny_model(tiny_encoder_dir, data)
+    model.fit_static_query_encoder(list(data.train.texts[:50]), epochs=1)
+    model.save_pretrained(tmp_path / "m")
+    os.remove(tmp_path / "m" / STATIC_ENCODER_META)
+    with pytest.raises(ModelFileError, match=f"{STATIC_ENCODER_META}: missing"):
+        AutoModel.from_pretrained(tmp_path / "m")
+
+
+def test_training_scripts_fit_tune_and_report_the_static_encoder_and_the_cli_serves_it(tiny_task, tiny_encoder_dir, tmp_path, capsys):
+    _, task_dir = tiny_task
+    out = tmp_path / "out"
+    proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(out), epochs="1") + ["--lexical_channel", "omikuji", "--static_query_encoder",
+                                                                                       "--static_query_encoder_epochs", "3"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "eval_results.json").read_text())
+    for key in ("test_static_P@1", "test_static_dense_P@1", "eval_static_P@1", "static_fit_runtime", "static_lexical_ranker_weight"):
+        assert key in results, key
+    assert (out / STATIC_ENCODER_FILE).exists()
+    meta = json.loads((out / STATIC_ENCODER_META).read_text())
+    assert meta["fusion"]["ranker_weight"] == results["static_lexical_ranker_weight"] and "score_calibration" in meta
+    reloaded = AutoModel.from_pretrained(out)
+    assert reloaded.score_calibration is not None  # the tower's, recorded after training (fused AdamW: see test_provenance)
+    with reloaded.using_query_encoder("static"):
+        assert reloaded.score_calibration is not None  # its own, carried over the ranker's refit
+    # the saved model scores what the run reported, through the CLI's evaluate
+    code = cli.main(["evaluate", str(out), "--test_file", f"{task_dir}/tst.json.gz", "--train_file", f"{task_dir}/trn.json.gz",
+                     "--query_encoder", "static"])
+    assert code == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["test_P@1"] == pytest.approx(results["test_static_P@1"], abs=1e-9)
+    assert measured["test_dense_P@1"] == pytest.approx(results["test_static_dense_P@1"], abs=1e-9)
+    # predict and a model without one
+    assert cli.main(["predict", str(out), "--text", "some query", "--query_encoder", "static", "--k", "3"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["labels"]) == 3
+    plain = tmp_path / "plain"
+    assert run_script(contract_args(task_dir, tiny_encoder_dir, str(plain), epochs="0.2")).returncode == 0
+    assert cli.main(["predict", str(plain), "--text", "q", "--query_encoder", "static"]) != 0
+    assert "no static query encoder" in capsys.readouterr().err
+    # hf-xmc fit-static adds one to a saved model
+    code = cli.main(["fit-static", str(plain), "--train_file", f"{task_dir}/trn.json.gz", "--epochs", "2", "--output_dir", str(tmp_path / "grown")])
+    assert code == 0
+    fitted = json.loads(capsys.readouterr().out)
+    assert fitted["static_fit_queries"] > 0 and (tmp_path / "grown" / STATIC_ENCODER_FILE).exists()
