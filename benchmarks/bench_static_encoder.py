@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""The static query encoder against the trained tower it is fitted to: quality (dense and fused P@1 / PSP@5 / R@100
+on the test split), the fit's wall time, and one-query-at-a-time latency, per dataset and text method.
+
+    python benchmarks/bench_static_encoder.py --datasets debtags reuters --methods dexml --update_docs
+    python benchmarks/bench_static_encoder.py --table_only --update_docs      # the table of --out, nothing run
+
+A row is ``training_scripts/train_<method>.py`` through the training-script contract with the budget of
+``bench_headline.HEADLINES`` (the method's headline recipe; the scripts' defaults otherwise), ``--lexical_channel omikuji``
+and ``--static_query_encoder`` (fitted on the training queries after training; its own fusion weights and calibration
+tuned on the default validation split): the *tower* rows are ``test_dense_*`` / ``test_*``, the *static (fitted)*
+rows ``test_static_dense_*`` / ``test_static_*``. The *static (initialised only)* row is the same table before the fit
+(each vocabulary token through the tower, Model2Vec's start: ``fit_static_query_encoder(epochs=0)`` on the saved
+model), dense only: its fusion would need weights of its own. Nothing is chosen on test. Latency: the saved model
+loaded again, ``--latency_queries`` test queries ranked one at a time (``predict(texts[i:i+1])``, tokenisation, encoding,
+index search and the channel), p50 / p99 in ms, per query encoder, in the same process one after the other (a ratio
+measured in one run; the 2-core machine is shared, and each row records its 1-minute load and CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.harness import bench_parser, data_version, dataset_cell, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.sweep_defaults import prepare, run_training_script, validation_flags  # noqa: E402
+
+SHOWN = ("P@1", "PSP@5", "R@100")
+METHODS = ("dexml", "prime", "unidec", "siamesexml")
+
+
+def cpu_name() -> str:
+    """The CPU model (``/proc/cpuinfo``), for the row: times on another CPU differ."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    return name or platform.processor() or "unknown"
+
+
+def latencies(model, texts: list[str], query_encoder: str) -> dict:
+    """p50 / p99 ms of ``predict`` on one query at a time with ``query_encoder`` (after 5 warm-up queries)."""
+    times = []
+    for i, text in enumerate([*texts[:5], *texts]):
+        start = time.perf_counter()
+        model.predict([text], k=5, query_encoder=query_encoder)
+        if i >= 5:
+            times.append((time.perf_counter() - start) * 1000)
+    return {"p50_ms": round(float(np.percentile(times, 50)), 3), "p99_ms": round(float(np.percentile(times, 99)), 3)}
+
+
+def initialised_only(model, data_dir: str, test_texts: list[str]) -> dict:
+    """Dense test metrics of the static encoder at its start (no fit step), on the saved model (its own encoder kept)."""
+    from hf_xmc.data import read_xc_raw
+    from hf_xmc.metrics import inverse_propensity, xmc_metrics
+    from hf_xmc.models.static_encoder import fit_static_encoder
+
+    saved = (model.static_query_encoder, model.static_query_encoder_meta)
+    train = read_xc_raw(os.path.join(data_dir, "trn.json.gz"), num_labels=len(model.label_texts))
+    test = read_xc_raw(os.path.join(data_dir, "tst.json.gz"), num_labels=len(model.label_texts), skip_unlabeled=False)
+    encoder, _ = fit_static_encoder(model, train.texts[:64], epochs=0, show_progress_bar=False)  # the start only
+    try:
+        model.attach_static_query_encoder(encoder, {"fit": {"epochs": 0}})
+        _, ids = model.search(model.static_query_vectors(test_texts), 100)
+    finally:
+        model._set_static(*saved)
+    inv = inverse_propensity(train.targets, model.config.propensity_a, model.config.propensity_b)
+    m = xmc_metrics(ids, test.targets, inv, ks=(1, 5), recall_ks=(100,))
+    return {k: round(m[k], 2) for k in SHOWN}
+
+
+def run_row(dataset: str, method: str, latency_queries: int, work: str) -> dict:
+    from transformers import AutoModel
+
+    from benchmarks.bench_headline import HEADLINES
+    from hf_xmc.data import read_xc_raw
+
+    data_dir, encoder, data_flags = prepare(dataset, work)
+    flags = HEADLINES.get((dataset, method), {}).get("flags", [])
+    out = os.path.join(work, f"{dataset}-{method}")
+    extra = [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", "--static_query_encoder", *validation_flags(data_dir), *flags]
+    results, wall = run_training_script(method, data_dir, encoder, out, extra)
+    model = AutoModel.from_pretrained(out, trust_remote_code=True)
+    test_texts = list(read_xc_raw(os.path.join(data_dir, "tst.json.gz"), num_labels=len(model.label_texts), skip_unlabeled=False).texts)
+    fit = model.static_query_encoder_meta["fit"]
+
+    def pick(prefix: str) -> dict:
+        return {k: round(results[f"{prefix}{k}"], 2) for k in SHOWN if f"{prefix}{k}" in results}
+
+    rng = np.random.default_rng(0)
+    sample = [test_texts[i] for i in rng.choice(len(test_texts), min(latency_queries, len(test_texts)), replace=False)]
+    return {
+        "dataset": dataset, "data_version": data_version(dataset, data_dir), "method": method, "flags": extra, "wall_seconds": round(wall, 1),
+        "cpu": cpu_name(), "load_1min": round(os.getloadavg()[0], 2),
+        "tower": {"dense": pick("test_dense_"), "fused": pick("test_"), "validation_fused": pick("eval_")},
+        "static": {"dense": pick("test_static_dense_"), "fused": pick("test_static_"), "validation_fused": pick("eval_static_")},
+        "static_init": {"dense": initialised_only(model, data_dir, test_texts)},
+        "weights": {"tower": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")],
+                    "static": [results.get("static_lexical_ranker_weight"), results.get("static_lexical_text_weight")]},
+        "fit": {"seconds": results.get("static_fit_runtime"), "encode_seconds": fit.get("encode_seconds"), "queries": fit.get("queries"),
+                "epochs": fit.get("epochs"), "final_loss": fit["epoch_losses"][-1] if fit.get("epoch_losses") else None},
+        "latency": {"queries": len(sample), "tower": latencies(model, sample, "transformer"), "static": latencies(model, sample, "static")},
+    }
+
+
+def static_table(rows: list[dict]) -> str:
+    """Per (dataset, method): the tower, the static encoder at its start and fitted; dense and fused test metrics,
+    the fit's seconds and the batch-1 p50 / p99."""
+    header = ["dataset", "method", "query encoder", *(f"dense {m}" for m in SHOWN), *(f"fused {m}" for m in SHOWN), "fit s",
+              "p50 ms", "p99 ms"]
+    cells = []
+    for r in rows:
+        where = dataset_cell(r["dataset"], r.get("data_version"))
+        lat = r["latency"]
+        cells.append([where, r["method"], "transformer tower (trained)", *(f"{r['tower']['dense'].get(m, '-')}" for m in SHOWN),
+                      *(f"{r['tower']['fused'].get(m, '-')}" for m in SHOWN), "", f"{lat['tower']['p50_ms']:.2f}", f"{lat['tower']['p99_ms']:.2f}"])
+        cells.append([where, r["method"], "static, initialised only", *(f"{r['static_init']['dense'].get(m, '-')}" for m in SHOWN),
+                      *([""] * len(SHOWN)), "", "", ""])
+        cells.append([where, r["method"], "static, fitted", *(f"{r['static']['dense'].get(m, '-')}" for m in SHOWN),
+                      *(f"{r['static']['fused'].get(m, '-')}" for m in SHOWN), f"{r['fit']['seconds']:.0f}",
+                      f"{lat['static']['p50_ms']:.2f}", f"{lat['static']['p99_ms']:.2f}"])
+    table = markdown_table(header, cells, "lll" + "r" * (2 * len(SHOWN) + 3))
+    machines = sorted({f"{r['cpu']} (load {r['load_1min']})" for r in rows})
+    return table + "\n\nMeasured on " + "; ".join(machines) + ". Fit s: encoding the training queries with the tower, the start, the fit.\n"
+
+
+def main(argv=None) -> list[dict]:
+    ap = bench_parser(__doc__, result_path("static_encoder.json"), docs_block="static", table_only=True)
+    ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters"])
+    ap.add_argument("--methods", nargs="+", default=["dexml"], choices=list(METHODS))
+    ap.add_argument("--latency_queries", type=int, default=300, help="test queries timed one at a time per query encoder")
+    args = ap.parse_args(argv)
+    rows = read_json(args.out) if os.path.exists(args.out) else []
+    if not args.table_only:
+        with tempfile.TemporaryDirectory() as work:
+            for dataset in args.datasets:
+                for method in args.methods:
+                    row = run_row(dataset, method, args.latency_queries, work)
+                    rows = [r for r in rows if (r["dataset"], r["method"]) != (dataset, method)] + [row]
+                    write_json(args.out, rows)
+                    print(row, flush=True)
+    publish(static_table(rows), "static", args.update_docs)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
