@@ -539,15 +539,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = load_model(args.model, revision=args.revision)
     _pick_device(model, args.device)
     limits = ServingLimits(**{flag: getattr(args, flag) for flag in SERVE_LIMIT_FLAGS})
-    if args.query_encoder is not None:
-        try:  # every request is answered with it (the server's default: model.set_query_encoder)
-            model.set_query_encoder(args.query_encoder)
-        except ValueError as err:  # no static encoder, or one fitted to other weights
-            raise UserError(f"{args.model}: {_first_line(err)}") from None
     try:
         code = serve(model, host=args.host, port=args.port, limits=limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-                     backend=args.backend)
-    except ValueError as err:  # --backend onnx without (a current) export
+                     backend=args.backend, query_encoder=args.query_encoder)
+    except ValueError as err:  # --backend onnx without (a current) export; --query_encoder static without a current one
         raise UserError(f"{args.model}: {_first_line(err)}") from None
     if code:
         print(f"{PROG} serve: the prediction worker failed {args.max_worker_restarts + 1} time(s) in a row; stopped (exit status 1)",

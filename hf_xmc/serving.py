@@ -430,11 +430,13 @@ def body_limit(app, max_bytes: int):
 
 
 def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 64, max_wait_ms: float = 2.0, backend: str = "torch",
-               on_dead: Optional[Callable[[str], None]] = None):
+               on_dead: Optional[Callable[[str], None]] = None, query_encoder: Optional[str] = None):
     """The FastAPI application serving ``model`` (module docstring), its body limit in front. ``app.state.batcher`` is
     its :class:`PredictionBatcher`, closed when the application shuts down; ``on_dead(reason)`` is called (from the
     worker thread) when the worker stops for good. ``backend="onnx"``: queries are encoded by the model's exported
-    encoder (``model.export_onnx``), checked here, before the first request."""
+    encoder (``model.export_onnx``), checked here, before the first request. ``query_encoder="static"``: every request
+    is ranked with the model's static query encoder (``model.set_query_encoder``; a missing or stale one is one error
+    here); None: the model's own."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -444,6 +446,8 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
     from starlette.exceptions import HTTPException
 
     limits = limits or ServingLimits()
+    if query_encoder is not None:
+        model.set_query_encoder(query_encoder)  # no static encoder, or a stale one: one clear error now
     if backend != "torch":
         model.query_vectors_with(backend, ["a first query"])  # no export, or a stale one: one clear error now
     batcher = PredictionBatcher(model, max_batch=max_batch, max_wait_ms=max_wait_ms, backend=backend, max_queue=limits.max_queue,
@@ -559,7 +563,7 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
 
 
 def serve(model, host: str = "127.0.0.1", port: int = 8000, limits: Optional[ServingLimits] = None, max_batch: int = 64,
-          max_wait_ms: float = 2.0, log_level: str = "info", backend: str = "torch") -> int:
+          max_wait_ms: float = 2.0, log_level: str = "info", backend: str = "torch", query_encoder: Optional[str] = None) -> int:
     """Serve ``model`` with uvicorn until interrupted (SIGINT / SIGTERM: requests in flight are answered first, for at
     most ``request_timeout`` + 5 s) or until the worker dies for good; returns 0, or 1 when the worker died. With
     ``backend="onnx"`` torch keeps one thread: onnxruntime runs the encoder on its own pool, and torch's (left with the
@@ -580,7 +584,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, limits: Optional[Ser
         if server is not None:
             server.should_exit = True  # uvicorn checks it every tick: the server stops as on SIGTERM
 
-    app = create_app(model, limits, max_batch, max_wait_ms, backend=backend, on_dead=on_dead)
+    app = create_app(model, limits, max_batch, max_wait_ms, backend=backend, on_dead=on_dead, query_encoder=query_encoder)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, limit_concurrency=limits.max_connections,
                                            timeout_graceful_shutdown=math.ceil(limits.request_timeout) + 5))
     server.run()

@@ -229,3 +229,24 @@ def test_training_scripts_fit_tune_and_report_the_static_encoder_and_the_cli_ser
     assert code == 0
     fitted = json.loads(capsys.readouterr().out)
     assert fitted["static_fit_queries"] > 0 and (tmp_path / "grown" / STATIC_ENCODER_FILE).exists()
+
+
+def test_a_server_answers_with_the_static_encoder_it_was_started_with(tiny_encoder_dir, tiny_task):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from hf_xmc.serving import create_app
+    from tests.test_serving import call, running
+
+    data = tiny_task[0]
+    model = tiny_model(tiny_encoder_dir, data)
+    with pytest.raises(ValueError, match="no static query encoder"):  # hf-xmc serve --query_encoder static, before any fit
+        create_app(model, query_encoder="static")
+    model.fit_static_query_encoder(list(data.train.texts), epochs=2)
+    texts = list(data.test.texts[:3])
+    static = model.predict(texts, k=4, query_encoder="static")
+    tower = model.predict(texts, k=4, query_encoder="transformer")
+    assert not np.array_equal(static.label_ids, tower.label_ids)  # the two encoders rank differently here
+    with running(create_app(model, max_wait_ms=0, query_encoder="static")) as url:
+        status, body = call(url + "/predict", {"texts": texts, "k": 4})
+    assert status == 200
+    assert [[r["id"] for r in row] for row in body["predictions"]] == static.label_ids.tolist()
