@@ -13,6 +13,12 @@ Endpoints:
 * ``GET /health`` -> ``{"status": "ok", "model", "labels", "batches", "queries", "queued", "worker_restarts",
   "last_fault"}``, 200; ``"stalled"`` (a batch running longer than the request timeout) or ``"dead"`` (the worker
   stopped for good) with 503;
+* ``GET /ready`` -> ``{"ready", "status", "queued"}``: 200 when the worker serves and the queue has room, 503 otherwise
+  (readiness, apart from ``/health``'s liveness);
+* ``GET /metrics``: Prometheus' text format: requests by endpoint and status, latency histograms per endpoint and per
+  stage of a ranking (tokenise, encode, search, fuse), batch sizes, queue depth (``hf_xmc/serving_metrics.py``);
+* ``GET /info``: the model class, labels, query encoders, channel, calibration, label index, library versions and the
+  fingerprints of the derived parts;
 * ``GET /labels/{uid}`` -> ``{"id", "uid", "text"}``, 404 for an unknown uid.
 
 Batching: every request joins one queue; a worker thread takes what has arrived, up to ``max_batch`` texts (and
@@ -202,13 +208,13 @@ class PredictionBatcher:
 
     def __init__(self, model, max_batch: int = 64, max_wait_ms: float = 2.0, backend: str = "torch", max_queue: int = 256,
                  max_pixels: int = 40_000_000, max_worker_restarts: int = 3, stall_after: float = 30.0,
-                 on_dead: Optional[Callable[[str], None]] = None):
+                 on_dead: Optional[Callable[[str], None]] = None, metrics=None):
         if max_batch < 1 or not (math.isfinite(max_wait_ms) and max_wait_ms >= 0) or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be >= 1 and max_wait_ms a finite number >= 0, got {max_batch}, "
                              f"{max_queue} and {max_wait_ms}")
         self.model, self.max_batch, self.max_wait, self.backend = model, max_batch, max_wait_ms / 1000, backend
         self.max_queue, self.max_pixels, self.max_worker_restarts = max_queue, max_pixels, max_worker_restarts
-        self.stall_after, self.on_dead = stall_after, on_dead
+        self.stall_after, self.on_dead, self.metrics = stall_after, on_dead, metrics  # metrics: a ServingMetrics, or None
         self.batches = self.queries = self.queued = self.restarts = 0
         self.last_fault: Optional[str] = None
         self.dead: Optional[str] = None  # why the worker stopped for good
@@ -365,6 +371,8 @@ class PredictionBatcher:
                 extra["backend"] = self.backend
             if any(r.images is not None for r in requests):  # one bag per item; text-only requests add empty bags
                 extra["images"] = [bag for r in requests for bag in (r.images if r.images is not None else [[] for _ in r.texts])]
+            if self.metrics is not None:
+                self.metrics.batch(len(texts))
             pred = self.model.predict(texts, k=min(max(r.k for r in requests), len(self.model.label_texts)), **extra)
         except BaseException as err:  # noqa: B036 - re-raised below when it is no Exception and its own
             if len(requests) > 1:  # one request's fault must not fail the others: each runs alone
@@ -441,18 +449,23 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
 
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
     from pydantic import BaseModel, ConfigDict
     from starlette.exceptions import HTTPException
+
+    from .serving_metrics import CONTENT_TYPE, ServingMetrics, model_info, request_metrics
 
     limits = limits or ServingLimits()
     if query_encoder is not None:
         model.set_query_encoder(query_encoder)  # no static encoder, or a stale one: one clear error now
     if backend != "torch":
         model.query_vectors_with(backend, ["a first query"])  # no export, or a stale one: one clear error now
+    metrics = ServingMetrics()
+    model.stage_observer = metrics.stage  # the text models time tokenise / encode / search / fuse
     batcher = PredictionBatcher(model, max_batch=max_batch, max_wait_ms=max_wait_ms, backend=backend, max_queue=limits.max_queue,
                                 max_pixels=limits.max_pixels, max_worker_restarts=limits.max_worker_restarts,
-                                stall_after=limits.request_timeout, on_dead=on_dead)
+                                stall_after=limits.request_timeout, on_dead=on_dead, metrics=metrics)
+    info = model_info(model, backend, limits)  # taken once: what is served does not change while it runs
     label_ids = {uid: i for i, uid in enumerate(model.label_uids)}
 
     takes_images = model.takes_images
@@ -475,8 +488,9 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
         await asyncio.to_thread(batcher.close, timeout)  # off the loop: the batch in hand may take a while
 
     app = FastAPI(title=f"hf_xmc {type(model).__name__}", lifespan=lifespan)
-    app.state.batcher = batcher
+    app.state.batcher, app.state.metrics = batcher, metrics
     app.add_middleware(body_limit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(request_metrics, metrics=metrics)  # added last: outermost, so the body limit's 413s count too
 
     @app.exception_handler(Refused)
     async def refused(request: Request, err: Refused):
@@ -521,7 +535,7 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
             raise Refused(422, f"k: {body.k}, must be between 1 and {limits.max_k}")
         if body.threshold is not None and not 0 <= body.threshold <= 1:  # NaN and the infinities fail it too
             raise Refused(422, f"threshold: {body.threshold}, must be a number between 0 and 1")
-        if body.threshold is not None and not getattr(model.config, "score_calibration", None):
+        if body.threshold is not None and model.score_calibration is None:  # the served query encoder's calibration
             raise Refused(422, "threshold: this model has no calibrated scores (train it with a validation split)")
         images, pixels = None, 0
         try:
@@ -551,6 +565,27 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
                              "batches": batcher.batches, "queries": batcher.queries, "queued": batcher.queued,
                              "worker_restarts": batcher.restarts, "last_fault": batcher.last_fault},
                             status_code=200 if status == "ok" else 503)
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness apart from liveness (/health): 503 while the worker is stalled or dead or the queue is full, so a
+        load balancer sends requests elsewhere without restarting this process."""
+        status = batcher.status()
+        full = batcher.queued >= limits.max_queue
+        ok = status == "ok" and not full
+        return JSONResponse({"ready": ok, "status": status, "queued": batcher.queued}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        gauges = {"hf_xmc_queue_depth": ("Items waiting for the prediction worker.", batcher.queued),
+                  "hf_xmc_worker_up": ("1 while the prediction worker serves, 0 when stalled or dead.", float(batcher.status() == "ok")),
+                  "hf_xmc_worker_restarts": ("Times the prediction worker started again after failing.", batcher.restarts),
+                  "hf_xmc_labels": ("Labels the served model ranks.", len(model.label_texts))}
+        return Response(metrics.render(gauges), media_type=CONTENT_TYPE)
+
+    @app.get("/info")
+    async def describe():
+        return info
 
     @app.get("/labels/{uid}")
     async def label(uid: str):

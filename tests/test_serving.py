@@ -428,3 +428,52 @@ def test_label_records_write_a_nan_probability_as_null():
                     {"id": 0, "uid": "a", "text": "A", "score": 0.5, "probability": 0.25}]
     json.dumps(rows, allow_nan=False)  # strict JSON
     assert "probability" not in label_records(model, [1], [0.3])[0]
+
+
+def fetch_text(url: str) -> tuple[int, str, str]:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.status, response.headers.get("content-type", ""), response.read().decode()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The value of one sample of a Prometheus text exposition (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        if key == (f"{name}{{{want}}}" if want else name):
+            return float(value)
+    return 0.0
+
+
+def test_metrics_count_requests_stages_and_batches_and_info_describes_the_model(tiny_encoder_dir, tiny_task):
+    from hf_xmc import __version__
+
+    model = make_model(tiny_encoder_dir, tiny_task[0])
+    texts = list(tiny_task[0].test.texts[:4])
+    with running(create_app(model, ServingLimits(max_body_bytes=2000), max_wait_ms=0)) as url:
+        for text in texts:
+            assert call(url + "/predict", {"texts": [text], "k": 3})[0] == 200
+        assert call(url + "/predict", {"texts": texts, "k": 0})[0] == 422
+        assert call(url + "/predict", raw=json.dumps({"texts": ["x" * 3000]}).encode())[0] == 413  # refused before parsing
+        assert call(url + "/labels/no-such-uid")[0] == 404
+        status, ready = call(url + "/ready")
+        assert status == 200 and ready["ready"] is True
+        status, info = call(url + "/info")
+        status_m, content_type, text = fetch_text(url + "/metrics")
+    assert status == 200 and status_m == 200 and content_type.startswith("text/plain; version=0.0.4")
+    assert metric(text, "hf_xmc_requests_total", endpoint="/predict", status="200") == 4
+    assert metric(text, "hf_xmc_requests_total", endpoint="/predict", status="422") == 1
+    assert metric(text, "hf_xmc_requests_total", endpoint="/predict", status="413") == 1
+    assert metric(text, "hf_xmc_requests_total", endpoint="/labels", status="404") == 1  # no uid in a label value
+    assert metric(text, "hf_xmc_request_duration_seconds_count", endpoint="/predict") == 6
+    assert metric(text, "hf_xmc_batch_size_count") == 4 and metric(text, "hf_xmc_batch_size_sum") == 4
+    for stage in ("tokenise", "encode", "search"):
+        assert metric(text, "hf_xmc_stage_duration_seconds_count", stage=stage) >= 4, stage
+    assert metric(text, 'hf_xmc_stage_duration_seconds_bucket', stage="encode", le="+Inf") == metric(text, "hf_xmc_stage_duration_seconds_count", stage="encode")
+    assert metric(text, "hf_xmc_worker_up") == 1 and metric(text, "hf_xmc_labels") == len(model.label_texts)
+    assert info["model"] == "DEXMLModel" and info["labels"] == len(model.label_texts)
+    assert info["query_encoder"] == {"default": "transformer", "available": ["transformer"], "backend": "torch", "onnx_export": False}
+    assert info["versions"]["hf_xmc"] == __version__ and info["fingerprints"]["labels"] == model.labels_digest()
+    assert info["limits"]["max_body_bytes"] == 2000

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -267,7 +268,22 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
     def tokenize(self, texts: Sequence[str], max_length: int) -> dict[str, torch.Tensor]:
         """Tokenise texts with padding to the longest one and truncation to ``max_length`` (long texts cut after
         ``max_length`` words first where that keeps the result: :func:`tokenize_texts`)."""
-        return tokenize_texts(self._require_tokenizer(), texts, max_length, padding=True, return_tensors="pt")
+        with self.timed_stage("tokenise"):
+            return tokenize_texts(self._require_tokenizer(), texts, max_length, padding=True, return_tensors="pt")
+
+    @contextmanager
+    def timed_stage(self, name: str):
+        """Report the block's wall time as stage ``name`` (``tokenise``, ``encode``, ``search``, ``fuse``) to
+        ``self.stage_observer(name, seconds)`` when one is set (a server's metrics); nothing otherwise."""
+        observer = self.__dict__.get("stage_observer")
+        if observer is None:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            observer(name, time.perf_counter() - start)
 
     @contextmanager
     def encoding_autocast(self, dtype: Optional[torch.dtype]):
@@ -500,10 +516,13 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         same arrays as the fused ones for a model without a channel)."""
         channel = self.current_lexical_channel()
         if channel is None:
-            scores, ids = self.search(query_vectors, k)
+            with self.timed_stage("search"):
+                scores, ids = self.search(query_vectors, k)
             return (scores, ids, scores, ids) if return_dense else (scores, ids)
-        dense_scores, dense_ids = self.search(query_vectors, max(k, int(channel.settings["dense_depth"])))
-        scores, ids = channel.fuse(texts, dense_scores, dense_ids, k)
+        with self.timed_stage("search"):
+            dense_scores, dense_ids = self.search(query_vectors, max(k, int(channel.settings["dense_depth"])))
+        with self.timed_stage("fuse"):
+            scores, ids = channel.fuse(texts, dense_scores, dense_ids, k)
         return (scores, ids, dense_scores[:, :k], dense_ids[:, :k]) if return_dense else (scores, ids)
 
     def ensure_label_index(self) -> LabelIndex:
@@ -540,7 +559,8 @@ class XMCPreTrainedModel(XMCTrainingHooks, EncoderAdapterMixin, LabelSpaceMixin,
         ``(scores, ids, dense_scores, dense_ids)`` (:meth:`search_texts`). ``images``: for a model that takes them."""
         if images is not None:
             raise ValueError(f"{type(self).__name__} ranks texts only: it takes no images")
-        queries = self.query_vectors_with(backend, texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        with self.timed_stage("encode"):
+            queries = self.query_vectors_with(backend, texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
         return self.search_texts(texts, queries, k, return_dense=return_dense)
 
     def _prediction_depth(self, k: Optional[int], threshold: Optional[float]) -> int:

@@ -33,7 +33,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Optional
 
 import numpy as np
@@ -89,11 +89,13 @@ class StaticQueryEncoder(nn.Module):
         return torch.from_numpy(flat), torch.from_numpy(offsets)
 
     @torch.no_grad()
-    def encode(self, tokenizer, texts: Sequence[str], max_length: int, batch_size: int = 1024) -> torch.Tensor:
-        """``(n, dim)`` float32 query vectors, ``batch_size`` texts at a time."""
+    def encode(self, tokenizer, texts: Sequence[str], max_length: int, batch_size: int = 1024, timed=None) -> torch.Tensor:
+        """``(n, dim)`` float32 query vectors, ``batch_size`` texts at a time (``timed``: a model's ``timed_stage``, to
+        report the tokenisation)."""
         out = torch.empty(len(texts), self.dim)
         for start in range(0, len(texts), batch_size):
-            ids, offsets = self.token_bags(tokenizer, texts[start : start + batch_size], max_length)
+            with timed("tokenise") if timed is not None else nullcontext():
+                ids, offsets = self.token_bags(tokenizer, texts[start : start + batch_size], max_length)
             out[start : start + len(offsets)] = self(ids.to(self.embeddings.weight.device), offsets.to(self.embeddings.weight.device)).float().cpu()
         return out
 
@@ -337,7 +339,8 @@ class StaticQueryEncoderMixin:
     def static_query_vectors(self, texts: Sequence[str], batch_size: int = 1024) -> torch.Tensor:
         """``(n, dim)`` search vectors of ``texts`` from the static encoder (checked first)."""
         encoder = self.check_static_query_encoder()
-        return encoder.encode(self._require_tokenizer(), list(texts), int(self.config.max_seq_length), batch_size=max(batch_size, 1))
+        return encoder.encode(self._require_tokenizer(), list(texts), int(self.config.max_seq_length), batch_size=max(batch_size, 1),
+                              timed=self.timed_stage)
 
     def query_encoder_fingerprint(self) -> str:
         """What the ranking's query vectors come from, for :meth:`ranking_fingerprint`: ``transformer``, or
