@@ -30,7 +30,16 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.harness import bench_parser, data_version, dataset_cell, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    bench_parser,
+    data_version,
+    dataset_cell,
+    markdown_table,
+    publish,
+    read_json,
+    result_path,
+    write_json,
+)
 from benchmarks.sweep_defaults import prepare, run_training_script, validation_flags  # noqa: E402
 
 SHOWN = ("P@1", "PSP@5", "R@100")

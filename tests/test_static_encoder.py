@@ -15,8 +15,12 @@ from hf_xmc import cli
 from hf_xmc.models import DEXMLModel, UniDECModel
 from hf_xmc.models.calibration import ScoreCalibration
 from hf_xmc.models.provenance import StaleDerivedPartError
-from hf_xmc.models.static_encoder import STATIC_ENCODER_FILE, STATIC_ENCODER_META, StaticQueryEncoder, tower_token_vectors
-from hf_xmc.training.calibration import fit_score_calibration
+from hf_xmc.models.static_encoder import (
+    STATIC_ENCODER_FILE,
+    STATIC_ENCODER_META,
+    StaticQueryEncoder,
+    tower_token_vectors,
+)
 from hf_xmc.training.evaluation import XMCEvaluator
 from hf_xmc.training.lexical import fit_lexical_channel
 from hf_xmc.training.static_encoder import tune_static_query_encoder
@@ -250,3 +254,16 @@ def test_a_server_answers_with_the_static_encoder_it_was_started_with(tiny_encod
         status, body = call(url + "/predict", {"texts": texts, "k": 4})
     assert status == 200
     assert [[r["id"] for r in row] for row in body["predictions"]] == static.label_ids.tolist()
+
+
+def test_the_static_encoder_exports_as_a_sentence_transformers_static_embedding(tiny_encoder_dir, tiny_task, tmp_path):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    data = tiny_task[0]
+    model = tiny_model(tiny_encoder_dir, data)
+    model.fit_static_query_encoder(list(data.train.texts), epochs=2)
+    model.save_static_query_encoder(tmp_path / "st")
+    texts = [*data.test.texts[:5], " ".join(data.train.texts[:6])]  # the last one longer than the tower reads
+    st = sentence_transformers.SentenceTransformer(str(tmp_path / "st"), device="cpu")
+    np.testing.assert_allclose(st.encode(texts, convert_to_numpy=True), model.static_query_vectors(texts).numpy(), atol=1e-6)
+    with pytest.raises(ValueError, match="not empty"):
+        model.save_static_query_encoder(tmp_path / "st")

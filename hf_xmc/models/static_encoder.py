@@ -353,6 +353,53 @@ class StaticQueryEncoderMixin:
             self._static_digest_cache = cached
         return f"static:{cached[2]}"
 
+    def save_static_query_encoder(self, save_directory: str | os.PathLike) -> None:
+        """Write the static encoder as a sentence-transformers checkpoint (``StaticEmbedding`` over the model's own
+        tokenizer, truncated where the tower truncates, then ``Normalize``, then a ``Dense`` scaling by the output scale
+        when it is not 1): ``SentenceTransformer(save_directory).encode(texts)`` gives :meth:`static_query_vectors`.
+        Written to a temporary directory beside ``save_directory`` and renamed; refused for a stale encoder."""
+        import copy
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        encoder = self.check_static_query_encoder()
+        tokenizer = self._require_tokenizer()
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise NotImplementedError(f"{type(tokenizer).__name__} is not a fast tokenizer: sentence-transformers' StaticEmbedding needs one")
+        save_directory = os.path.abspath(str(save_directory))
+        if os.path.exists(save_directory) and os.listdir(save_directory):
+            raise ValueError(f"{save_directory}: exists and is not empty; give a new directory")
+        parent = os.path.dirname(save_directory)
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-st-static-", dir=parent)
+        try:
+            backend = copy.deepcopy(backend)
+            backend.no_padding()
+            backend.enable_truncation(max_length=max(1, int(self.config.max_seq_length) - tokenizer.num_special_tokens_to_add(pair=False)))
+            backend.save(os.path.join(tmp, "tokenizer.json"))
+            save_file({"embedding.weight": encoder.embeddings.weight.detach().float().cpu().contiguous()}, os.path.join(tmp, "model.safetensors"))
+            listing = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.StaticEmbedding"},
+                       {"idx": 1, "name": "1", "path": "1_Normalize", "type": "sentence_transformers.models.Normalize"}]
+            os.makedirs(os.path.join(tmp, "1_Normalize"))
+            if encoder.output_scale != 1.0:  # a tower of unnormalised vectors: the dense scores keep their range
+                os.makedirs(os.path.join(tmp, "2_Dense"))
+                write_json(os.path.join(tmp, "2_Dense", "config.json"), {"in_features": encoder.dim, "out_features": encoder.dim, "bias": False,
+                                                                         "activation_function": "torch.nn.modules.linear.Identity"})
+                save_file({"linear.weight": torch.eye(encoder.dim) * encoder.output_scale}, os.path.join(tmp, "2_Dense", "model.safetensors"))
+                listing.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+            write_json(os.path.join(tmp, "modules.json"), listing)
+            write_json(os.path.join(tmp, "config_sentence_transformers.json"),
+                       {"prompts": {}, "default_prompt_name": None, "similarity_fn_name": "cosine" if encoder.output_scale == 1.0 else "dot"})
+            if os.path.exists(save_directory):
+                os.rmdir(save_directory)  # empty (checked above)
+            os.replace(tmp, save_directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
     # ------------------------------------------------------------------ its calibration
     def _calibration_values(self) -> Optional[dict]:
         """Where the calibration of the query encoder in use lives: ``config.score_calibration`` for the tower, the
