@@ -33,11 +33,11 @@ sys.path.insert(0, REPO)
 from benchmarks.harness import (  # noqa: E402
     bench_parser,
     data_version,
-    dataset_cell,
     markdown_table,
     publish,
     read_json,
     result_path,
+    row_dataset_cell,
     write_json,
 )
 from benchmarks.sweep_defaults import prepare, run_training_script, validation_flags  # noqa: E402
@@ -128,7 +128,7 @@ def static_table(rows: list[dict]) -> str:
               "p50 ms", "p99 ms"]
     cells = []
     for r in rows:
-        where = dataset_cell(r["dataset"], r.get("data_version"))
+        where = row_dataset_cell(r)
         lat = r["latency"]
         cells.append([where, r["method"], "transformer tower (trained)", *(f"{r['tower']['dense'].get(m, '-')}" for m in SHOWN),
                       *(f"{r['tower']['fused'].get(m, '-')}" for m in SHOWN), "", f"{lat['tower']['p50_ms']:.2f}", f"{lat['tower']['p99_ms']:.2f}"])

@@ -48,6 +48,7 @@ from benchmarks.harness import (  # noqa: E402
     publish,
     read_json,
     result_path,
+    row_dataset_cell,
     write_json,
 )
 from benchmarks.sweep_defaults import minilm, prepare, run_training_script  # noqa: E402
@@ -300,14 +301,14 @@ def tables(rows: list[dict]) -> str:
         if r["method"] == "zeroshot":
             lines = [lines[0], lines[3], *lines[4:]]
         for name, metrics, weights in lines:
-            cells.append([dataset_cell(r["dataset"], r.get("data_version")), DESCRIPTIONS[r["method"]], name,
+            cells.append([row_dataset_cell(r), DESCRIPTIONS[r["method"]], name,
                           *(metric_cell(r["dataset"], metrics, m) for m in SHOWN), weights, wall])
         if r["method"] != "zeroshot":
             question = "fused now >= max(dense, untrained + channel) - 0.3 on P@1 and PSP@5?"
-            cells.append([dataset_cell(r["dataset"], r.get("data_version")), DESCRIPTIONS[r["method"]], question, invariant(r, zs),
+            cells.append([row_dataset_cell(r), DESCRIPTIONS[r["method"]], question, invariant(r, zs),
                           *[None] * (len(SHOWN) + 1)])
             if r.get("validation_fused"):
-                cells.append([dataset_cell(r["dataset"], r.get("data_version")), DESCRIPTIONS[r["method"]], "the same on the validation split?",
+                cells.append([row_dataset_cell(r), DESCRIPTIONS[r["method"]], "the same on the validation split?",
                               invariant(r, zs, "validation"),
                               *[None] * (len(SHOWN) + 1)])
     fusion = markdown_table(header, cells, "lll" + "r" * len(SHOWN) + "lr")
@@ -316,7 +317,7 @@ def tables(rows: list[dict]) -> str:
     # the two depths do not compare
     ece = markdown_table(["dataset", "model", "test ECE, isotonic (the default)", "test ECE, Platt", "ranks", "ms a query, one at a time (p50)",
                           "queries/s, batched"],
-                         [[dataset_cell(r["dataset"], r.get("data_version")), DESCRIPTIONS[r["method"]], f"{r['ece'].get('isotonic', float('nan')):.2f}", f"{r['ece'].get('platt', float('nan')):.2f}",
+                         [[row_dataset_cell(r), DESCRIPTIONS[r["method"]], f"{r['ece'].get('isotonic', float('nan')):.2f}", f"{r['ece'].get('platt', float('nan')):.2f}",
                            "top 100" if r.get("validation_fused") else "top 20", speed_cell(r.get("latency_bs1_ms"), "{:.1f}"),
                            speed_cell(r.get("queries_per_second"), "{:,.0f}")]
                           for r in rows], "llrrlrr")
@@ -373,7 +374,7 @@ def tail_table(rows: list[dict]) -> str:
     for r in rows:
         tail = r.get("tail", {})
         for name, key in (("dense", "dense"), ("fused now (tuned on validation)", "fused")):
-            cells.append([dataset_cell(r["dataset"], r.get("data_version")), DESCRIPTIONS[r["method"]], name, *tail_cells(tail.get(key), tail.get("fused"))])
+            cells.append([row_dataset_cell(r), DESCRIPTIONS[r["method"]], name, *tail_cells(tail.get(key), tail.get("fused"))])
     return markdown_table(["dataset", "model", "ranking", *TAIL_HEADER], cells, "lll" + "r" * (len(TAIL_HEADER) - 1) + "l")
 
 

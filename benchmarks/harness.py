@@ -51,6 +51,11 @@ def dataset_cell(dataset: str, version: str | None) -> str:
     return f"{dataset} {version or 'v1'}" if dataset in VERSIONED_DATA else dataset
 
 
+def row_dataset_cell(row: dict) -> str:
+    """:func:`dataset_cell` of a result row (its ``dataset`` and ``data_version``)."""
+    return dataset_cell(row["dataset"], row.get("data_version"))
+
+
 def docs_marker(name: str) -> str:
     """The marker line of docs block ``name``: ``<!-- bench:NAME -->``."""
     return f"<!-- bench:{name} -->"
