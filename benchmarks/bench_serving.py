@@ -272,11 +272,13 @@ def percentiles(seconds: list[float]) -> tuple[float, float]:
     return round(float(np.percentile(ms, 50)), 2), round(float(np.percentile(ms, 99)), 2)
 
 
-def serve_and_measure(directory: str, backend: str, queries: list[str], requests: int, max_wait_ms: float, query_encoder: str = "transformer") -> dict:
+def serve_and_measure(directory: str, backend: str, queries: list[str], requests: int, max_wait_ms: float, query_encoder: str = "transformer",
+                      wait_for_arrivals: bool = False) -> dict:
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     server = subprocess.Popen([sys.executable, "-m", "hf_xmc.cli", "serve", directory, "--port", str(port), "--backend", backend,
-                               "--max_wait_ms", str(max_wait_ms), "--query_encoder", query_encoder], env=env, stdout=subprocess.DEVNULL,
+                               "--max_wait_ms", str(max_wait_ms), "--query_encoder", query_encoder,
+                               *(["--wait_for_arrivals"] if wait_for_arrivals else [])], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     try:
         start, deadline = time.perf_counter(), time.time() + 600
@@ -334,7 +336,8 @@ def serve_and_measure(directory: str, backend: str, queries: list[str], requests
             server.kill()
 
 
-def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: list[str] | None = None, ivf_nprobe: int = IVF_NPROBE) -> list[dict]:
+def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: list[str] | None = None, ivf_nprobe: int = IVF_NPROBE,
+        wait_for_arrivals: bool = False) -> list[dict]:
     rows = read_json(out) if os.path.exists(out) else []
     queries = titles("tst.json.gz", 4000)[0][2000:]  # not the recall queries
     for scale in scales:
@@ -349,6 +352,7 @@ def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: li
                 name = f"{scale}-{row_key(store, encoder, channel)}"
                 entry = built[store + ("-onnx-int8" if encoder == "onnx-int8" else "") + ("-channel" if channel else "")]
                 name += f"-wait{max_wait_ms:g}" if max_wait_ms != 2.0 else ""
+                name += "-arrivals" if wait_for_arrivals else ""
                 probes = ivf_nprobe if scale == "1.3m" else None  # the 53K rows search exactly
                 name += f"-nprobe{ivf_nprobe}" if probes is not None and ivf_nprobe != IVF_NPROBE else ""
                 row = {"row": name, "scale": scale, "labels": num_large() if scale == "1.3m" else 52_992, "store": store, "encoder": encoder,
@@ -357,7 +361,8 @@ def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: li
                        "static_fit_s": entry.get("static_fit_s") if encoder == "static" else None,
                        **cold_load(entry["dir"], "static" if encoder == "static" else "transformer"),
                        **serve_and_measure(entry["dir"], "onnx" if encoder.startswith("onnx") else "torch", queries, requests, max_wait_ms,
-                                           "static" if encoder == "static" else "transformer"),
+                                           "static" if encoder == "static" else "transformer", wait_for_arrivals),
+                       "wait_for_arrivals": wait_for_arrivals,
                        "max_wait_ms": max_wait_ms, "ivf_nprobe": probes, "load_1min": round(os.getloadavg()[0], 2)}
                 rows = [r for r in rows if r["row"] != name] + [row]
                 write_json(out, rows, sort_keys=False)
@@ -374,7 +379,8 @@ def table(rows: list[dict]) -> str:
     cells = []
     for r in rows:
         probes = r.get("ivf_nprobe", IVF_NPROBE if r["scale"] == "1.3m" else None)  # rows from before the flag: the default
-        cells.append([f"{r['labels']:,}", r["store"], r["encoder"], "yes" if r["channel"] else "", f"{r['max_wait_ms']:g}",
+        cells.append([f"{r['labels']:,}", r["store"], r["encoder"], "yes" if r["channel"] else "",
+                      f"{r['max_wait_ms']:g}" + (" (arrivals)" if r.get("wait_for_arrivals") else ""),
                       "exact" if probes is None else str(probes),
                       f"{r['recall@100']:.4f}", f"{r['load_s']:.2f}", f"{r['rss_after_predict_gib']:.2f}", f"{r['server_peak_rss_gib']:.2f}",
                       f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['concurrent_p50_ms']:.0f} / {r['concurrent_p99_ms']:.0f}",
@@ -445,6 +451,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--scales", nargs="+", default=["53k", "1.3m"], choices=list(ROWS))
     ap.add_argument("--requests", type=int, default=300, help="one-client requests measured per row")
     ap.add_argument("--max_wait_ms", type=float, default=2.0, help="the server's --max_wait_ms (rows at another value than 2 are named -waitN)")
+    ap.add_argument("--wait_for_arrivals", action="store_true", help="the server's --wait_for_arrivals (rows named -arrivals)")
     ap.add_argument("--ivf_nprobe", type=int, default=IVF_NPROBE, help="IVF lists probed at the 1.3M scale (rows at another count are named -nprobeN)")
     ap.add_argument("--rows", nargs="+", help="only these rows of each scale (e.g. float32-torch int8-onnx-channel)")
     ap.add_argument("--ranker_threads", action="store_true",
@@ -459,7 +466,7 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"{WORDNET}: build WordNet-XMC first (python benchmarks/make_wordnet.py)")
     rows = read_json(args.out) if os.path.exists(args.out) else []
     if not args.table_only:
-        rows = run(args.scales, args.requests, args.max_wait_ms, args.out, args.rows, args.ivf_nprobe)
+        rows = run(args.scales, args.requests, args.max_wait_ms, args.out, args.rows, args.ivf_nprobe, args.wait_for_arrivals)
     publish(table(rows), "serving", args.update_docs)
     return rows
 

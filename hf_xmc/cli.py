@@ -541,7 +541,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = ServingLimits(**{flag: getattr(args, flag) for flag in SERVE_LIMIT_FLAGS})
     try:
         code = serve(model, host=args.host, port=args.port, limits=limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-                     backend=args.backend, query_encoder=args.query_encoder)
+                     backend=args.backend, query_encoder=args.query_encoder, wait_for_arrivals=args.wait_for_arrivals)
     except ValueError as err:  # --backend onnx without (a current) export; --query_encoder static without a current one
         raise UserError(f"{args.model}: {_first_line(err)}") from None
     if code:
@@ -653,6 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--max_batch", type=int, default=64, help="most texts one predict call serves")
     p.add_argument("--max_wait_ms", type=float, default=2.0, help="how long a batch waits for more requests after its first")
+    p.add_argument("--wait_for_arrivals", action="store_true", help="a batch waits --max_wait_ms only while another request has "
+                   "arrived and is being read; a request alone runs at once (for a fast query encoder: --query_encoder static)")
     p.add_argument("--max_texts", type=int, default=64, help="most items (texts) a request may send (more: 413)")
     p.add_argument("--max_chars", type=int, default=2000, help="most characters a text may have (more: 413)")
     p.add_argument("--max_k", type=int, default=100, help="largest k a request may ask for (more: 422)")

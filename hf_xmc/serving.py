@@ -208,13 +208,16 @@ class PredictionBatcher:
 
     def __init__(self, model, max_batch: int = 64, max_wait_ms: float = 2.0, backend: str = "torch", max_queue: int = 256,
                  max_pixels: int = 40_000_000, max_worker_restarts: int = 3, stall_after: float = 30.0,
-                 on_dead: Optional[Callable[[str], None]] = None, metrics=None):
+                 on_dead: Optional[Callable[[str], None]] = None, metrics=None, wait_for_arrivals: bool = False):
         if max_batch < 1 or not (math.isfinite(max_wait_ms) and max_wait_ms >= 0) or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be >= 1 and max_wait_ms a finite number >= 0, got {max_batch}, "
                              f"{max_queue} and {max_wait_ms}")
         self.model, self.max_batch, self.max_wait, self.backend = model, max_batch, max_wait_ms / 1000, backend
         self.max_queue, self.max_pixels, self.max_worker_restarts = max_queue, max_pixels, max_worker_restarts
         self.stall_after, self.on_dead, self.metrics = stall_after, on_dead, metrics  # metrics: a ServingMetrics, or None
+        # wait_for_arrivals: a batch waits max_wait_ms for company only while a request is on its way (announce() was
+        # called for it and it has not been submitted yet); alone, it runs at once (the server announces every /predict)
+        self.wait_for_arrivals, self.arriving = wait_for_arrivals, 0
         self.batches = self.queries = self.queued = self.restarts = 0
         self.last_fault: Optional[str] = None
         self.dead: Optional[str] = None  # why the worker stopped for good
@@ -227,12 +230,25 @@ class PredictionBatcher:
         self._worker = threading.Thread(target=self._supervise, name="hf-xmc-batcher", daemon=True)
         self._worker.start()
 
+    def announce(self) -> None:
+        """A request is on its way (its body being read and checked): a batch may wait for it (``wait_for_arrivals``)."""
+        with self._lock:
+            self.arriving += 1
+
+    def withdraw(self) -> None:
+        """An announced request will not be submitted (refused, or its client left)."""
+        with self._lock:
+            self.arriving = max(0, self.arriving - 1)
+
     def submit(self, texts: list[Optional[str]], k: int, threshold: Optional[float] = None, images: Optional[list[list[Any]]] = None,
-               pixels: int = 0) -> Future:
+               pixels: int = 0, announced: bool = False) -> Future:
         """Queue items (texts; for a model that takes images, a bag of images per item too); the future resolves to
-        their ``label_records`` lists. Raises :class:`ServerBusy` when the queue is full, the batcher closed or dead."""
+        their ``label_records`` lists. Raises :class:`ServerBusy` when the queue is full, the batcher closed or dead.
+        ``announced``: the request was announced (:meth:`announce`); it arrives now (even when refused)."""
         request = _Request(texts, k, threshold, images, pixels)
         with self._lock:
+            if announced:
+                self.arriving = max(0, self.arriving - 1)
             if self.dead is not None or self._closing:
                 raise ServerBusy("the prediction worker is dead" if self.dead is not None else "the server is stopping")
             if self.queued + len(texts) > self.max_queue:
@@ -314,6 +330,8 @@ class PredictionBatcher:
         size = pixels = 0
         deadline: Optional[float] = None
         while size < self.max_batch:
+            if batch and self.wait_for_arrivals and self._held is None and self.arriving == 0 and self._queue.empty():
+                break  # nobody is on the way: waiting max_wait_ms would only add it to this batch's latency
             if self._held is not None:
                 item, self._held = self._held, None
             else:
@@ -393,6 +411,27 @@ class PredictionBatcher:
             row += len(r.texts)
 
 
+ANNOUNCED = "hf_xmc.announced"  # set in a /predict request's ASGI scope while it is announced to the batcher
+
+
+def announce_arrivals(app, batcher: "PredictionBatcher"):
+    """ASGI middleware: every ``POST /predict`` is announced to ``batcher`` as soon as its headers arrive, and withdrawn
+    if it ends without being submitted, so that a batch waits ``max_wait_ms`` for company only when company is coming."""
+
+    async def announced(scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") != "/predict":
+            return await app(scope, receive, send)
+        batcher.announce()
+        scope[ANNOUNCED] = True
+        try:
+            await app(scope, receive, send)
+        finally:
+            if scope.pop(ANNOUNCED, False):  # not submitted: refused before the queue, or its client left
+                batcher.withdraw()
+
+    return announced
+
+
 def body_limit(app, max_bytes: int):
     """ASGI middleware: a request body over ``max_bytes`` is answered 413 (JSON ``{"error"}``) and read no further;
     a smaller one is read whole (at most ``max_bytes`` held) and handed on."""
@@ -438,13 +477,14 @@ def body_limit(app, max_bytes: int):
 
 
 def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 64, max_wait_ms: float = 2.0, backend: str = "torch",
-               on_dead: Optional[Callable[[str], None]] = None, query_encoder: Optional[str] = None):
+               on_dead: Optional[Callable[[str], None]] = None, query_encoder: Optional[str] = None, wait_for_arrivals: bool = False):
     """The FastAPI application serving ``model`` (module docstring), its body limit in front. ``app.state.batcher`` is
     its :class:`PredictionBatcher`, closed when the application shuts down; ``on_dead(reason)`` is called (from the
     worker thread) when the worker stops for good. ``backend="onnx"``: queries are encoded by the model's exported
     encoder (``model.export_onnx``), checked here, before the first request. ``query_encoder="static"``: every request
     is ranked with the model's static query encoder (``model.set_query_encoder``; a missing or stale one is one error
-    here); None: the model's own."""
+    here); None: the model's own. ``wait_for_arrivals``: a batch waits ``max_wait_ms`` only while another ``/predict``
+    has arrived and is being read (:class:`PredictionBatcher`); a request alone runs at once."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -464,7 +504,7 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
     model.stage_observer = metrics.stage  # the text models time tokenise / encode / search / fuse
     batcher = PredictionBatcher(model, max_batch=max_batch, max_wait_ms=max_wait_ms, backend=backend, max_queue=limits.max_queue,
                                 max_pixels=limits.max_pixels, max_worker_restarts=limits.max_worker_restarts,
-                                stall_after=limits.request_timeout, on_dead=on_dead, metrics=metrics)
+                                stall_after=limits.request_timeout, on_dead=on_dead, metrics=metrics, wait_for_arrivals=wait_for_arrivals)
     info = model_info(model, backend, limits)  # taken once: what is served does not change while it runs
     label_ids = {uid: i for i, uid in enumerate(model.label_uids)}
 
@@ -490,6 +530,7 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
     app = FastAPI(title=f"hf_xmc {type(model).__name__}", lifespan=lifespan)
     app.state.batcher, app.state.metrics = batcher, metrics
     app.add_middleware(body_limit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(announce_arrivals, batcher=batcher)  # outside the body limit: announced as its headers arrive
     app.add_middleware(request_metrics, metrics=metrics)  # added last: outermost, so the body limit's 413s count too
 
     @app.exception_handler(Refused)
@@ -528,7 +569,7 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
         return items
 
     @app.post("/predict")
-    async def predict(body: PredictRequest):
+    async def predict(body: PredictRequest, request: Request):
         started = time.monotonic()
         texts = items_of(body)
         if not 1 <= body.k <= limits.max_k:
@@ -541,7 +582,7 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
         try:
             if body.images is not None:  # off the event loop: reading headers and base64 is CPU work
                 images, pixels = await asyncio.wait_for(asyncio.to_thread(open_images, body.images, limits), timeout)
-            future = batcher.submit(texts, body.k, body.threshold, images, pixels)
+            future = batcher.submit(texts, body.k, body.threshold, images, pixels, announced=request.scope.pop(ANNOUNCED, False))
             left = max(0.0, timeout - (time.monotonic() - started))
             predictions = await asyncio.wait_for(asyncio.wrap_future(future), left)
         except ImageRefused as err:
@@ -598,7 +639,8 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
 
 
 def serve(model, host: str = "127.0.0.1", port: int = 8000, limits: Optional[ServingLimits] = None, max_batch: int = 64,
-          max_wait_ms: float = 2.0, log_level: str = "info", backend: str = "torch", query_encoder: Optional[str] = None) -> int:
+          max_wait_ms: float = 2.0, log_level: str = "info", backend: str = "torch", query_encoder: Optional[str] = None,
+          wait_for_arrivals: bool = False) -> int:
     """Serve ``model`` with uvicorn until interrupted (SIGINT / SIGTERM: requests in flight are answered first, for at
     most ``request_timeout`` + 5 s) or until the worker dies for good; returns 0, or 1 when the worker died. With
     ``backend="onnx"`` torch keeps one thread: onnxruntime runs the encoder on its own pool, and torch's (left with the
@@ -619,7 +661,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, limits: Optional[Ser
         if server is not None:
             server.should_exit = True  # uvicorn checks it every tick: the server stops as on SIGTERM
 
-    app = create_app(model, limits, max_batch, max_wait_ms, backend=backend, on_dead=on_dead, query_encoder=query_encoder)
+    app = create_app(model, limits, max_batch, max_wait_ms, backend=backend, on_dead=on_dead, query_encoder=query_encoder,
+                     wait_for_arrivals=wait_for_arrivals)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, limit_concurrency=limits.max_connections,
                                            timeout_graceful_shutdown=math.ceil(limits.request_timeout) + 5))
     server.run()

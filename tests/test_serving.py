@@ -477,3 +477,25 @@ def test_metrics_count_requests_stages_and_batches_and_info_describes_the_model(
     assert info["query_encoder"] == {"default": "transformer", "available": ["transformer"], "backend": "torch", "onnx_export": False}
     assert info["versions"]["hf_xmc"] == __version__ and info["fingerprints"]["labels"] == model.labels_digest()
     assert info["limits"]["max_body_bytes"] == 2000
+
+
+def test_a_batch_waits_for_company_only_while_a_request_is_on_its_way(tiny_encoder_dir, tiny_task):
+    """The server announces every /predict as its headers arrive: a request alone is served at once, not after
+    max_wait_ms (here 10 s: the 5 s timeout below would fail if it waited); one announced and still on its way is waited
+    for and joins the batch."""
+    model = make_model(tiny_encoder_dir, tiny_task[0])
+    texts = list(tiny_task[0].test.texts[:2])
+    batcher = PredictionBatcher(model, max_wait_ms=10_000, wait_for_arrivals=True)
+    try:
+        assert len(batcher.submit([texts[0]], 3).result(timeout=5)) == 1  # nobody on the way: no wait
+        assert batcher.batches == 1
+        batcher.announce()  # the second request's headers are in
+        first = batcher.submit([texts[0]], 3)
+        time.sleep(0.3)
+        assert not first.done()  # waiting for the announced one
+        second = batcher.submit([texts[1]], 3, announced=True)
+        assert len(first.result(timeout=5)) == 1 and len(second.result(timeout=5)) == 1
+        assert batcher.batches == 2 and batcher.queries == 3  # the two in one predict call
+        assert batcher.arriving == 0
+    finally:
+        batcher.close(timeout=10)
