@@ -267,3 +267,16 @@ def test_the_static_encoder_exports_as_a_sentence_transformers_static_embedding(
     np.testing.assert_allclose(st.encode(texts, convert_to_numpy=True), model.static_query_vectors(texts).numpy(), atol=1e-6)
     with pytest.raises(ValueError, match="not empty"):
         model.save_static_query_encoder(tmp_path / "st")
+
+
+def test_the_fit_encodes_the_towers_vectors_in_chunks_with_the_same_result(tiny_encoder_dir, tiny_task, monkeypatch):
+    from hf_xmc.models import static_encoder
+
+    data = tiny_task[0]
+    model = tiny_model(tiny_encoder_dir, data)
+    texts = list(data.train.texts[:50])
+    whole, _ = static_encoder.fit_static_encoder(model, texts, epochs=2, seed=3)
+    monkeypatch.setattr(static_encoder, "FIT_ENCODE_CHUNK", 7)  # 50 queries in 8 chunks, the last one short
+    chunked, _ = static_encoder.fit_static_encoder(model, texts, epochs=2, seed=3)
+    torch.testing.assert_close(chunked.embeddings.weight, whole.embeddings.weight)
+    assert chunked.output_scale == whole.output_scale

@@ -19,9 +19,9 @@ label vectors no longer share: it is refused in one line (``provenance.py``, par
 the ranking, is dropped as every calibration is).
 
 Memory: the table, ``vocab x dim x 4`` bytes (all-MiniLM-L6-v2: 30,522 x 384, 47 MB); per call one batch of token ids
-(4 bytes a token) and its ``(batch, dim)`` vectors. The fit holds the tower's vectors of the fitted queries in float16
-(``queries x dim x 2`` bytes: 2.2M queries x 384 = 1.7 GB; ``max_queries`` caps it) and their token ids (4 bytes a
-token), plus Adam's two moments of the table (2 x the table).
+(8 bytes a token) and its ``(batch, dim)`` vectors. The fit holds the tower's vectors of the fitted queries in float16
+(``queries x dim x 2`` bytes: 2.2M queries x 384 = 1.7 GB; ``max_queries`` caps it), encoded 65,536 at a time, their
+token ids (8 bytes a token), plus Adam's two moments of the table (2 x the table).
 
 Remote-code file: imports torch, numpy, safetensors and its siblings only.
 """
@@ -47,6 +47,8 @@ from .provenance import array_digest, check_derived, digest, fingerprint_of
 STATIC_ENCODER_FILE = "static_query_encoder.safetensors"
 STATIC_ENCODER_META = "static_query_encoder.json"
 QUERY_ENCODERS = ("transformer", "static")
+#: queries the fit encodes with the tower at a time (their float32 vectors: 100 MB at 384 dimensions)
+FIT_ENCODE_CHUNK = 65_536
 #: the fusion weights a static encoder keeps of its own (the channel's other settings are shared)
 STATIC_FUSION_KEYS = ("ranker_weight", "text_weight")
 
@@ -173,12 +175,18 @@ def fit_static_encoder(
         texts = [texts[i] for i in np.sort(rng.choice(len(texts), int(max_queries), replace=False))]
     tokenizer = model._require_tokenizer()
     max_length = int(model.config.max_seq_length)
-    targets = model.query_search_vectors(texts, show_progress_bar=show_progress_bar).float()
+    # the tower's vectors, normalised, in float16, encoded in chunks (no float32 copy of them all); their norms kept
+    targets: Optional[torch.Tensor] = None
+    norms = torch.empty(len(texts))
+    for start in range(0, len(texts), FIT_ENCODE_CHUNK):
+        chunk = model.query_search_vectors(texts[start : start + FIT_ENCODE_CHUNK], show_progress_bar=show_progress_bar).float()
+        if targets is None:
+            targets = torch.empty(len(texts), chunk.shape[1], dtype=torch.float16)
+        norms[start : start + len(chunk)] = chunk.norm(dim=1)
+        targets[start : start + len(chunk)] = F.normalize(chunk, dim=1).to(torch.float16)  # the fit matches directions
     encode_seconds = time.perf_counter() - started
-    norms = targets.norm(dim=1)
     unit = bool(torch.allclose(norms, torch.ones_like(norms), atol=1e-3))
-    scale = 1.0 if unit else float(norms.median())
-    targets = F.normalize(targets, dim=1).to(torch.float16)  # the fit matches directions; the scale is a constant
+    scale = 1.0 if unit else float(norms.median())  # the scale is one constant: the dense scores keep their range
     encoder = StaticQueryEncoder(len(tokenizer), targets.shape[1], output_scale=scale)
     if init == "tower":
         encoder.embeddings.weight.data.copy_(tower_token_vectors(model, show_progress_bar=show_progress_bar))
