@@ -138,8 +138,11 @@ def static_table(rows: list[dict]) -> str:
                       *(f"{r['static']['fused'].get(m, '-')}" for m in SHOWN), f"{r['fit']['seconds']:.0f}",
                       f"{lat['static']['p50_ms']:.2f}", f"{lat['static']['p99_ms']:.2f}"])
     table = markdown_table(header, cells, "lll" + "r" * (2 * len(SHOWN) + 3))
-    machines = sorted({f"{r['cpu']} (load {r['load_1min']})" for r in rows})
-    return table + "\n\nMeasured on " + "; ".join(machines) + ". Fit s: encoding the training queries with the tower, the start, the fit.\n"
+    loads: dict[str, list[float]] = {}
+    for r in rows:
+        loads.setdefault(r["cpu"], []).append(r["load_1min"])
+    machines = "; ".join(f"{cpu} (1-minute load {min(v):g}-{max(v):g})" for cpu, v in sorted(loads.items()))
+    return table + f"\n\nMeasured on {machines}. Fit s: encoding the training queries with the tower, the start, the fit.\n"
 
 
 def main(argv=None) -> list[dict]:

@@ -85,6 +85,7 @@ def _blocks() -> dict:
         bench_serving,
         bench_siamesexml_module1,
         bench_space_load,
+        bench_static_encoder,
         bench_throughput,
         bench_train_filter,
         bench_unidec_memory,
@@ -128,6 +129,7 @@ def _blocks() -> dict:
         "wordnet_quality": ("wordnet_quality.json", bench_wordnet.table),
         "peers_wordnet": ("peers_wordnet.json", lambda r: peers.peers_table(r["rows"])),
         "headline": ("headline.json", bench_headline.table),
+        "static": ("static_encoder.json", bench_static_encoder.static_table),
     }
 
 
