@@ -8,8 +8,6 @@ Remote-code file: imports only torch, transformers, numpy, safetensors and its s
 import json
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Sequence
 from enum import Enum
 from typing import Optional
@@ -21,6 +19,7 @@ from transformers import PreTrainedModel
 from transformers.utils import is_peft_available, logging
 from transformers.utils.hub import cached_file
 
+from .io_utils import new_directory_staged
 from .model_files import CONFIG_FILE
 
 logger = logging.get_logger(__name__)
@@ -375,13 +374,7 @@ def save_sentence_transformers_checkpoint(
     Memory: one copy of the encoder weights on disk."""
     if not isinstance(encoder, PreTrainedModel):
         raise NotImplementedError(f"{type(encoder).__name__} is no transformers encoder to save as a sentence-transformers checkpoint")
-    save_directory = os.path.abspath(str(save_directory))
-    if os.path.exists(save_directory) and os.listdir(save_directory):
-        raise ValueError(f"{save_directory}: exists and is not empty; give a new directory")
-    parent = os.path.dirname(save_directory)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-st-", dir=parent)
-    try:
+    with new_directory_staged(save_directory, ".tmp-st-") as tmp:
         encoder.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         listing = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
@@ -417,9 +410,3 @@ def save_sentence_transformers_checkpoint(
             json.dump(listing, f, indent=2)
         with open(os.path.join(tmp, "config_sentence_transformers.json"), "w", encoding="utf-8") as f:
             json.dump({"prompts": {}, "default_prompt_name": None, "similarity_fn_name": "cosine" if modules and modules[-1]["type"] == "Normalize" else "dot"}, f, indent=2)
-        if os.path.exists(save_directory):
-            os.rmdir(save_directory)  # empty (checked above)
-        os.replace(tmp, save_directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

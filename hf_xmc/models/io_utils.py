@@ -11,7 +11,9 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Optional
 
 
 def file_sha256(path: str, chunk_bytes: int = 1 << 22) -> str:
@@ -163,3 +165,32 @@ def _exchange_directories(a: str, b: str) -> None:
     os.rename(b, aside)
     os.rename(a, b)
     os.rename(aside, a)
+
+
+def read_json_file(path: Optional[str]):
+    """The JSON value of the file at ``path``, or None when there is no path or no such file (a derived part's meta)."""
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@contextmanager
+def new_directory_staged(save_directory: str, prefix: str = ".tmp-") -> Iterator[str]:
+    """Write a new directory through a temporary one beside it: yields the temporary path; renamed to
+    ``save_directory`` when the block ends, removed when it raises, so nothing half-written is left. A directory
+    that exists and is not empty is refused (``ValueError``); an empty one is replaced."""
+    save_directory = os.path.abspath(str(save_directory))
+    if os.path.exists(save_directory) and os.listdir(save_directory):
+        raise ValueError(f"{save_directory}: exists and is not empty; give a new directory")
+    parent = os.path.dirname(save_directory)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    try:
+        yield tmp
+        if os.path.exists(save_directory):
+            os.rmdir(save_directory)  # empty (checked above)
+        os.replace(tmp, save_directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

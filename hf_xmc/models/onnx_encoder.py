@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .io_utils import atomic_write, write_json
+from .io_utils import atomic_write, read_json_file, write_json
 from .provenance import check_derived, file_digest, fingerprint_of
 
 ONNX_ENCODER_FILE = "query_encoder.onnx"
@@ -66,10 +66,8 @@ class OnnxQueryEncoder:
 
 
 def read_onnx_meta(path: Optional[str]) -> Optional[dict]:
-    if not path or not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """An export's metadata (``query_encoder.json``), or None without one."""
+    return read_json_file(path)
 
 
 class OnnxExportMixin:

@@ -28,7 +28,6 @@ Remote-code file: imports torch, numpy, safetensors and its siblings only.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -41,7 +40,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .io_utils import atomic_write, progress_bar_disabled, write_json
+from .io_utils import atomic_write, new_directory_staged, progress_bar_disabled, read_json_file, write_json
 from .provenance import array_digest, check_derived, digest, fingerprint_of
 
 STATIC_ENCODER_FILE = "static_query_encoder.safetensors"
@@ -224,13 +223,6 @@ def fit_static_encoder(
 
 
 # ---------------------------------------------------------------------------------------------------------- on the model
-def read_static_meta(path: Optional[str]) -> Optional[dict]:
-    if not path or not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 class StaticQueryEncoderMixin:
     """The static query encoder of ``XMCPreTrainedModel``: fit, choose per call, save, load, check (module docstring)."""
 
@@ -368,8 +360,6 @@ class StaticQueryEncoderMixin:
         when it is not 1): ``SentenceTransformer(save_directory).encode(texts)`` gives :meth:`static_query_vectors`.
         Written to a temporary directory beside ``save_directory`` and renamed; refused for a stale encoder."""
         import copy
-        import shutil
-        import tempfile
 
         from safetensors.torch import save_file
 
@@ -378,13 +368,7 @@ class StaticQueryEncoderMixin:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise NotImplementedError(f"{type(tokenizer).__name__} is not a fast tokenizer: sentence-transformers' StaticEmbedding needs one")
-        save_directory = os.path.abspath(str(save_directory))
-        if os.path.exists(save_directory) and os.listdir(save_directory):
-            raise ValueError(f"{save_directory}: exists and is not empty; give a new directory")
-        parent = os.path.dirname(save_directory)
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-st-static-", dir=parent)
-        try:
+        with new_directory_staged(save_directory, ".tmp-st-static-") as tmp:
             backend = copy.deepcopy(backend)
             backend.no_padding()
             backend.enable_truncation(max_length=max(1, int(self.config.max_seq_length) - tokenizer.num_special_tokens_to_add(pair=False)))
@@ -402,12 +386,6 @@ class StaticQueryEncoderMixin:
             write_json(os.path.join(tmp, "modules.json"), listing)
             write_json(os.path.join(tmp, "config_sentence_transformers.json"),
                        {"prompts": {}, "default_prompt_name": None, "similarity_fn_name": "cosine" if encoder.output_scale == 1.0 else "dot"})
-            if os.path.exists(save_directory):
-                os.rmdir(save_directory)  # empty (checked above)
-            os.replace(tmp, save_directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
 
     # ------------------------------------------------------------------ its calibration
     def _calibration_values(self) -> Optional[dict]:
@@ -454,7 +432,7 @@ class StaticQueryEncoderMixin:
         from safetensors.torch import load_file
 
         try:
-            meta = read_static_meta(meta_path)
+            meta = read_json_file(meta_path)
         except (ValueError, UnicodeDecodeError) as err:
             raise ModelFileError(f"{meta_path}: not valid JSON ({err})") from None
         try:
