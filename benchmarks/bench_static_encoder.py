@@ -67,19 +67,17 @@ def latencies(model, texts: list[str], query_encoder: str) -> dict:
     return {"p50_ms": round(float(np.percentile(times, 50)), 3), "p99_ms": round(float(np.percentile(times, 99)), 3)}
 
 
-def initialised_only(model, data_dir: str, test_texts: list[str]) -> dict:
-    """Dense test metrics of the static encoder at its start (no fit step), on the saved model (its own encoder kept)."""
-    from hf_xmc.data import read_xc_raw
+def initialised_only(model, train, test) -> dict:
+    """Dense test metrics of the static encoder at its start (no fit step), on the saved model (its own encoder kept);
+    ``train`` / ``test``: the dataset's read splits (``XMCDataset``)."""
     from hf_xmc.metrics import inverse_propensity, xmc_metrics
     from hf_xmc.models.static_encoder import fit_static_encoder
 
     saved = (model.static_query_encoder, model.static_query_encoder_meta)
-    train = read_xc_raw(os.path.join(data_dir, "trn.json.gz"), num_labels=len(model.label_texts))
-    test = read_xc_raw(os.path.join(data_dir, "tst.json.gz"), num_labels=len(model.label_texts), skip_unlabeled=False)
     encoder, _ = fit_static_encoder(model, train.texts[:64], epochs=0, show_progress_bar=False)  # the start only
     try:
         model.attach_static_query_encoder(encoder, {"fit": {"epochs": 0}})
-        _, ids = model.search(model.static_query_vectors(test_texts), 100)
+        _, ids = model.search(model.static_query_vectors(list(test.texts)), 100)
     finally:
         model._set_static(*saved)
     inv = inverse_propensity(train.targets, model.config.propensity_a, model.config.propensity_b)
@@ -99,7 +97,9 @@ def run_row(dataset: str, method: str, latency_queries: int, work: str) -> dict:
     extra = [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", "--static_query_encoder", *validation_flags(data_dir), *flags]
     results, wall = run_training_script(method, data_dir, encoder, out, extra)
     model = AutoModel.from_pretrained(out, trust_remote_code=True)
-    test_texts = list(read_xc_raw(os.path.join(data_dir, "tst.json.gz"), num_labels=len(model.label_texts), skip_unlabeled=False).texts)
+    train = read_xc_raw(os.path.join(data_dir, "trn.json.gz"), num_labels=len(model.label_texts))
+    test = read_xc_raw(os.path.join(data_dir, "tst.json.gz"), num_labels=len(model.label_texts), skip_unlabeled=False)
+    test_texts = list(test.texts)
     fit = model.static_query_encoder_meta["fit"]
 
     def pick(prefix: str) -> dict:
@@ -112,7 +112,7 @@ def run_row(dataset: str, method: str, latency_queries: int, work: str) -> dict:
         "cpu": cpu_name(), "load_1min": round(os.getloadavg()[0], 2),
         "tower": {"dense": pick("test_dense_"), "fused": pick("test_"), "validation_fused": pick("eval_")},
         "static": {"dense": pick("test_static_dense_"), "fused": pick("test_static_"), "validation_fused": pick("eval_static_")},
-        "static_init": {"dense": initialised_only(model, data_dir, test_texts)},
+        "static_init": {"dense": initialised_only(model, train, test)},
         "weights": {"tower": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")],
                     "static": [results.get("static_lexical_ranker_weight"), results.get("static_lexical_text_weight")]},
         "fit": {"seconds": results.get("static_fit_runtime"), "encode_seconds": fit.get("encode_seconds"), "queries": fit.get("queries"),

@@ -276,13 +276,18 @@ def prediction_records(model, texts: Sequence[Optional[str]], k: Optional[int], 
             yield record
 
 
+def _require_text_model(model, name: str, what: str) -> None:
+    """Refuse, in one line, a model with a single query encoder (MUFIN: texts with images) for ``what``."""
+    if model.takes_images:
+        raise UserError(f"{name}: a {type(model).__name__} ranks texts with images; {what} is for the text models")
+
+
 def _query_encoder_of(model, name: str, query_encoder: Optional[str]):
     """The context ``model.using_query_encoder(query_encoder)`` (None: the model's own), its faults (no static encoder,
     one fitted to other weights, a model with one encoder) checked first and given as one line."""
     if query_encoder is None:
         return contextlib.nullcontext()
-    if "query_encoder" not in inspect.signature(model.predict).parameters:
-        raise UserError(f"{name}: a {type(model).__name__} has one query encoder; --query_encoder is for the text models")
+    _require_text_model(model, name, "--query_encoder")
     if query_encoder == "static":
         try:
             model.check_static_query_encoder()
@@ -436,8 +441,7 @@ def cmd_fit_static(args: argparse.Namespace) -> int:
         raise UserError(f"{args.output_dir}: --output_dir is a file, not a directory")
     model = load_model(args.model)
     _pick_device(model, args.device)
-    if "query_encoder" not in inspect.signature(model.predict).parameters:
-        raise UserError(f"{args.model}: a {type(model).__name__} ranks texts with images; a static query encoder is for the text models")
+    _require_text_model(model, args.model, "a static query encoder")
     num_labels = len(model.label_texts)
     fields = tuple(args.text_fields.split(","))
     train = read_points_file(args.train_file, num_labels, "train", text_fields=fields)

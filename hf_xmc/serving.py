@@ -530,7 +530,8 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
     app = FastAPI(title=f"hf_xmc {type(model).__name__}", lifespan=lifespan)
     app.state.batcher, app.state.metrics = batcher, metrics
     app.add_middleware(body_limit, max_bytes=limits.max_body_bytes)
-    app.add_middleware(announce_arrivals, batcher=batcher)  # outside the body limit: announced as its headers arrive
+    if wait_for_arrivals:  # outside the body limit: announced as its headers arrive
+        app.add_middleware(announce_arrivals, batcher=batcher)
     app.add_middleware(request_metrics, metrics=metrics)  # added last: outermost, so the body limit's 413s count too
 
     @app.exception_handler(Refused)

@@ -175,6 +175,12 @@ def test_a_static_encoder_of_another_tower_is_refused_and_not_saved(tiny_encoder
     with pytest.raises(StaleDerivedPartError):
         model.set_query_encoder("static")
     model.set_query_encoder("transformer")
+    fresh = tiny_model(tiny_encoder_dir, data)
+    fresh.fit_static_query_encoder(list(data.train.texts[:100]), epochs=1)
+    fresh.predict(["a"], query_encoder="static")  # checked and cached
+    fresh.config.max_seq_length = 8  # the tower now reads other tokens: the cached check must not let it through
+    with pytest.raises(StaleDerivedPartError, match="max_seq_length"):
+        fresh.predict(["a"], query_encoder="static")
     model.save_pretrained(tmp_path / "saved")
     assert not (tmp_path / "saved" / STATIC_ENCODER_FILE).exists()  # a stale encoder is not carried
     unidec = UniDECModel.from_encoder_pretrained(tiny_encoder_dir, label_space_size=len(data.label_texts), max_seq_length=16)

@@ -43,6 +43,12 @@ class ModelProvenanceMixin:
         self._weights_fingerprint_cache = (key, value)
         return value
 
+    def weights_version(self) -> tuple[int, int]:
+        """A cheap key that changes whenever a weight may have been written: :attr:`weights_epoch` and the sum of the
+        parameters' and buffers' version counters (no pass over their values). The caches of checks against the weights
+        (the ONNX export's, the static encoder's) key on it."""
+        return self.weights_epoch, sum(t._version for t in (*self.parameters(), *self.buffers()))
+
     @property
     def weights_epoch(self) -> int:
         """How many times :meth:`invalidate_weights_fingerprint` was called: part of every cache keyed on the weights."""

@@ -133,7 +133,7 @@ class OnnxExportMixin:
         files = getattr(self, "_onnx_encoder_files", None)
         if not files:
             raise ValueError(f"{type(self).__name__} has no exported query encoder: call model.export_onnx() (or save one with it)")
-        version = (self.weights_epoch, sum(t._version for t in (*self.parameters(), *self.buffers())), self.onnx_query_head())
+        version = (*self.weights_version(), self.onnx_query_head(), self.config.max_seq_length)
         encoder = getattr(self, "_onnx_encoder", None)
         if encoder is not None and getattr(self, "_onnx_checked_version", None) == version:
             return encoder

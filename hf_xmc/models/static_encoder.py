@@ -257,12 +257,13 @@ class StaticQueryEncoderMixin:
     def check_static_query_encoder(self) -> StaticQueryEncoder:
         """The attached static encoder, checked against the model (:meth:`static_encoder_inputs`); a one-line
         ``StaleDerivedPartError`` when it was fitted from other weights, head, length or tokenizer, a ``ValueError``
-        when the model has none. The check is repeated only after a weight was written (torch's version counters)."""
+        when the model has none. The check is repeated only after a weight was written (``weights_version``) or the
+        query head, length or tokenizer changed."""
         encoder = self.static_query_encoder
         if encoder is None:
             raise ValueError(f"{type(self).__name__} has no static query encoder: fit one (model.fit_static_query_encoder(texts), "
                              "--static_query_encoder, or hf-xmc fit-static)")
-        version = (self.weights_epoch, sum(t._version for t in (*self.parameters(), *self.buffers())), self.onnx_query_head(), id(self.tokenizer))
+        version = (*self.weights_version(), self.onnx_query_head(), self.config.max_seq_length, id(self.tokenizer))
         if getattr(self, "_static_checked_version", None) != version:
             recorded = (self.static_query_encoder_meta or {}).get("fitted_from")
             check_derived("static_query_encoder", recorded, self.static_encoder_inputs(), getattr(self, "_static_encoder_path", None) or type(self).__name__,

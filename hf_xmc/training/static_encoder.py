@@ -82,6 +82,8 @@ def fit_and_tune_static_query_encoder(
 ) -> dict:
     """:meth:`fit_static_query_encoder` on ``train_texts``, then :func:`tune_static_query_encoder`; returns the
     ``static_*`` entries (``static_fit_runtime``, the fit's loss, the tuned weights, the runtimes)."""
+    if train_targets is None and validation is not None:  # before the fit, not after minutes of it
+        raise ValueError("tuning the static encoder's fusion weights needs the training targets (their propensities weigh PSP@5)")
     start = time.perf_counter()
     model.fit_static_query_encoder(train_texts, epochs=epochs, max_queries=max_queries, seed=seed, show_progress_bar=show_progress_bar)
     fit = model.static_query_encoder_meta["fit"]
@@ -89,8 +91,6 @@ def fit_and_tune_static_query_encoder(
             "static_fit_loss": fit["epoch_losses"][-1] if fit["epoch_losses"] else None}
     logger.info("static query encoder: fitted on %d training queries in %.1f s (cosine loss by epoch %s)", fit["queries"],
                 info["static_fit_runtime"], fit["epoch_losses"])
-    if train_targets is None and validation is not None:
-        raise ValueError("tuning the static encoder's fusion weights needs the training targets (their propensities weigh PSP@5)")
     info.update(tune_static_query_encoder(model, validation, train_targets, validation_evaluator, calibration_method, ranker_weight, text_weight,
                                           batch_size=batch_size))
     return info
