@@ -19,6 +19,7 @@ from hf_xmc.models.static_encoder import (
     STATIC_ENCODER_FILE,
     STATIC_ENCODER_META,
     StaticQueryEncoder,
+    gather_bags,
     tower_token_vectors,
 )
 from hf_xmc.training.evaluation import XMCEvaluator
@@ -286,3 +287,16 @@ def test_the_fit_encodes_the_towers_vectors_in_chunks_with_the_same_result(tiny_
     chunked, _ = static_encoder.fit_static_encoder(model, texts, epochs=2, seed=3)
     torch.testing.assert_close(chunked.embeddings.weight, whole.embeddings.weight)
     assert chunked.output_scale == whole.output_scale
+
+
+def test_the_fits_batch_gather_takes_each_chosen_bag_whole_and_in_order():
+    rng = np.random.default_rng(0)
+    lengths = torch.from_numpy(rng.integers(0, 6, size=40))  # empty bags included
+    offsets = torch.zeros(40, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lengths, 0)[:-1]
+    ids = torch.from_numpy(rng.integers(0, 1000, size=int(lengths.sum())))
+    for rows in (torch.tensor([5]), torch.from_numpy(rng.permutation(40)[:17]), torch.tensor([3, 3, 0])):
+        bag_ids, bag_offsets = gather_bags(ids, offsets, lengths, rows)
+        expected = [ids[offsets[r] : offsets[r] + lengths[r]] for r in rows.tolist()]
+        assert torch.equal(bag_ids, torch.cat(expected))
+        assert bag_offsets.tolist() == np.concatenate([[0], np.cumsum([len(e) for e in expected])[:-1]]).tolist()

@@ -106,6 +106,19 @@ class StaticQueryEncoder(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------- fitting
+def gather_bags(ids: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat token ids and offsets of the bags ``rows`` of a flat bag store (``ids``, each bag's start ``offsets``
+    and ``lengths``), in the order of ``rows``: one vectorised gather (a Python slice a bag cost ~5 us a query an
+    epoch, 90 s an epoch at 2.2M queries). Memory: the batch's token ids and two index vectors of that length."""
+    sizes = lengths[rows]
+    bag_offsets = torch.zeros(len(rows), dtype=torch.long)
+    if len(rows) > 1:
+        bag_offsets[1:] = torch.cumsum(sizes, 0)[:-1]
+    # token j of the batch is token (j - its bag's batch offset) of the bag's run in the store
+    shift = torch.repeat_interleave(offsets[rows] - bag_offsets, sizes)
+    return ids[torch.arange(len(shift)) + shift], bag_offsets
+
+
 @torch.no_grad()
 def tower_token_vectors(model, batch_size: int = 512, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
     """Each vocabulary token's search vector through the model's query tower, alone between the tokenizer's special
@@ -205,9 +218,7 @@ def fit_static_encoder(
             rows = rows[lengths[rows] > 0]  # a text without a token teaches nothing
             if len(rows) == 0:
                 continue
-            bag_ids = torch.cat([ids[offsets[r] : offsets[r] + lengths[r]] for r in rows.tolist()])
-            bag_offsets = torch.zeros(len(rows), dtype=torch.long)
-            bag_offsets[1:] = torch.cumsum(lengths[rows], 0)[:-1]
+            bag_ids, bag_offsets = gather_bags(ids, offsets, lengths, rows)
             predicted = F.normalize(encoder.embeddings(bag_ids, bag_offsets), dim=-1)
             loss = (1.0 - (predicted * targets[rows].float()).sum(1)).mean()
             optimizer.zero_grad(set_to_none=True)
