@@ -272,6 +272,45 @@ def percentiles(seconds: list[float]) -> tuple[float, float]:
     return round(float(np.percentile(ms, 50)), 2), round(float(np.percentile(ms, 99)), 2)
 
 
+#: (column, Prometheus sum, its labels) of the one-client breakdown: where a request's time goes inside the server
+BREAKDOWN = (("server", "hf_xmc_request_duration_seconds_sum", {"endpoint": "/predict"}), ("queue", "hf_xmc_queue_duration_seconds_sum", {}),
+             ("predict", "hf_xmc_predict_duration_seconds_sum", {}), ("encode", "hf_xmc_stage_duration_seconds_sum", {"stage": "encode"}),
+             ("tokenise", "hf_xmc_stage_duration_seconds_sum", {"stage": "tokenise"}), ("search", "hf_xmc_stage_duration_seconds_sum", {"stage": "search"}),
+             ("fuse", "hf_xmc_stage_duration_seconds_sum", {"stage": "fuse"}))
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The server's ``/metrics`` sums of :data:`BREAKDOWN` (seconds), and its answered ``/predict`` requests."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    samples = {}
+    for line in conn.getresponse().read().decode().splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+
+    def sample(name: str, labels: dict) -> float:
+        inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        return samples.get(f"{name}{{{inner}}}" if inner else name, 0.0)
+
+    out = {column: sample(name, labels) for column, name, labels in BREAKDOWN}
+    out["requests"] = sample("hf_xmc_request_duration_seconds_count", {"endpoint": "/predict"})
+    return out
+
+
+def breakdown(before: dict[str, float], after: dict[str, float], client_mean_s: float) -> dict[str, float]:
+    """Mean ms a one-client request spent in each part (the server's own ``/metrics`` between two scrapes): ``client``
+    as the client saw it; ``http`` = client - server (loopback, uvicorn's parsing, the client's own JSON); ``app`` =
+    server - queue - predict (FastAPI, pydantic, the future's hand-over, the answer's JSON); the stages inside
+    ``predict`` (``encode`` includes ``tokenise``)."""
+    n = max(1.0, after["requests"] - before["requests"])
+    ms = {column: round((after[column] - before[column]) * 1000 / n, 3) for column, _, _ in BREAKDOWN}
+    ms["client"] = round(client_mean_s * 1000, 3)
+    ms["http"] = round(ms["client"] - ms["server"], 3)
+    ms["app"] = round(ms["server"] - ms["queue"] - ms["predict"], 3)
+    return ms
+
+
 def serve_and_measure(directory: str, backend: str, queries: list[str], requests: int, max_wait_ms: float, query_encoder: str = "transformer",
                       wait_for_arrivals: bool = False) -> dict:
     port = free_port()
@@ -300,7 +339,9 @@ def serve_and_measure(directory: str, backend: str, queries: list[str], requests
         client = Client(port)
         for text in queries[:20]:
             client.predict(text)
+        before = scrape(port)
         single = [client.predict(queries[i % len(queries)]) for i in range(requests)]
+        parts = breakdown(before, scrape(port), statistics.fmean(single))
         per_client = max(20, requests // 4)
         lat: list[list[float]] = [[] for _ in range(CLIENTS)]
 
@@ -327,7 +368,7 @@ def serve_and_measure(directory: str, backend: str, queries: list[str], requests
         return {"server_ready_s": round(ready_s, 1), "server_rss_ready_gib": round(rss_ready, 3), "server_peak_rss_gib": round(rss_gib(str(server.pid), "VmHWM"), 3),
                 "p50_ms": p50, "p99_ms": p99, "mean_ms": round(statistics.fmean(single) * 1000, 2), "clients": CLIENTS,
                 "concurrent_p50_ms": c50, "concurrent_p99_ms": c99, "qps": round(len(together) / wall, 1),
-                "texts_per_batch": round(health["queries"] / max(1, health["batches"]), 2)}
+                "texts_per_batch": round(health["queries"] / max(1, health["batches"]), 2), "breakdown_ms": parts}
     finally:
         server.terminate()
         try:
@@ -385,7 +426,18 @@ def table(rows: list[dict]) -> str:
                       f"{r['recall@100']:.4f}", f"{r['load_s']:.2f}", f"{r['rss_after_predict_gib']:.2f}", f"{r['server_peak_rss_gib']:.2f}",
                       f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['concurrent_p50_ms']:.0f} / {r['concurrent_p99_ms']:.0f}",
                       f"{r['qps']:.0f}", f"{r['texts_per_batch']:.1f}"])
-    return markdown_table(header, cells, "llll" + "r" * 11) + "\n"
+    out = markdown_table(header, cells, "llll" + "r" * 11) + "\n"
+    parts = [r for r in rows if r.get("breakdown_ms")]
+    if parts:
+        columns = ("client", "http", "server", "app", "queue", "predict", "encode", "tokenise", "search", "fuse")
+        cells = [[f"{r['labels']:,}", r["store"], r["encoder"], "yes" if r["channel"] else "",
+                  f"{r['max_wait_ms']:g}" + (" (arrivals)" if r.get("wait_for_arrivals") else ""),
+                  *(f"{r['breakdown_ms'][c]:.2f}" for c in columns)] for r in parts]
+        out += ("\nWhere a one-client request's time goes (mean ms, from the server's own `/metrics` over the one-client requests):"
+                " *http* = client - server (loopback, uvicorn's parsing, the client's JSON), *app* = server - queue - predict (FastAPI,"
+                " pydantic, the hand-over to the worker and back, the answer's JSON), *queue* the batcher's wait, *encode* includes"
+                " *tokenise*.\n\n" + markdown_table(["labels", "store", "encoder", "channel", "wait ms", *columns], cells, "lllll" + "r" * len(columns)) + "\n")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ the channel's ranker

@@ -4,9 +4,11 @@ on the test split), the fit's wall time, and one-query-at-a-time latency, per da
 
     python benchmarks/bench_static_encoder.py --datasets debtags reuters --methods dexml --update_docs
     python benchmarks/bench_static_encoder.py --table_only --update_docs      # the table of --out, nothing run
+    python benchmarks/make_wordnet.py && python benchmarks/bench_static_encoder.py --datasets wordnet --methods dexml
 
 A row is ``training_scripts/train_<method>.py`` through the training-script contract with the budget of
-``bench_headline.HEADLINES`` (the method's headline recipe; the scripts' defaults otherwise), ``--lexical_channel omikuji``
+``bench_headline.HEADLINES`` (the method's headline recipe; else ``bench_validation.BUDGETS``: WordNet-XMC's
+40-CPU-minute budgets, its test filter applied; the scripts' defaults otherwise), ``--lexical_channel omikuji``
 and ``--static_query_encoder`` (fitted on the training queries after training; its own fusion weights and calibration
 tuned on the default validation split): the *tower* rows are ``test_dense_*`` / ``test_*``, the *static (fitted)*
 rows ``test_static_dense_*`` / ``test_static_*``. The *static (initialised only)* row is the same table before the fit
@@ -40,7 +42,7 @@ from benchmarks.harness import (  # noqa: E402
     row_dataset_cell,
     write_json,
 )
-from benchmarks.sweep_defaults import prepare, run_training_script, validation_flags  # noqa: E402
+from benchmarks.sweep_defaults import minilm, run_training_script, validation_flags  # noqa: E402
 
 SHOWN = ("P@1", "PSP@5", "R@100")
 METHODS = ("dexml", "prime", "unidec", "siamesexml")
@@ -67,19 +69,28 @@ def latencies(model, texts: list[str], query_encoder: str) -> dict:
     return {"p50_ms": round(float(np.percentile(times, 50)), 3), "p99_ms": round(float(np.percentile(times, 99)), 3)}
 
 
-def initialised_only(model, train, test) -> dict:
+def initialised_only(model, train, test, filter_file: str | None = None) -> dict:
     """Dense test metrics of the static encoder at its start (no fit step), on the saved model (its own encoder kept);
-    ``train`` / ``test``: the dataset's read splits (``XMCDataset``)."""
+    ``train`` / ``test``: the dataset's read splits (``XMCDataset``, every test row kept); ``filter_file``: the test
+    split's filter (WordNet-XMC's), applied as the scripts apply it."""
+    from hf_xmc.data import filter_predictions, read_filter_file
     from hf_xmc.metrics import inverse_propensity, xmc_metrics
     from hf_xmc.models.static_encoder import fit_static_encoder
 
+    filt = None
+    if filter_file:
+        filt = read_filter_file(filter_file, num_points=test.num_source_records, num_labels=len(model.label_texts))[test.record_indices()]
+    extra = int(np.diff(filt.indptr).max()) if filt is not None and filt.nnz else 0
     saved = (model.static_query_encoder, model.static_query_encoder_meta)
     encoder, _ = fit_static_encoder(model, train.texts[:64], epochs=0, show_progress_bar=False)  # the start only
     try:
         model.attach_static_query_encoder(encoder, {"fit": {"epochs": 0}})
-        _, ids = model.search(model.static_query_vectors(list(test.texts)), 100)
+        scores, ids = model.search(model.static_query_vectors(list(test.texts)), 100 + extra)
     finally:
         model._set_static(*saved)
+    if filt is not None:
+        ids, scores = filter_predictions(ids, scores, filt, 100)
+    ids = ids[:, :100]
     inv = inverse_propensity(train.targets, model.config.propensity_a, model.config.propensity_b)
     m = xmc_metrics(ids, test.targets, inv, ks=(1, 5), recall_ks=(100,))
     return {k: round(m[k], 2) for k in SHOWN}
@@ -89,10 +100,14 @@ def run_row(dataset: str, method: str, latency_queries: int, work: str) -> dict:
     from transformers import AutoModel
 
     from benchmarks.bench_headline import HEADLINES
+    from benchmarks.bench_validation import BUDGETS, data_setup
     from hf_xmc.data import read_xc_raw
 
-    data_dir, encoder, data_flags = prepare(dataset, work)
-    flags = HEADLINES.get((dataset, method), {}).get("flags", [])
+    data_dir, data_flags = data_setup(dataset, work)  # WordNet-XMC: its test filter and length 32
+    encoder = minilm()
+    # the method's headline recipe where it has one, else bench_validation's budget (WordNet's 40 CPU minutes)
+    flags = HEADLINES.get((dataset, method), {}).get("flags") or BUDGETS.get((dataset, method), [])
+    filter_file = data_flags[data_flags.index("--test_filter_file") + 1] if "--test_filter_file" in data_flags else None
     out = os.path.join(work, f"{dataset}-{method}")
     extra = [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", "--static_query_encoder", *validation_flags(data_dir), *flags]
     results, wall = run_training_script(method, data_dir, encoder, out, extra)
@@ -112,7 +127,7 @@ def run_row(dataset: str, method: str, latency_queries: int, work: str) -> dict:
         "cpu": cpu_name(), "load_1min": round(os.getloadavg()[0], 2),
         "tower": {"dense": pick("test_dense_"), "fused": pick("test_"), "validation_fused": pick("eval_")},
         "static": {"dense": pick("test_static_dense_"), "fused": pick("test_static_"), "validation_fused": pick("eval_static_")},
-        "static_init": {"dense": initialised_only(model, train, test)},
+        "static_init": {"dense": initialised_only(model, train, test, filter_file)},
         "weights": {"tower": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")],
                     "static": [results.get("static_lexical_ranker_weight"), results.get("static_lexical_text_weight")]},
         "fit": {"seconds": results.get("static_fit_runtime"), "encode_seconds": fit.get("encode_seconds"), "queries": fit.get("queries"),
@@ -147,7 +162,7 @@ def static_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> list[dict]:
     ap = bench_parser(__doc__, result_path("static_encoder.json"), docs_block="static", table_only=True)
-    ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters"])
+    ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters", "wordnet"])
     ap.add_argument("--methods", nargs="+", default=["dexml"], choices=list(METHODS))
     ap.add_argument("--latency_queries", type=int, default=300, help="test queries timed one at a time per query encoder")
     args = ap.parse_args(argv)

@@ -97,6 +97,7 @@ class _Request:
     images: Optional[list[list[Any]]] = None  # one bag of PIL images (opened, not decoded) per item, or None
     pixels: int = 0  # the images' pixels, from their headers
     future: Future = field(default_factory=Future)
+    submitted: float = field(default_factory=time.perf_counter)  # when it joined the queue (its wait, for /metrics)
 
 
 class ImageRefused(ValueError):
@@ -389,8 +390,9 @@ class PredictionBatcher:
                 extra["backend"] = self.backend
             if any(r.images is not None for r in requests):  # one bag per item; text-only requests add empty bags
                 extra["images"] = [bag for r in requests for bag in (r.images if r.images is not None else [[] for _ in r.texts])]
+            started = time.perf_counter()
             if self.metrics is not None:
-                self.metrics.batch(len(texts))
+                self.metrics.batch(len(texts), [started - r.submitted for r in requests])
             pred = self.model.predict(texts, k=min(max(r.k for r in requests), len(self.model.label_texts)), **extra)
         except BaseException as err:  # noqa: B036 - re-raised below when it is no Exception and its own
             if len(requests) > 1:  # one request's fault must not fail the others: each runs alone
@@ -403,12 +405,15 @@ class PredictionBatcher:
         with self._lock:  # counted before any client has its answer: /health asked after it agrees
             self.batches, self.queries = self.batches + 1, self.queries + len(texts)
         probabilities = pred.probabilities.tolist() if pred.probabilities is not None else None
-        ids, scores, row = pred.label_ids.tolist(), pred.scores.tolist(), 0
+        ids, scores, row, answers = pred.label_ids.tolist(), pred.scores.tolist(), 0, []
         for r in requests:
-            rows = range(row, row + len(r.texts))
-            _resolve(r.future, [label_records(self.model, ids[i][: r.k], scores[i][: r.k], probabilities[i][: r.k] if probabilities else None)
-                                for i in rows])
+            answers.append([label_records(self.model, ids[i][: r.k], scores[i][: r.k], probabilities[i][: r.k] if probabilities else None)
+                            for i in range(row, row + len(r.texts))])
             row += len(r.texts)
+        if self.metrics is not None:  # observed before any client has its answer: /metrics asked after it agrees
+            self.metrics.predicted(time.perf_counter() - started)
+        for r, answer in zip(requests, answers):
+            _resolve(r.future, answer)
 
 
 ANNOUNCED = "hf_xmc.announced"  # set in a /predict request's ASGI scope while it is announced to the batcher

@@ -6,6 +6,10 @@
   ``/info``, ``/metrics``, ``/labels``, ``other``) and HTTP status (413s refused before parsing included);
 * ``hf_xmc_request_duration_seconds{endpoint}``: a histogram of the time from the request's arrival to its answer;
 * ``hf_xmc_batch_size``: a histogram of the items each ``predict`` call of the worker served;
+* ``hf_xmc_queue_duration_seconds``: a histogram of the time each ``/predict`` request waited in the batcher, from its
+  submission to the start of its batch's ``predict`` (``--max_wait_ms`` for company, and the batches before it);
+* ``hf_xmc_predict_duration_seconds``: a histogram of the time of each ``predict`` call of the worker (the stages
+  below, and building the answer's label records);
 * ``hf_xmc_stage_duration_seconds{stage}``: a histogram per stage of a batch's ranking, as the text models time it:
   ``tokenise``, ``encode`` (the query encoder, its tokenisation included), ``search`` (the label index) and ``fuse``
   (the lexical channel);
@@ -73,6 +77,8 @@ class ServingMetrics:
         self.requests: Counter = Counter()
         self.durations: dict[str, Histogram] = {}
         self.batch_sizes = Histogram(BATCH_BUCKETS)
+        self.queue_waits = Histogram(LATENCY_BUCKETS)
+        self.predict_durations = Histogram(LATENCY_BUCKETS)
         self.stages = {stage: Histogram(LATENCY_BUCKETS) for stage in STAGES}
 
     def request(self, path: str, status: int, seconds: float) -> None:
@@ -81,9 +87,17 @@ class ServingMetrics:
             self.requests[(endpoint, int(status))] += 1
             self.durations.setdefault(endpoint, Histogram(LATENCY_BUCKETS)).observe(seconds)
 
-    def batch(self, size: int) -> None:
+    def batch(self, size: int, waits: Sequence[float] = ()) -> None:
+        """A ``predict`` call of the worker starts on ``size`` items of requests that waited ``waits`` seconds each."""
         with self._lock:
             self.batch_sizes.observe(size)
+            for seconds in waits:
+                self.queue_waits.observe(seconds)
+
+    def predicted(self, seconds: float) -> None:
+        """A ``predict`` call of the worker took ``seconds`` (label records included)."""
+        with self._lock:
+            self.predict_durations.observe(seconds)
 
     def stage(self, name: str, seconds: float) -> None:
         """A model's stage observer (``model.stage_observer``): one stage of one ranking took ``seconds``."""
@@ -103,6 +117,12 @@ class ServingMetrics:
                 lines += histogram.lines("hf_xmc_request_duration_seconds", f'endpoint="{endpoint}"')
             lines += ["# HELP hf_xmc_batch_size Items served by one predict call of the worker.", "# TYPE hf_xmc_batch_size histogram"]
             lines += self.batch_sizes.lines("hf_xmc_batch_size")
+            lines += ["# HELP hf_xmc_queue_duration_seconds Time a request waited in the batcher before its batch's predict started.",
+                      "# TYPE hf_xmc_queue_duration_seconds histogram"]
+            lines += self.queue_waits.lines("hf_xmc_queue_duration_seconds")
+            lines += ["# HELP hf_xmc_predict_duration_seconds Time of one predict call of the worker (answers' records included).",
+                      "# TYPE hf_xmc_predict_duration_seconds histogram"]
+            lines += self.predict_durations.lines("hf_xmc_predict_duration_seconds")
             lines += ["# HELP hf_xmc_stage_duration_seconds Time of one stage of a batch's ranking (encode includes tokenise).",
                       "# TYPE hf_xmc_stage_duration_seconds histogram"]
             for stage, histogram in self.stages.items():

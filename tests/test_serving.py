@@ -469,6 +469,10 @@ def test_metrics_count_requests_stages_and_batches_and_info_describes_the_model(
     assert metric(text, "hf_xmc_requests_total", endpoint="/labels", status="404") == 1  # no uid in a label value
     assert metric(text, "hf_xmc_request_duration_seconds_count", endpoint="/predict") == 6
     assert metric(text, "hf_xmc_batch_size_count") == 4 and metric(text, "hf_xmc_batch_size_sum") == 4
+    # each answered request waited once in the batcher; each predict call took at least its stages' time
+    assert metric(text, "hf_xmc_queue_duration_seconds_count") == 4 and metric(text, "hf_xmc_predict_duration_seconds_count") == 4
+    stages = sum(metric(text, "hf_xmc_stage_duration_seconds_sum", stage=s) for s in ("encode", "search", "fuse"))
+    assert stages <= metric(text, "hf_xmc_predict_duration_seconds_sum") <= metric(text, "hf_xmc_request_duration_seconds_sum", endpoint="/predict")
     for stage in ("tokenise", "encode", "search"):
         assert metric(text, "hf_xmc_stage_duration_seconds_count", stage=stage) >= 4, stage
     assert metric(text, 'hf_xmc_stage_duration_seconds_bucket', stage="encode", le="+Inf") == metric(text, "hf_xmc_stage_duration_seconds_count", stage="encode")
