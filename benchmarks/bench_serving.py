@@ -231,7 +231,8 @@ def worker_load(directory: str, query_encoder: str = "transformer") -> None:
     rss_loaded = rss_gib()
     model.predict(["a first query"], k=K, query_encoder=query_encoder)
     print(json.dumps({"import_s": round(imported - start, 2), "load_s": round(loaded - imported, 2), "first_predict_s": round(time.perf_counter() - loaded, 3),
-                      "rss_loaded_gib": round(rss_loaded, 3), "rss_after_predict_gib": round(rss_gib(), 3)}))
+                      "rss_loaded_gib": round(rss_loaded, 3), "rss_after_predict_gib": round(rss_gib(), 3),
+                      "load_parts_s": getattr(model, "load_seconds", None)}))
 
 
 def cold_load(directory: str, query_encoder: str = "transformer") -> dict:

@@ -158,7 +158,7 @@ def request_metrics(app, metrics: ServingMetrics):
 def model_info(model, backend: str = "torch", limits: Optional[Any] = None) -> dict:
     """``GET /info``: what is served: the model class, labels, search mode, query encoders (the default and the ones
     available), lexical channel and calibration, the label index, the versions of the libraries, and the fingerprints of
-    the derived parts (``provenance.py``), so that two replicas can be compared."""
+    the derived parts (``provenance.py``), so that two replicas can be compared, and what loading it took, by part."""
     import platform
 
     import torch
@@ -192,5 +192,6 @@ def model_info(model, backend: str = "torch", limits: Optional[Any] = None) -> d
         "versions": {"hf_xmc": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
         "fingerprints": fingerprints,
+        "load_seconds": getattr(model, "load_seconds", None),  # from_pretrained's parts (weights, labels, index, ...)
         "limits": {name: getattr(limits, name) for name in vars(limits)} if limits is not None else None,
     }

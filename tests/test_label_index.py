@@ -310,3 +310,39 @@ def test_faiss_file_is_checked_against_its_recorded_sha256(tmp_path, monkeypatch
     assert not reads and "does not match the sha256" in caplog.text
     exact = LabelIndex(labels, kind="torch").search(queries, 5)[1]
     assert np.mean([len(set(a) & set(b)) / 5 for a, b in zip(loaded.search(queries, 5)[1], exact)]) > 0.9
+
+
+@pytest.mark.parametrize("codes", ["float", "int8", "binary"])
+def test_a_read_back_ivf_index_maps_its_lists_and_reads_them_in_before_it_changes(tmp_path, codes):
+    """An IVF index read back from its file maps its lists read-only (faiss aborts the process on a write to them, and
+    would save a reference to the mapped file): it searches as the index it was saved from, and adding labels,
+    selecting some or saving it again first read the lists into memory, with the results of the in-memory index."""
+    from hf_xmc.models.label_codes import own_inverted_lists
+
+    rng = np.random.default_rng(5)
+    base, extra = rng.standard_normal((800, 32)).astype("float32"), rng.standard_normal((30, 32)).astype("float32")
+    queries = rng.standard_normal((25, 32)).astype("float32")
+    built = LabelIndex(base, kind="ivf", ivf_nlist=8, ivf_nprobe=8, codes=codes)
+    built.save(str(tmp_path / "first"))
+    paths = str(tmp_path / "first" / "label_index.json"), str(tmp_path / "first" / "label_index.faiss")
+    loaded = LabelIndex.load(base, *paths)
+
+    def lists(index):
+        ivf = faiss.downcast_IndexBinary(index._index) if codes == "binary" else faiss.extract_index_ivf(index._index)
+        return faiss.downcast_InvertedLists(ivf.invlists)
+
+    assert loaded.restored_from_file and isinstance(lists(loaded), faiss.OnDiskInvertedLists)
+    for got, want in zip(loaded.search(queries, 10), built.search(queries, 10)):
+        np.testing.assert_array_equal(got, want)
+    loaded.save(str(tmp_path / "second"))  # written from memory, not as a reference to the first file
+    assert isinstance(lists(loaded), faiss.ArrayInvertedLists) and not own_inverted_lists(loaded._index)
+    os.remove(paths[1])
+    again = LabelIndex.load(base, str(tmp_path / "second" / "label_index.json"), str(tmp_path / "second" / "label_index.faiss"))
+    assert again.restored_from_file
+    np.testing.assert_array_equal(again.search(queries, 10)[1], built.search(queries, 10)[1])
+    again.add(extra)  # mapped lists are read in first; faiss would abort on them
+    built.add(extra)
+    assert again._index.ntotal == 830
+    np.testing.assert_array_equal(again.search(queries, 10)[1], built.search(queries, 10)[1])
+    keep = np.sort(rng.choice(830, 700, replace=False))
+    np.testing.assert_array_equal(again.select(keep).search(queries, 10)[1], built.select(keep).search(queries, 10)[1])

@@ -165,6 +165,15 @@ def test_ivf_fp16_sharded_model_through_remote_code(tiny_encoder_dir, tiny_task,
     reloaded = AutoModel.from_pretrained(tmp_path / "model")
     assert (reloaded.label_index.kind, reloaded.label_index.ivf_nlist, reloaded.label_index.ivf_nprobe) == ("ivf", 1, 3)
     np.testing.assert_array_equal(reloaded.predict(texts, k=5).label_ids, before.label_ids)
+    # from_pretrained says what each part of the load took; the parts fit in the total
+    parts = reloaded.load_seconds
+    assert {"weights", "tokenizer", "labels", "label_store", "label_index", "query_encoders", "checks", "total"} <= set(parts)
+    assert all(v >= 0 for v in parts.values()) and sum(v for k, v in parts.items() if k != "total") <= parts["total"] + 1e-3
+    # the read-back IVF lists are memory-mapped, read-only: a label added is added as to the in-memory index
+    new_texts, new_uids = ["a label added later", "another one"], ["added-1", "added-2"]
+    model.add_labels(new_texts, new_uids)
+    reloaded.add_labels(new_texts, new_uids)
+    np.testing.assert_array_equal(reloaded.predict(new_texts + texts, k=5).label_ids, model.predict(new_texts + texts, k=5).label_ids)
     result = predict_through_remote_code(tmp_path / "model", tmp_path, texts)
     assert result["ids"] == before.label_ids.tolist()
     np.testing.assert_allclose(np.array(result["scores"]), before.scores, atol=1e-5)

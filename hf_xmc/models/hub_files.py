@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from huggingface_hub import HfApi, ModelCardData
-from transformers import PreTrainedModel  # an hf_xmc model (modeling_xmc.XMCPreTrainedModel imports this module)
+from transformers import PreTrainedModel  # an hf_xmc model (model_persistence.XMCPersistenceMixin imports this module)
 
 from .io_utils import atomic_write, write_bytes
 from .label_store import LABEL_EMBEDDINGS_FILE, LABEL_EMBEDDINGS_INDEX_FILE, read_label_store_index

@@ -15,7 +15,8 @@ touched). The float store stays the source of truth, on disk; the codes are a ca
 
 Memory model (``L`` labels of ``d`` dims, ``k`` results, factor ``f``; ``s`` = bytes per stored float):
 * codes, held in memory: int8 ``L * d`` bytes (384 B a label at d=384: a quarter of fp32), binary ``L * d / 8``
-  (48 B); ``ivf`` adds 8 B a label (ids) and ``nlist`` centroids, ``hnsw`` ~``8 M`` B a label (the graph);
+  (48 B); ``ivf`` adds 8 B a label (ids) and ``nlist`` centroids, ``hnsw`` ~``8 M`` B a label (the graph); an IVF
+  index read back from its file maps its lists instead (the page cache's pages, touched as lists are probed);
 * building: a training sample of at most ``INT8_TRAIN_ROWS`` (int8 ranges) or the IVF sample, float32;
 * per query: ``f * k`` rows of the store read (``f k d s`` bytes of pages touched) and scored in float32; a batch is
   rescored ``RESCORE_BLOCK_VALUES`` floats at a time (64 MiB).
@@ -110,8 +111,43 @@ def write_code_index(index, path: str) -> None:
     (faiss.write_index_binary if is_binary_index(index) else faiss.write_index)(index, path)
 
 
-def read_code_index(path: str, codes: str):
-    return faiss.read_index_binary(path) if codes == "binary" else faiss.read_index(path)
+def read_code_index(path: str, codes: str, mapped: bool = False):
+    """The faiss index of file ``path`` (binary for ``codes="binary"``). ``mapped``: an IVF index's lists stay in the
+    file, memory-mapped read-only (faiss's ``IO_FLAG_MMAP``): the int8 IVF file of 1.3M labels (516 MB) opens in
+    0.07 s instead of 4.9 s (2 cores of an AMD EPYC, Zen 5, 2026-12-05), its pages are the page cache's, shared by every
+    process serving the same file, and only the probed lists are read. Such an index must not be changed or written
+    as it is: :func:`own_inverted_lists` reads its lists into memory first."""
+    flags = faiss.IO_FLAG_MMAP if mapped else 0
+    return faiss.read_index_binary(path, flags) if codes == "binary" else faiss.read_index(path, flags)
+
+
+def own_inverted_lists(index) -> bool:
+    """Read the memory-mapped lists of an IVF index (:func:`read_code_index` with ``mapped``) into memory, so that it
+    can be added to, reset, cloned or written (faiss aborts the process on a write to mapped lists, and would write a
+    reference to the mapped file instead of the lists); ``False`` when there was nothing to read (lists in memory, or
+    no IVF). Memory: the lists' codes and ids (``L * (code bytes + 8)``)."""
+    if faiss is None or index is None:
+        return False
+    if isinstance(index, faiss.IndexBinary):
+        ivf = faiss.downcast_IndexBinary(index)
+        if not isinstance(ivf, faiss.IndexBinaryIVF):
+            return False
+    else:
+        try:
+            ivf = faiss.extract_index_ivf(index)
+        except RuntimeError:  # not an IVF index
+            return False
+    lists = faiss.downcast_InvertedLists(ivf.invlists)
+    if not isinstance(lists, faiss.OnDiskInvertedLists):
+        return False
+    owned = faiss.ArrayInvertedLists(lists.nlist, lists.code_size)
+    for list_no in range(lists.nlist):
+        size = lists.list_size(list_no)
+        if size:
+            owned.add_entries(list_no, size, lists.get_ids(list_no), lists.get_codes(list_no))
+    ivf.replace_invlists(owned, True)
+    owned.this.disown()  # the index owns it now
+    return True
 
 
 def rescore(

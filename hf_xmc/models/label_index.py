@@ -28,7 +28,10 @@ Memory model (``L`` labels of ``d`` dims; ``s`` = 4 bytes per value for fp32 vec
   the upper levels and the level tables): 1,808 B per label measured at d=384, M=32 in fp32 (1.18x the vectors),
   1,040 B in fp16 (1.35x). Searching never touches the vectors, so a loaded index costs only this;
 * ``ivf``: faiss's own copy, ``L * (d * s + 8)`` bytes + ``nlist * d * 4`` centroids (1.005x the vectors);
-  building also holds a training sample of ``min(L, 40 nlist) x d x 4`` bytes.
+  building also holds a training sample of ``min(L, 40 nlist) x d x 4`` bytes. An IVF index read back from its saved
+  file (:meth:`load`) maps its lists from it read-only instead (``label_codes.read_code_index``): only the centroids
+  are held, the lists are the page cache's pages, shared between processes; adding, selecting or saving reads them
+  into memory first (``own_inverted_lists``).
 * ``codes="int8"`` / ``"binary"`` (any kind): faiss holds ``d`` / ``d / 8`` bytes a label (+ the kind's ids or graph)
   instead of ``d * s``, and a search reads ``rescore_factor * k`` rows of the vectors a query (``label_codes.py``).
 
@@ -56,6 +59,7 @@ from .label_codes import (
     build_code_index,
     check_codes,
     is_binary_index,
+    own_inverted_lists,
     query_codes,
     read_code_index,
     rescore,
@@ -350,6 +354,7 @@ class LabelIndex:
             raise ValueError(f"vectors must have {self.dim} columns, got {block.shape[1]}")
         self.blocks.append(block.to(self.dtype))
         if self._index is not None:
+            own_inverted_lists(self._index)  # lists read back memory-mapped are read-only
             for _, chunk in self._chunks(self.chunk_size, [self.blocks[-1]]):
                 self._index.add(query_codes(chunk.numpy(), self.codes))
         self._torch_labels = None
@@ -367,6 +372,7 @@ class LabelIndex:
                       codes=self.codes, rescore_factor=self.rescore_factor)
         reuse = None
         if self.kind == "ivf" and self.codes == "float" and self._index is not None:
+            own_inverted_lists(self._index)  # faiss clones no memory-mapped lists
             reuse = faiss.clone_index(self._index)
             reuse.reset()  # the trained coarse quantizer stays
             for start in range(0, kept.shape[0], self.chunk_size):
@@ -445,6 +451,7 @@ class LabelIndex:
         index_path = os.path.join(directory, INDEX_FILE)
         meta = self.metadata()
         if self.keeps_file(self.kind, self.codes):
+            own_inverted_lists(self._index)  # mapped lists would be written as a reference to the file they came from
             atomic_write(index_path, lambda p: write_code_index(self._index, p))
             meta["sha256"] = file_sha256(index_path)  # a file that does not match is never handed to faiss
         elif os.path.exists(index_path):
@@ -515,7 +522,7 @@ class LabelIndex:
                 logger.warning("%s does not match the sha256 recorded in %s; rebuilding the label index", index_path, INDEX_META_FILE)
             else:
                 try:
-                    saved = read_code_index(index_path, codes)
+                    saved = read_code_index(index_path, codes, mapped=kind == "ivf")  # IVF lists stay in the file
                 except RuntimeError as err:  # a corrupt cache is rebuilt, never trusted
                     logger.warning("could not read %s (%s); rebuilding the label index", index_path, err)
         index = cls(blocks, kind=kind, use_gpu=use_gpu, codes=codes, _faiss_index=saved, **params)
