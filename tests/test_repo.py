@@ -35,7 +35,8 @@ def package_requirements() -> tuple[str, dict[str, Requirement]]:
     cfg.read(os.path.join(ROOT, "setup.cfg"), encoding="utf-8")
     lines = [line for line in cfg["options"]["install_requires"].splitlines() if line.strip()]
     for extra in cfg["options.extras_require"].values():
-        lines += [part for part in extra.split(";") if part.strip()]
+        # setuptools' rule: a value over several lines is one requirement a line (a marker's ";" kept), else ";"-separated
+        lines += [part for part in (extra.splitlines() if "\n" in extra.strip() else extra.split(";")) if part.strip()]
     requirements = {}
     for line in lines:
         req = Requirement(line.strip())
