@@ -141,7 +141,7 @@ UNIDEC_COMMON: dict[str, Any] = {
     "pooling": "mean",  # official_code_facts 4: mean-pooled SentenceTransformer
     "learning_rate": 1e-4,  # 4: encoder lr
     "head_learning_rate_multiplier": 2.0,  # 4: projections g1, g2 at 2e-4
-    "classifier_init": "xavier",  # official_code_facts 4: Psi xavier-initialised (the recipe's auto starts it from the label texts at 10K+ labels)
+    "classifier_init": "xavier",  # official_code_facts 4: Psi xavier-initialised (the recipe's auto starts it from the label texts)
     "classifier_learning_rate": 1e-3,  # 4: Psi at 1e-3
     "lr_scheduler_type": "cosine",  # 4: cosine annealing with warm-up
     "num_train_epochs": 150,  # official_code_facts 4: README example (the paper gives none)

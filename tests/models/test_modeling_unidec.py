@@ -282,19 +282,17 @@ def test_train_unidec_script_contract_and_loss_terms(tiny_task, tiny_encoder_dir
     assert "loss_de_label_to_query" not in log  # the script's default drops the symmetric terms
     reloaded = AutoModel.from_pretrained(out)
     assert isinstance(reloaded, UniDECModel) and reloaded.search_mode == "concat" and not reloaded.needs_label_state
-    assert reloaded.config.classifier_init == "xavier"  # --classifier_init auto on the tiny task: below LABEL_TEXT_INIT_MIN_LABELS
+    assert reloaded.config.classifier_init == "label_text"  # --classifier_init auto
     assert reloaded.predict(["anything"], k=3).label_ids.shape == (1, 3)
 
 
-def test_script_classifier_init_auto_follows_the_label_count():
+def test_script_classifier_init_auto_starts_from_the_label_texts():
     from hf_xmc.training.presets import preset_values
-    from hf_xmc.training.recipes.unidec import LABEL_TEXT_INIT_MIN_LABELS, UniDECModelArguments, resolve_classifier_init
+    from hf_xmc.training.recipes.unidec import UniDECModelArguments, resolve_classifier_init
 
     assert UniDECModelArguments(model_name_or_path="x").classifier_init == "auto"
-    assert resolve_classifier_init("auto", LABEL_TEXT_INIT_MIN_LABELS) == "label_text"
-    assert resolve_classifier_init("auto", LABEL_TEXT_INIT_MIN_LABELS - 1) == "xavier"
-    assert resolve_classifier_init("xavier", 10 * LABEL_TEXT_INIT_MIN_LABELS) == "xavier"
-    assert resolve_classifier_init("label_text", 2) == "label_text"
+    assert resolve_classifier_init("auto") == "label_text"
+    assert resolve_classifier_init("xavier") == "xavier" and resolve_classifier_init("label_text") == "label_text"
     assert preset_values("unidec", "lf-amazontitles-1.3m")["classifier_init"] == "xavier"  # the papers' runs: the official init
 
 
