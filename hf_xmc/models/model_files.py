@@ -150,9 +150,8 @@ def read_labels(path: str) -> tuple[list[str], list[str]]:
     The whole file is parsed as one JSON array first (its newlines made commas: one C-level parse, no string a line;
     a JSON string holds no raw newline, so only the row separators change), with the garbage collector paused while
     its 1.3M rows become objects (a collection would walk every object of the process, torch's included, again and
-    again): 1.1-1.5 s at 1.3M labels against 3.3-5.7 s a line list and collections cost (2 cores of an AMD EPYC, Zen 5,
-    beside a training run, 2026-12-05). Only a file that fails that check is read again line by line, for the line at
-    fault. Memory: the file's text twice (as read and as the array), while its rows are parsed."""
+    again): 0.82 s at 1.3M labels in ``bench_serving.py``'s cold load (``load_parts_s``; 2 cores of an AMD EPYC, Zen 5,
+    2026-12-05). Only a file that fails that check is read again line by line, for the line at fault. Memory: the file's text twice (as read and as the array), while its rows are parsed."""
     import gc
 
     with open(path, encoding="utf-8") as f:
