@@ -6,8 +6,8 @@ the four stage observations of a text model's ranking, timed in-process against 
 
 An HTTP round trip over loopback varies by more than this overhead from one request to the next, so it is measured
 where it happens: an ASGI app that answers 200 at once, called ``--requests`` times directly (scope, receive, send)
-with and without ``request_metrics`` around it, plus one ``batch()`` and four ``stage()`` calls per request (what the
-worker adds for a batch of one); best of 5 rounds each, interleaved. Writes
+with and without ``request_metrics`` around it, plus one ``batch()`` (with its request's queue wait), four ``stage()``
+and one ``predicted()`` call per request (what the worker adds for a batch of one); best of 5 rounds each, interleaved. Writes
 ``benchmarks/results/serving_metrics_overhead.json``; the goal (issue 66): under 0.1 ms a request.
 """
 
@@ -44,9 +44,10 @@ async def drive(app, requests: int, metrics: ServingMetrics | None) -> float:
     for _ in range(requests):
         await app(scope, receive, send)
         if metrics is not None:  # what the worker adds for a batch of one
-            metrics.batch(1)
+            metrics.batch(1, (0.0001,))  # the batch and its request's queue wait
             for stage in ("tokenise", "encode", "search", "fuse"):
                 metrics.stage(stage, 0.001)
+            metrics.predicted(0.004)
     return time.perf_counter() - start
 
 
