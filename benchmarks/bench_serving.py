@@ -33,10 +33,10 @@ encoder's WordNet-XMC test titles; 500 at 1.3M: ``bench_index.py``'s synthetic q
 in a subprocess, queried over loopback with WordNet-XMC test titles, one text and k=10 a request: **1 client**,
 ``--requests`` requests one after another (after 20 to warm up), p50 / p99 milliseconds a request as the client
 sees it; **16 clients**, 16 threads with a connection each sending requests back to back, p50 / p99 and queries a
-second; the server's peak RSS over all of it. Where a one-client request's time went (``breakdown_ms``, a second table):
-the server's own ``/metrics`` scraped before and after the one-client requests (HTTP, application, batcher queue,
-``predict`` and its stages); what each part of the cold load took (``load_parts_s``: ``model.load_seconds``). The clients run on the same 2 cores as the server (``load_1min``
-says how busy the machine was), so the 16-client figures are what the machine does, clients included.
+second; the server's peak RSS over all of it. Where a one-client request's time went (``breakdown_ms``, a second
+table): the server's own ``/metrics`` scraped before and after the one-client requests (HTTP, application, batcher
+queue, ``predict`` and its stages); what each part of the cold load took (``load_parts_s``: ``model.load_seconds``).
+The clients run on the same 2 cores as the server (``load_1min`` says how busy the machine was), so the 16-client figures are what the machine does, clients included.
 """
 
 import gzip

@@ -69,18 +69,16 @@ def latencies(model, texts: list[str], query_encoder: str) -> dict:
     return {"p50_ms": round(float(np.percentile(times, 50)), 3), "p99_ms": round(float(np.percentile(times, 99)), 3)}
 
 
-def initialised_only(model, train, test, filter_file: str | None = None) -> dict:
+def initialised_only(model, train, test, data_flags: list[str]) -> dict:
     """Dense test metrics of the static encoder at its start (no fit step), on the saved model (its own encoder kept);
-    ``train`` / ``test``: the dataset's read splits (``XMCDataset``, every test row kept); ``filter_file``: the test
-    split's filter (WordNet-XMC's), applied as the scripts apply it."""
-    from hf_xmc.data import filter_predictions, read_filter_file
+    ``train`` / ``test``: the dataset's read splits (``XMCDataset``, every test row kept); the test split's filter of
+    ``data_flags`` (WordNet-XMC's) applied as the scripts apply it."""
+    from benchmarks.bench_validation import split_filter
+    from hf_xmc.data import filter_predictions
     from hf_xmc.metrics import inverse_propensity, xmc_metrics
     from hf_xmc.models.static_encoder import fit_static_encoder
 
-    filt = None
-    if filter_file:
-        filt = read_filter_file(filter_file, num_points=test.num_source_records, num_labels=len(model.label_texts))[test.record_indices()]
-    extra = int(np.diff(filt.indptr).max()) if filt is not None and filt.nnz else 0
+    filt, extra = split_filter(data_flags, test, len(model.label_texts))
     saved = (model.static_query_encoder, model.static_query_encoder_meta)
     encoder, _ = fit_static_encoder(model, train.texts[:64], epochs=0, show_progress_bar=False)  # the start only
     try:
@@ -107,7 +105,6 @@ def run_row(dataset: str, method: str, latency_queries: int, work: str) -> dict:
     encoder = minilm()
     # the method's headline recipe where it has one, else bench_validation's budget (WordNet's 40 CPU minutes)
     flags = HEADLINES.get((dataset, method), {}).get("flags") or BUDGETS.get((dataset, method), [])
-    filter_file = data_flags[data_flags.index("--test_filter_file") + 1] if "--test_filter_file" in data_flags else None
     out = os.path.join(work, f"{dataset}-{method}")
     extra = [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", "--static_query_encoder", *validation_flags(data_dir), *flags]
     results, wall = run_training_script(method, data_dir, encoder, out, extra)
@@ -127,7 +124,7 @@ def run_row(dataset: str, method: str, latency_queries: int, work: str) -> dict:
         "cpu": cpu_name(), "load_1min": round(os.getloadavg()[0], 2),
         "tower": {"dense": pick("test_dense_"), "fused": pick("test_"), "validation_fused": pick("eval_")},
         "static": {"dense": pick("test_static_dense_"), "fused": pick("test_static_"), "validation_fused": pick("eval_static_")},
-        "static_init": {"dense": initialised_only(model, train, test, filter_file)},
+        "static_init": {"dense": initialised_only(model, train, test, data_flags)},
         "weights": {"tower": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")],
                     "static": [results.get("static_lexical_ranker_weight"), results.get("static_lexical_text_weight")]},
         "fit": {"seconds": results.get("static_fit_runtime"), "encode_seconds": fit.get("encode_seconds"), "queries": fit.get("queries"),

@@ -166,20 +166,34 @@ TAIL_NOTE = ("Tail metrics (percent, k = 5): *unseen* labels have no training po
              "the last); \"-\": measured before the scripts reported it.")
 
 
+def split_filter(data_flags: list[str], test, num_labels: int):
+    """The test split's filter matrix (rows of ``test``, an ``XMCDataset``) named by ``--test_filter_file`` in
+    ``data_flags``, as the scripts apply it, and how many more results a search needs so that ``k`` remain after
+    filtering; ``(None, 0)`` without a filter file."""
+    import numpy as np
+
+    from hf_xmc.data import read_filter_file
+
+    if "--test_filter_file" not in data_flags:
+        return None, 0
+    path = data_flags[data_flags.index("--test_filter_file") + 1]
+    filt = read_filter_file(path, num_points=test.num_source_records, num_labels=num_labels)[test.record_indices()]
+    return filt, (int(np.diff(filt.indptr).max()) if filt.nnz else 0)
+
+
 def post_hoc(model_dir: str, data_dir: str, data_flags: list[str]) -> dict:
     """The saved model's channel-alone ranking and its fusion tuned the way it was before the validation split."""
     import numpy as np
     from transformers import AutoModel
 
     import hf_xmc  # noqa: F401  (registers the model classes)
-    from hf_xmc.data import filter_predictions, read_filter_file
+    from hf_xmc.data import filter_predictions
     from hf_xmc.metrics import inverse_propensity, xmc_metrics
     from hf_xmc.models.lexical_channel import FUSE_CHUNK
     from hf_xmc.training import XMCTrainingArguments
     from hf_xmc.training.lexical import fit_lexical_channel
     from hf_xmc.training.script_utils import XMCDataArguments, load_data
 
-    filter_file = data_flags[data_flags.index("--test_filter_file") + 1] if "--test_filter_file" in data_flags else None
     data_args = XMCDataArguments(train_file=f"{data_dir}/trn.json.gz", test_file=f"{data_dir}/tst.json.gz", label_file=f"{data_dir}/lbl.json.gz")
     with tempfile.TemporaryDirectory() as tmp:
         training_args = XMCTrainingArguments(output_dir=tmp, lexical_channel="omikuji", seed=42, disable_tqdm=True)
@@ -188,10 +202,7 @@ def post_hoc(model_dir: str, data_dir: str, data_flags: list[str]) -> dict:
     if model.config.validation["fingerprint"] != data.validation_record["fingerprint"]:
         raise SystemExit(f"{model_dir}: the model's validation split is not the one carved here")
     test = data.test
-    filt = None
-    if filter_file:
-        filt = read_filter_file(filter_file, num_points=test.num_source_records, num_labels=len(data.label_texts))[test.record_indices()]
-    extra = int(np.diff(filt.indptr).max()) if filt is not None and filt.nnz else 0
+    filt, extra = split_filter(data_flags, test, len(data.label_texts))
     inv_prop = inverse_propensity(data.propensity_targets(), model.config.propensity_a, model.config.propensity_b)
 
     def score(ids, scores):

@@ -115,8 +115,8 @@ def read_code_index(path: str, codes: str, mapped: bool = False):
     """The faiss index of file ``path`` (binary for ``codes="binary"``). ``mapped``: an IVF index's lists stay in the
     file, memory-mapped read-only (faiss's ``IO_FLAG_MMAP``): nothing of the lists is read at load (the 1.3M-label int8
     IVF file is 516 MB; the label index's part of that model's cold load is 0.36 s with its checks, docs/label_index.md),
-    its pages are the page cache's, shared by every process serving the same file, and only the probed lists are read. Such an index must not be changed or written
-    as it is: :func:`own_inverted_lists` reads its lists into memory first."""
+    its pages are the page cache's, shared by every process serving the same file, and only the probed lists are read.
+    Such an index must not be changed or written as it is: :func:`own_inverted_lists` reads its lists into memory first."""
     flags = faiss.IO_FLAG_MMAP if mapped else 0
     return faiss.read_index_binary(path, flags) if codes == "binary" else faiss.read_index(path, flags)
 

@@ -151,7 +151,8 @@ def read_labels(path: str) -> tuple[list[str], list[str]]:
     a JSON string holds no raw newline, so only the row separators change), with the garbage collector paused while
     its 1.3M rows become objects (a collection would walk every object of the process, torch's included, again and
     again): 0.82 s at 1.3M labels in ``bench_serving.py``'s cold load (``load_parts_s``; 2 cores of an AMD EPYC, Zen 5,
-    2026-12-05). Only a file that fails that check is read again line by line, for the line at fault. Memory: the file's text twice (as read and as the array), while its rows are parsed."""
+    2026-12-05). Only a file that fails that check is read again line by line, for the line at fault. Memory: the
+    file's text twice (as read and as the array), while its rows are parsed."""
     import gc
 
     with open(path, encoding="utf-8") as f:

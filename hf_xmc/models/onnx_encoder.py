@@ -65,11 +65,6 @@ class OnnxQueryEncoder:
         return torch.from_numpy(out)
 
 
-def read_onnx_meta(path: Optional[str]) -> Optional[dict]:
-    """An export's metadata (``query_encoder.json``), or None without one."""
-    return read_json_file(path)
-
-
 class OnnxExportMixin:
     """``export_onnx`` and ``predict(backend="onnx")`` of ``XMCPreTrainedModel``."""
 
@@ -137,7 +132,7 @@ class OnnxExportMixin:
         encoder = getattr(self, "_onnx_encoder", None)
         if encoder is not None and getattr(self, "_onnx_checked_version", None) == version:
             return encoder
-        meta = read_onnx_meta(files[1]) or {}
+        meta = read_json_file(files[1]) or {}
         self._check_onnx_export(files[0], meta, check_file=encoder is None)
         if encoder is None:
             self._onnx_encoder = encoder = OnnxQueryEncoder(files[0], meta)
@@ -180,7 +175,7 @@ class OnnxExportMixin:
     def _save_onnx_encoder(self, save_directory: str) -> None:
         """Copy the attached exported encoder (when it matches the weights) into a directory being saved."""
         files = getattr(self, "_onnx_encoder_files", None)
-        if not files or not all(os.path.exists(p) for p in files) or not self._onnx_matches(read_onnx_meta(files[1]) or {}, files[0]):
+        if not files or not all(os.path.exists(p) for p in files) or not self._onnx_matches(read_json_file(files[1]) or {}, files[0]):
             return  # none, or exported from other weights, head or bytes: a later predict(backend="onnx") says so
         import shutil
 

@@ -108,8 +108,8 @@ class StaticQueryEncoder(nn.Module):
 # ---------------------------------------------------------------------------------------------------------- fitting
 def gather_bags(ids: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The flat token ids and offsets of the bags ``rows`` of a flat bag store (``ids``, each bag's start ``offsets``
-    and ``lengths``), in the order of ``rows``: one vectorised gather (a Python slice a bag cost ~5 us a query an
-    epoch, 90 s an epoch at 2.2M queries). Memory: the batch's token ids and two index vectors of that length."""
+    and ``lengths``), in the order of ``rows``: one vectorised gather (a Python slice a bag took 0.96 s an epoch of
+    200,000 queries on one thread, this 0.04 s). Memory: the batch's token ids and two index vectors of that length."""
     sizes = lengths[rows]
     bag_offsets = torch.zeros(len(rows), dtype=torch.long)
     if len(rows) > 1:
