@@ -37,6 +37,11 @@ HEADLINES: dict[tuple[str, str], dict] = {
     # the quickstart's run (python -m hf_xmc.quickstart: one epoch at batch 64, lr 3e-4, length 32) with the channel
     ("debtags", "dexml"): {"flags": ["--num_train_epochs", "1"], "budget": "1 epoch at batch 64 (the quickstart's), + channel"},
     ("reuters", "dexml"): {"flags": ["--num_train_epochs", "3"], "budget": "3 epochs at batch 32 (the script's), + channel"},
+    # the other methods' figures in the README's method table, at the budgets it names (one seed each until run here)
+    ("debtags", "prime"): {"flags": ["--num_train_epochs", "1", "--classifier_stage", "true"],
+                           "budget": "1 epoch at batch 64 + 10 classifier epochs (PRIME (W)), + channel"},
+    ("debtags", "unidec"): {"flags": ["--num_train_epochs", "1"], "budget": "1 epoch at batch 64, + channel"},
+    ("debtags", "siamesexml"): {"flags": ["--num_train_epochs", "2"], "budget": "Module I 2 epochs + Module IV 10 (the script's), + channel"},
 }
 PEERS = ("omikuji", "omikuji_bonsai", "napkinxc")
 

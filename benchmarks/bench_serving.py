@@ -107,6 +107,32 @@ def rss_gib(pid: str = "self", field: str = "VmRSS") -> float:
     return float("nan")
 
 
+def pss_gib(pids: list[int]) -> float:
+    """The proportional set size of ``pids`` together: a page that n of them map counts 1/n in each (``smaps_rollup``),
+    so the workers' shared, memory-mapped index is counted once."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            total += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+    return total / 1024**2
+
+
+def worker_pids(port: int, workers: int, seconds: float = 600) -> list[int]:
+    """The pids of the ``workers`` server processes, once each has answered ``/info`` (each request on a new
+    connection, which the kernel hands to either)."""
+    seen: set[int] = set()
+    deadline = time.time() + seconds
+    while len(seen) < workers:
+        if time.time() > deadline:
+            raise RuntimeError(f"only {len(seen)} of {workers} server workers answered within {seconds:.0f} s")
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/info")
+        seen.add(json.loads(conn.getresponse().read())["process"]["pid"])
+        conn.close()
+        time.sleep(0.02)
+    return sorted(seen)
+
+
 # ------------------------------------------------------------------------------------------------ building the models
 def build(scale: str, work: str, only: list[str] | None = None, ivf_nprobe: int = IVF_NPROBE) -> dict:
     """Save one model directory per store of ``scale`` under ``work`` (the large scale's IVF probing ``ivf_nprobe``
@@ -315,11 +341,11 @@ def breakdown(before: dict[str, float], after: dict[str, float], client_mean_s: 
 
 
 def serve_and_measure(directory: str, backend: str, queries: list[str], requests: int, max_wait_ms: float, query_encoder: str = "transformer",
-                      wait_for_arrivals: bool = False) -> dict:
+                      wait_for_arrivals: bool = False, workers: int = 1) -> dict:
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     server = subprocess.Popen([sys.executable, "-m", "hf_xmc.cli", "serve", directory, "--port", str(port), "--backend", backend,
-                               "--max_wait_ms", str(max_wait_ms), "--query_encoder", query_encoder,
+                               "--max_wait_ms", str(max_wait_ms), "--query_encoder", query_encoder, "--workers", str(workers),
                                *(["--wait_for_arrivals"] if wait_for_arrivals else [])], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     try:
@@ -337,14 +363,17 @@ def serve_and_measure(directory: str, backend: str, queries: list[str], requests
             if time.time() > deadline:
                 raise RuntimeError("hf-xmc serve did not answer within 10 minutes")
             time.sleep(0.1)
+        pids = worker_pids(port, workers) if workers > 1 else [server.pid]
         ready_s = time.perf_counter() - start
-        rss_ready = rss_gib(str(server.pid))
+        rss_ready = rss_gib(str(server.pid)) if workers == 1 else None
+        pss_ready = pss_gib(sorted({server.pid, *pids}))
         client = Client(port)
         for text in queries[:20]:
             client.predict(text)
         before = scrape(port)
         single = [client.predict(queries[i % len(queries)]) for i in range(requests)]
-        parts = breakdown(before, scrape(port), statistics.fmean(single))
+        # each worker's /metrics counts only its own requests: the breakdown is measured with one process
+        parts = breakdown(before, scrape(port), statistics.fmean(single)) if workers == 1 else None
         per_client = max(20, requests // 4)
         lat: list[list[float]] = [[] for _ in range(CLIENTS)]
 
@@ -368,7 +397,10 @@ def serve_and_measure(directory: str, backend: str, queries: list[str], requests
             raise RuntimeError(f"{CLIENTS * per_client - len(together)} concurrent requests failed")
         p50, p99 = percentiles(single)
         c50, c99 = percentiles(together)
-        return {"server_ready_s": round(ready_s, 1), "server_rss_ready_gib": round(rss_ready, 3), "server_peak_rss_gib": round(rss_gib(str(server.pid), "VmHWM"), 3),
+        return {"workers": workers, "server_ready_s": round(ready_s, 1),
+                "server_rss_ready_gib": round(rss_ready, 3) if rss_ready is not None else None, "server_pss_ready_gib": round(pss_ready, 3),
+                # with workers: the sum of their peaks, an upper bound (the mapped pages they share are counted in each)
+                "server_peak_rss_gib": round(sum(rss_gib(str(pid), "VmHWM") for pid in sorted({server.pid, *pids})), 3),
                 "p50_ms": p50, "p99_ms": p99, "mean_ms": round(statistics.fmean(single) * 1000, 2), "clients": CLIENTS,
                 "concurrent_p50_ms": c50, "concurrent_p99_ms": c99, "qps": round(len(together) / wall, 1),
                 "texts_per_batch": round(health["queries"] / max(1, health["batches"]), 2), "breakdown_ms": parts}
@@ -381,7 +413,7 @@ def serve_and_measure(directory: str, backend: str, queries: list[str], requests
 
 
 def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: list[str] | None = None, ivf_nprobe: int = IVF_NPROBE,
-        wait_for_arrivals: bool = False) -> list[dict]:
+        wait_for_arrivals: bool = False, workers: int = 1) -> list[dict]:
     rows = read_json(out) if os.path.exists(out) else []
     queries = titles("tst.json.gz", 4000)[0][2000:]  # not the recall queries
     for scale in scales:
@@ -397,6 +429,7 @@ def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: li
                 entry = built[store + ("-onnx-int8" if encoder == "onnx-int8" else "") + ("-channel" if channel else "")]
                 name += f"-wait{max_wait_ms:g}" if max_wait_ms != 2.0 else ""
                 name += "-arrivals" if wait_for_arrivals else ""
+                name += f"-workers{workers}" if workers > 1 else ""
                 probes = ivf_nprobe if scale == "1.3m" else None  # the 53K rows search exactly
                 name += f"-nprobe{ivf_nprobe}" if probes is not None and ivf_nprobe != IVF_NPROBE else ""
                 row = {"row": name, "scale": scale, "labels": num_large() if scale == "1.3m" else 52_992, "store": store, "encoder": encoder,
@@ -405,7 +438,7 @@ def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: li
                        "static_fit_s": entry.get("static_fit_s") if encoder == "static" else None,
                        **cold_load(entry["dir"], "static" if encoder == "static" else "transformer"),
                        **serve_and_measure(entry["dir"], "onnx" if encoder.startswith("onnx") else "torch", queries, requests, max_wait_ms,
-                                           "static" if encoder == "static" else "transformer", wait_for_arrivals),
+                                           "static" if encoder == "static" else "transformer", wait_for_arrivals, workers),
                        "wait_for_arrivals": wait_for_arrivals,
                        "max_wait_ms": max_wait_ms, "ivf_nprobe": probes, "load_1min": round(os.getloadavg()[0], 2)}
                 rows = [r for r in rows if r["row"] != name] + [row]
@@ -417,6 +450,15 @@ def run(scales: list[str], requests: int, max_wait_ms: float, out: str, only: li
     return rows
 
 
+def server_memory(row: dict) -> str:
+    """The server's peak RSS; with several workers, their summed peaks (shared pages counted in each) and, beside it,
+    their summed PSS once loaded (shared pages counted once)."""
+    workers = row.get("workers", 1)
+    if workers == 1:
+        return f"{row['server_peak_rss_gib']:.2f}"
+    return f"{row['server_peak_rss_gib']:.2f} ({workers} processes; PSS {row['server_pss_ready_gib']:.2f})"
+
+
 def table(rows: list[dict]) -> str:
     header = ["labels", "store", "encoder", "channel", "wait ms", "lists probed", "recall@100", "load s", "RSS GiB", "server peak GiB", "p50 ms", "p99 ms",
               "16 clients p50 / p99 ms", "16 clients q/s", "texts a batch"]
@@ -426,7 +468,7 @@ def table(rows: list[dict]) -> str:
         cells.append([f"{r['labels']:,}", r["store"], r["encoder"], "yes" if r["channel"] else "",
                       f"{r['max_wait_ms']:g}" + (" (arrivals)" if r.get("wait_for_arrivals") else ""),
                       "exact" if probes is None else str(probes),
-                      f"{r['recall@100']:.4f}", f"{r['load_s']:.2f}", f"{r['rss_after_predict_gib']:.2f}", f"{r['server_peak_rss_gib']:.2f}",
+                      f"{r['recall@100']:.4f}", f"{r['load_s']:.2f}", f"{r['rss_after_predict_gib']:.2f}", server_memory(r),
                       f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['concurrent_p50_ms']:.0f} / {r['concurrent_p99_ms']:.0f}",
                       f"{r['qps']:.0f}", f"{r['texts_per_batch']:.1f}"])
     out = markdown_table(header, cells, "llll" + "r" * 11) + "\n"
@@ -507,6 +549,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--requests", type=int, default=300, help="one-client requests measured per row")
     ap.add_argument("--max_wait_ms", type=float, default=2.0, help="the server's --max_wait_ms (rows at another value than 2 are named -waitN)")
     ap.add_argument("--wait_for_arrivals", action="store_true", help="the server's --wait_for_arrivals (rows named -arrivals)")
+    ap.add_argument("--workers", type=int, default=1, help="the server's --workers (rows named -workersN)")
     ap.add_argument("--ivf_nprobe", type=int, default=IVF_NPROBE, help="IVF lists probed at the 1.3M scale (rows at another count are named -nprobeN)")
     ap.add_argument("--rows", nargs="+", help="only these rows of each scale (e.g. float32-torch int8-onnx-channel)")
     ap.add_argument("--ranker_threads", action="store_true",
@@ -521,7 +564,7 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"{WORDNET}: build WordNet-XMC first (python benchmarks/make_wordnet.py)")
     rows = read_json(args.out) if os.path.exists(args.out) else []
     if not args.table_only:
-        rows = run(args.scales, args.requests, args.max_wait_ms, args.out, args.rows, args.ivf_nprobe, args.wait_for_arrivals)
+        rows = run(args.scales, args.requests, args.max_wait_ms, args.out, args.rows, args.ivf_nprobe, args.wait_for_arrivals, args.workers)
     publish(table(rows), "serving", args.update_docs)
     return rows
 

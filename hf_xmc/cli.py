@@ -523,7 +523,7 @@ SERVE_LIMIT_FLAGS = ("max_texts", "max_chars", "max_k", "max_images", "max_image
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load the model and serve it until interrupted (``hf_xmc.serving``); exit status 1 when its prediction worker
     died for good (for a process supervisor to start it again)."""
-    for flag in ("port", "max_batch", "max_texts", "max_chars", "max_k", "max_images", "max_image_bytes", "max_body_bytes",
+    for flag in ("port", "workers", "max_batch", "max_texts", "max_chars", "max_k", "max_images", "max_image_bytes", "max_body_bytes",
                  "max_pixels", "max_queue", "max_connections"):
         _require_positive(getattr(args, flag), f"--{flag}")
     _require_finite(args.max_wait_ms, "--max_wait_ms", least=0)
@@ -543,6 +543,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = load_model(args.model, revision=args.revision)
     _pick_device(model, args.device)
     limits = ServingLimits(**{flag: getattr(args, flag) for flag in SERVE_LIMIT_FLAGS})
+    if args.workers > 1:
+        return serve_with_workers(model, args, limits)
     try:
         code = serve(model, host=args.host, port=args.port, limits=limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                      backend=args.backend, query_encoder=args.query_encoder, wait_for_arrivals=args.wait_for_arrivals)
@@ -552,6 +554,49 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"{PROG} serve: the prediction worker failed {args.max_worker_restarts + 1} time(s) in a row; stopped (exit status 1)",
               file=sys.stderr)
     return code
+
+
+def serve_with_workers(model, args: argparse.Namespace, limits) -> int:
+    """``hf-xmc serve --workers N``: check here what each worker would refuse (one line, before the port is bound), let
+    the model go, and serve with N processes (:func:`hf_xmc.serving.serve_workers`), each loading the model through
+    :func:`serve_worker_app` with its share of the cores."""
+    import dataclasses
+    import gc
+
+    from .serving import check_servable, serve_workers, threads_per_worker
+
+    try:
+        check_servable(model, args.backend, args.query_encoder)
+    except ValueError as err:  # --backend onnx without (a current) export; --query_encoder static without a current one
+        raise UserError(f"{args.model}: {_first_line(err)}") from None
+    del model
+    gc.collect()
+    spec = {"model": args.model, "revision": args.revision, "device": args.device, "limits": dataclasses.asdict(limits),
+            "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms, "backend": args.backend, "query_encoder": args.query_encoder,
+            "wait_for_arrivals": args.wait_for_arrivals, "workers": args.workers, "threads": threads_per_worker(args.workers)}
+    return serve_workers("hf_xmc.cli:serve_worker_app", spec, args.workers, host=args.host, port=args.port, limits=limits)
+
+
+def serve_worker_app():
+    """One worker process of ``hf-xmc serve --workers N`` (uvicorn's application factory): the model loaded as the
+    parent loaded it, with the settings the parent left in ``WORKER_SPEC_ENV``. A prediction worker that fails past
+    ``--max_worker_restarts`` stops this process (as SIGTERM would); the parent starts another."""
+    import signal
+
+    from .serving import WORKER_SPEC_ENV, ServingLimits, create_app, use_threads
+
+    spec = json.loads(os.environ[WORKER_SPEC_ENV])
+    model = load_model(spec["model"], revision=spec["revision"])
+    _pick_device(model, spec["device"])
+    use_threads(model, spec["threads"], spec["backend"])
+
+    def on_dead(reason: str) -> None:
+        print(f"{PROG} serve: worker process {os.getpid()}: the prediction worker is dead ({reason}); stopping it", file=sys.stderr)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return create_app(model, ServingLimits(**spec["limits"]), spec["max_batch"], spec["max_wait_ms"], backend=spec["backend"],
+                      on_dead=on_dead, query_encoder=spec["query_encoder"], wait_for_arrivals=spec["wait_for_arrivals"],
+                      workers=spec["workers"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -655,6 +700,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "not for a local directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--workers", type=int, default=1, help="processes serving the port (uvicorn's supervisor: each loads the "
+                   "model, takes its share of the cores' threads and is started again if it dies; the limits hold per process)")
     p.add_argument("--max_batch", type=int, default=64, help="most texts one predict call serves")
     p.add_argument("--max_wait_ms", type=float, default=2.0, help="how long a batch waits for more requests after its first")
     p.add_argument("--wait_for_arrivals", action="store_true", help="a batch waits --max_wait_ms only while another request has "

@@ -49,8 +49,10 @@ import asyncio
 import base64
 import binascii
 import io
+import json
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -440,7 +442,6 @@ def announce_arrivals(app, batcher: "PredictionBatcher"):
 def body_limit(app, max_bytes: int):
     """ASGI middleware: a request body over ``max_bytes`` is answered 413 (JSON ``{"error"}``) and read no further;
     a smaller one is read whole (at most ``max_bytes`` held) and handed on."""
-    import json
 
     async def refuse(send, message: str) -> None:
         payload = json.dumps({"error": message}).encode()
@@ -482,16 +483,19 @@ def body_limit(app, max_bytes: int):
 
 
 def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 64, max_wait_ms: float = 2.0, backend: str = "torch",
-               on_dead: Optional[Callable[[str], None]] = None, query_encoder: Optional[str] = None, wait_for_arrivals: bool = False):
+               on_dead: Optional[Callable[[str], None]] = None, query_encoder: Optional[str] = None, wait_for_arrivals: bool = False,
+               workers: int = 1):
     """The FastAPI application serving ``model`` (module docstring), its body limit in front. ``app.state.batcher`` is
     its :class:`PredictionBatcher`, closed when the application shuts down; ``on_dead(reason)`` is called (from the
     worker thread) when the worker stops for good. ``backend="onnx"``: queries are encoded by the model's exported
     encoder (``model.export_onnx``), checked here, before the first request. ``query_encoder="static"``: every request
     is ranked with the model's static query encoder (``model.set_query_encoder``; a missing or stale one is one error
     here); None: the model's own. ``wait_for_arrivals``: a batch waits ``max_wait_ms`` only while another ``/predict``
-    has arrived and is being read (:class:`PredictionBatcher`); a request alone runs at once."""
+    has arrived and is being read (:class:`PredictionBatcher`); a request alone runs at once. ``workers``: how many
+    processes serve the port (:func:`serve_workers`), reported by ``/info`` with this one's pid."""
     from contextlib import asynccontextmanager
 
+    import torch
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
@@ -501,16 +505,14 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
     from .serving_metrics import CONTENT_TYPE, ServingMetrics, model_info, request_metrics
 
     limits = limits or ServingLimits()
-    if query_encoder is not None:
-        model.set_query_encoder(query_encoder)  # no static encoder, or a stale one: one clear error now
-    if backend != "torch":
-        model.query_vectors_with(backend, ["a first query"])  # no export, or a stale one: one clear error now
+    check_servable(model, backend, query_encoder)
     metrics = ServingMetrics()
     model.stage_observer = metrics.stage  # the text models time tokenise / encode / search / fuse
     batcher = PredictionBatcher(model, max_batch=max_batch, max_wait_ms=max_wait_ms, backend=backend, max_queue=limits.max_queue,
                                 max_pixels=limits.max_pixels, max_worker_restarts=limits.max_worker_restarts,
                                 stall_after=limits.request_timeout, on_dead=on_dead, metrics=metrics, wait_for_arrivals=wait_for_arrivals)
     info = model_info(model, backend, limits)  # taken once: what is served does not change while it runs
+    info["process"] = {"pid": os.getpid(), "workers": workers, "torch_threads": torch.get_num_threads()}
     label_ids = {uid: i for i, uid in enumerate(model.label_uids)}
 
     takes_images = model.takes_images
@@ -642,6 +644,62 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
         return {"id": i, "uid": uid, "text": model.label_texts[i]}
 
     return app
+
+
+def check_servable(model, backend: str = "torch", query_encoder: Optional[str] = None) -> None:
+    """Raise the one-line ``ValueError`` that serving ``model`` this way would meet on its first request: no static
+    query encoder or a stale one (``query_encoder="static"``), no ONNX export or a stale one (``backend="onnx"``)."""
+    if query_encoder is not None:
+        model.set_query_encoder(query_encoder)
+    if backend != "torch":
+        model.query_vectors_with(backend, ["a first query"])
+
+
+#: the environment variable through which :func:`serve_workers` hands its settings (JSON) to each worker process
+WORKER_SPEC_ENV = "HF_XMC_SERVE_WORKER_SPEC"
+
+
+def threads_per_worker(workers: int) -> int:
+    """The cores this process may run on, shared out among ``workers`` processes (at least one thread each)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // workers)
+
+
+def use_threads(model, threads: int, backend: str = "torch") -> None:
+    """Give this process's torch, faiss and onnxruntime ``threads`` threads (torch one with ``backend="onnx"``, as in
+    :func:`serve`): processes that share the cores each keep to their share instead of all spinning on every core."""
+    import torch
+
+    torch.set_num_threads(1 if backend == "onnx" else threads)
+    try:
+        import faiss
+
+        faiss.omp_set_num_threads(threads)
+    except ImportError:  # no faiss: the label index searches with torch
+        pass
+    model.onnx_threads = threads
+
+
+def serve_workers(app_factory: str, spec: dict, workers: int, host: str = "127.0.0.1", port: int = 8000,
+                  limits: Optional[ServingLimits] = None, log_level: str = "info", healthcheck_seconds: int = 60) -> int:
+    """Serve with ``workers`` processes until interrupted: uvicorn's supervisor binds the port once, spawns the workers
+    (each accepts from the shared socket), starts again a worker that dies, and stops them all on SIGINT / SIGTERM.
+    ``app_factory`` is the import string of a function that builds one worker's application from ``spec`` (read from
+    :data:`WORKER_SPEC_ENV`; ``hf_xmc.cli:serve_worker_app``). Each worker loads the model itself: the label store and a
+    read-back IVF index are memory-mapped, so their pages are shared through the page cache; the weights, label texts
+    and everything else are per process (``workers`` x the RSS of one, less the mapped pages). ``/metrics``,
+    ``/health`` and ``/info`` answer for the worker that takes the request (``/info``'s ``process.pid``); the limits
+    (``max_connections``, ``max_queue``) hold per worker. uvicorn pings each worker from the parent and kills one that
+    does not answer within ``healthcheck_seconds`` (its own default, 5 s, kills a worker still importing torch on a
+    busy machine). Returns 0 once stopped."""
+    import uvicorn
+
+    limits = limits or ServingLimits()
+    os.environ[WORKER_SPEC_ENV] = json.dumps(spec)  # the spawned workers inherit the environment
+    uvicorn.run(app_factory, factory=True, workers=workers, host=host, port=port, log_level=log_level,
+                limit_concurrency=limits.max_connections, timeout_graceful_shutdown=math.ceil(limits.request_timeout) + 5,
+                timeout_worker_healthcheck=healthcheck_seconds)
+    return 0
 
 
 def serve(model, host: str = "127.0.0.1", port: int = 8000, limits: Optional[ServingLimits] = None, max_batch: int = 64,

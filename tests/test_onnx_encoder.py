@@ -58,7 +58,9 @@ def test_int8_export_is_smaller_and_close(tiny_encoder_dir, tiny_task, tmp_path)
     # int8 matrix weights; the tiny encoder's word embeddings (864 x 32, a third of its weights) stay float32
     assert (tmp_path / "int8" / ONNX_ENCODER_FILE).stat().st_size < 0.8 * (tmp_path / "fp32" / ONNX_ENCODER_FILE).stat().st_size
     assert small != full
+    model.onnx_threads = 1  # what hf-xmc serve --workers N sets: each process's share of the cores
     quantized = model.query_vectors_with("onnx", texts).numpy()
+    assert model.onnx_query_encoder().session.get_session_options().intra_op_num_threads == 1
     exact = model.query_search_vectors(texts).numpy()
     cosine = (quantized * exact).sum(1) / np.linalg.norm(quantized, axis=1) / np.linalg.norm(exact, axis=1)
     assert cosine.min() > 0.95

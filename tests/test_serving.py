@@ -263,6 +263,79 @@ def test_the_serve_command_exits_1_when_its_worker_fails_for_good(tiny_encoder_d
             proc.wait()
 
 
+def spawned_workers(parent: int) -> set[int]:
+    """The pids of ``parent``'s multiprocessing-spawned children (uvicorn's workers; not its resource tracker)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):  # not a process, or one that just ended
+            continue
+        if ppid == parent and b"spawn_main" in cmdline:
+            found.add(int(entry))
+    return found
+
+
+def until(condition, seconds: float = 120, every: float = 0.2):
+    """``condition()``'s first truthy value within ``seconds`` (None when there is none)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every)
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the worker processes from /proc")
+def test_the_serve_command_with_two_workers_serves_from_both_and_replaces_a_dead_one(tiny_encoder_dir, tiny_task, tmp_path):
+    """--workers 2: two processes answer on one port, each ranking as the model does with its share of the cores' threads;
+    a worker killed is replaced by the parent; SIGTERM stops them all."""
+    from hf_xmc.serving import threads_per_worker
+
+    model = make_model(tiny_encoder_dir, tiny_task[0])
+    model.save_pretrained(tmp_path / "model")
+    texts = list(tiny_task[0].test.texts[:2])
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "hf_xmc.cli", "serve", str(tmp_path / "model"), "--port", str(port), "--workers", "2",
+                             "--max_wait_ms", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    try:
+        assert wait_for_health(url, proc)[0] == 200
+        workers = until(lambda: len(spawned_workers(proc.pid)) == 2 and spawned_workers(proc.pid))
+        assert workers, "two worker processes"
+        answered: dict[int, dict] = {}
+
+        def both_answered():  # each request on a new connection: the kernel hands it to either worker
+            info = call(url + "/info")[1]
+            answered[info["process"]["pid"]] = info["process"]
+            return set(answered) == workers
+
+        assert until(both_answered, every=0.05), f"only {sorted(answered)} of {sorted(workers)} answered"
+        assert all(p == {"pid": pid, "workers": 2, "torch_threads": threads_per_worker(2)} for pid, p in answered.items())
+        for _ in range(4):
+            status, body = call(url + "/predict", {"texts": texts, "k": 3})
+            assert status == 200 and [[(r["id"], r["score"]) for r in row] for row in body["predictions"]] == expected(model, texts, 3)
+        killed = min(workers)
+        os.kill(killed, signal.SIGKILL)
+        replaced = until(lambda: (lambda now: len(now) == 2 and killed not in now and now)(spawned_workers(proc.pid)))
+        assert replaced and replaced & workers == workers - {killed}
+        assert until(lambda: call(url + "/info")[1]["process"]["pid"] in replaced - workers, every=0.05)  # the new one serves
+        status, body = call(url + "/predict", {"texts": texts, "k": 3})
+        assert status == 200 and [[(r["id"], r["score"]) for r in row] for row in body["predictions"]] == expected(model, texts, 3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert not spawned_workers(proc.pid) and not any(os.path.exists(f"/proc/{pid}") for pid in replaced)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 # ---------------------------------------------------------------------------------------------- hostile input (issue 64)
 def test_a_nan_threshold_never_leaves_a_request_hanging(served):
     """NaN never equals itself: grouping requests by ``threshold ==`` left a NaN request in no group, never answered."""

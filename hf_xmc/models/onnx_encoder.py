@@ -43,13 +43,16 @@ class _QueryVectors(nn.Module):
 class OnnxQueryEncoder:
     """An onnxruntime session over an exported query encoder, with the metadata it was exported with."""
 
-    def __init__(self, path: str, meta: dict):
+    def __init__(self, path: str, meta: dict, threads: Optional[int] = None):
         try:
             import onnxruntime
         except ImportError as err:
             raise ImportError("predict(backend='onnx') needs onnxruntime (pip install onnxruntime)") from err
         options = onnxruntime.SessionOptions()
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:  # onnxruntime's own default: one thread per physical core, too many for processes sharing the cores
+            options.intra_op_num_threads = threads
+        self.threads = threads
         self.session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         self.path, self.meta = path, meta
 
@@ -67,6 +70,10 @@ class OnnxQueryEncoder:
 
 class OnnxExportMixin:
     """``export_onnx`` and ``predict(backend="onnx")`` of ``XMCPreTrainedModel``."""
+
+    #: intra-op threads of the onnxruntime session (None: onnxruntime's default, one per physical core); set before the
+    #: first ``backend="onnx"`` call (``hf-xmc serve --workers N`` gives each worker process its share of the cores)
+    onnx_threads: Optional[int] = None
 
     def query_embed_kwargs(self) -> dict:
         """What ``embed`` takes besides the tokens to give the search-space query vector (UniDEC: its head)."""
@@ -135,7 +142,7 @@ class OnnxExportMixin:
         meta = read_json_file(files[1]) or {}
         self._check_onnx_export(files[0], meta, check_file=encoder is None)
         if encoder is None:
-            self._onnx_encoder = encoder = OnnxQueryEncoder(files[0], meta)
+            self._onnx_encoder = encoder = OnnxQueryEncoder(files[0], meta, threads=self.onnx_threads)
         self._onnx_checked_version = version
         return encoder
 
