@@ -100,6 +100,7 @@ class _Request:
     pixels: int = 0  # the images' pixels, from their headers
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)  # when it joined the queue (its wait, for /metrics)
+    waited: bool = False  # its queue wait is observed: a batch that fails and runs again request by request counts it once
 
 
 class ImageRefused(ValueError):
@@ -394,7 +395,9 @@ class PredictionBatcher:
                 extra["images"] = [bag for r in requests for bag in (r.images if r.images is not None else [[] for _ in r.texts])]
             started = time.perf_counter()
             if self.metrics is not None:
-                self.metrics.batch(len(texts), [started - r.submitted for r in requests])
+                self.metrics.batch(len(texts), [started - r.submitted for r in requests if not r.waited])
+                for r in requests:
+                    r.waited = True
             pred = self.model.predict(texts, k=min(max(r.k for r in requests), len(self.model.label_texts)), **extra)
         except BaseException as err:  # noqa: B036 - re-raised below when it is no Exception and its own
             if len(requests) > 1:  # one request's fault must not fail the others: each runs alone

@@ -352,6 +352,34 @@ def test_a_nan_threshold_never_leaves_a_request_hanging(served):
         batcher.close(timeout=30)
 
 
+def test_a_batch_run_again_request_by_request_counts_each_queue_wait_once(tiny_encoder_dir, tiny_task):
+    """A batch whose ``predict`` fails runs again a request at a time: three predict calls (batch sizes 2, 1, 1), but
+    each request waited in the queue once."""
+    from concurrent.futures import wait
+
+    from hf_xmc.serving_metrics import ServingMetrics
+
+    model = make_model(tiny_encoder_dir, tiny_task[0])
+    predict = model.predict
+
+    def refuses_bad(texts, *args, **kwargs):
+        if any("BAD" in t for t in texts):
+            raise ValueError("a bad text")
+        return predict(texts, *args, **kwargs)
+
+    model.predict = refuses_bad
+    metrics = ServingMetrics()
+    batcher = PredictionBatcher(model, max_wait_ms=300, metrics=metrics)  # long enough for both requests to share a batch
+    try:
+        bad, good = batcher.submit(["BAD"], 3), batcher.submit(["a query"], 3)
+        wait([bad, good], timeout=30)
+        assert isinstance(bad.exception(), ValueError) and len(good.result()[0]) == 3
+    finally:
+        batcher.close(timeout=30)
+    assert (metrics.batch_sizes.count, metrics.batch_sizes.sum) == (3, 4)
+    assert metrics.queue_waits.count == 2 and metrics.predict_durations.count == 1  # one predict answered (the good one)
+
+
 @pytest.fixture(scope="module")
 def hostile(tiny_encoder_dir, tiny_task):
     """A calibrated tiny DEXML model with planted faults (a text with ``PANIC`` raises a ``BaseException``, one with
