@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -32,6 +33,9 @@ class XMCEpochCallback(TrainerCallback):
     def __init__(self, trainer: XMCTrainer):
         self.trainer = trainer
         self.mined_epoch: Optional[float] = None  # the schedule point the shortlist was mined for (a resumed run does not re-mine)
+        # wall seconds of this process's passes that only pick training examples (XMCTrainer.train reports them as
+        # train_mining_seconds / train_clustering_seconds): what a cheaper query tower could take off a training run
+        self.mining_seconds = self.clustering_seconds = 0.0
 
     def mining_due(self, args, epoch: float) -> Optional[float]:
         """The point of the mining schedule (``--hard_negative_start_epoch`` + j ``--hard_negative_refresh_interval``,
@@ -54,6 +58,7 @@ class XMCEpochCallback(TrainerCallback):
         trainer = self.trainer
         data = trainer.xmc_train_data
         bank = trainer.memory_bank if fill_memory_bank else None
+        started = time.perf_counter()
         with mining_autocast(trainer.model, args.mining_precision):
             shortlist = mine_hard_negatives(trainer.model, data.texts, data.targets, top_k=args.hard_negative_top_k,
                                             show_progress_bar=not args.disable_tqdm, exclude=data.filter_matrix,
@@ -61,6 +66,7 @@ class XMCEpochCallback(TrainerCallback):
         trainer.data_collator.set_shortlist(shortlist)
         trainer.model.invalidate_label_index()
         self.mined_epoch = point
+        self.mining_seconds += time.perf_counter() - started
 
     def on_step_begin(self, args, state, control, **kwargs):
         # a schedule point within an epoch (fractional start or interval): mined / clustered between two steps; the
@@ -73,7 +79,9 @@ class XMCEpochCallback(TrainerCallback):
             logger.info("epoch %.3f: mining the hard-negative shortlist", epoch)
             self.mine(args, point, fill_memory_bank=cluster_now)
         if cluster_now:  # from the bank when the mining pass just filled it, else a fresh encoding pass
+            started = time.perf_counter()
             sampler.cluster_within_epoch(self._query_embeddings())
+            self.clustering_seconds += time.perf_counter() - started
             logger.info("epoch %.3f: clustered %d queries into clusters of %d", epoch, sampler.num_samples, sampler.cluster_size())
         return control
 
@@ -87,7 +95,9 @@ class XMCEpochCallback(TrainerCallback):
         if sampler is not None:
             sampler.set_epoch(epoch)
             if sampler.needs_refresh(epoch):  # False when a resumed epoch was already clustered
+                started = time.perf_counter()
                 sampler.update_clusters(self._query_embeddings())
+                self.clustering_seconds += time.perf_counter() - started
                 logger.info("epoch %d: clustered %d queries into clusters of %d", epoch, sampler.num_samples, sampler.cluster_size(epoch))
         point = self.mining_due(args, float(epoch))
         if point is not None and point == epoch and hasattr(collator, "set_shortlist"):  # due right at this epoch's start

@@ -365,7 +365,12 @@ class XMCTrainer(Trainer):
             data = self.xmc_train_data
             initialize_label_state(self.model, data.texts, data.targets, seed=self.args.seed, show_progress_bar=not self.args.disable_tqdm)
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            callback = self._epoch_callback()
+            if callback is not None:  # this process's passes that only picked training examples (within train_runtime)
+                output.metrics["train_mining_seconds"] = round(callback.mining_seconds, 3)
+                output.metrics["train_clustering_seconds"] = round(callback.clustering_seconds, 3)
+            return output
         finally:
             self._release_model()
             forget = getattr(self.model, "invalidate_weights_fingerprint", None)
