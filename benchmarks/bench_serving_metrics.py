@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import platform
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.harness import bench_parser, result_path, write_json  # noqa: E402
+from benchmarks.harness import bench_parser, cpu_name, result_path, write_json  # noqa: E402
 from hf_xmc.serving_metrics import ServingMetrics, request_metrics  # noqa: E402
 
 
@@ -63,7 +62,7 @@ def measure(requests: int, rounds: int = 5) -> dict:
     metrics.render({"hf_xmc_queue_depth": ("", 0)})
     return {"requests": requests, "rounds": rounds, "plain_us": round(base * 1e6, 3), "with_metrics_us": round(full * 1e6, 3),
             "overhead_us": round((full - base) * 1e6, 3), "render_ms": round((time.perf_counter() - render_start) * 1e3, 3),
-            "cpu": platform.processor() or platform.machine(), "load_1min": round(os.getloadavg()[0], 2)}
+            "cpu": cpu_name(), "load_1min": round(os.getloadavg()[0], 2)}
 
 
 def main(argv=None) -> dict:
@@ -71,11 +70,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--requests", type=int, default=200_000)
     args = ap.parse_args(argv)
     result = measure(args.requests)
-    try:
-        with open("/proc/cpuinfo") as f:
-            result["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), result["cpu"])
-    except OSError:
-        pass
     write_json(args.out, result)
     print(f"per request: {result['plain_us']:.2f} us without metrics, {result['with_metrics_us']:.2f} us with: "
           f"+{result['overhead_us']:.2f} us ({result['cpu']}, load {result['load_1min']}); /metrics renders in {result['render_ms']:.2f} ms")

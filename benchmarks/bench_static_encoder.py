@@ -22,7 +22,6 @@ measured in one run; the 2-core machine is shared, and each row records its 1-mi
 from __future__ import annotations
 
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ sys.path.insert(0, REPO)
 
 from benchmarks.harness import (  # noqa: E402
     bench_parser,
+    cpu_name,
     data_version,
     markdown_table,
     publish,
@@ -46,16 +46,6 @@ from benchmarks.sweep_defaults import minilm, run_training_script, validation_fl
 
 SHOWN = ("P@1", "PSP@5", "R@100")
 METHODS = ("dexml", "prime", "unidec", "siamesexml")
-
-
-def cpu_name() -> str:
-    """The CPU model (``/proc/cpuinfo``), for the row: times on another CPU differ."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        name = ""
-    return name or platform.processor() or "unknown"
 
 
 def latencies(model, texts: list[str], query_encoder: str) -> dict:

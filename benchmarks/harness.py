@@ -26,6 +26,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
 
 
+def cpu_name() -> str:
+    """The CPU model (``/proc/cpuinfo``'s ``model name``), for a row: times on another CPU differ."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    return name or platform.processor() or "unknown"
+
+
 def result_path(name: str) -> str:
     """``benchmarks/results/<name>``: the default ``--out`` of a benchmark."""
     return os.path.join(RESULTS_DIR, name)

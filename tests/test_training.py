@@ -162,6 +162,11 @@ def test_train_script_contract(tiny_task, tiny_encoder_dir, tmp_path):
     # DEXML's defaults mine a shortlist (a twentieth into the first epoch, then each epoch) and do not cluster (under
     # 10,000 labels): the mining passes' time is reported, a part of the training time
     assert 0 < results["train_mining_seconds"] < results["train_runtime"] and results["train_clustering_seconds"] == 0
+    # --bf16 auto and --mining_precision auto, as resolved on this machine, are recorded
+    from hf_xmc.training.negatives import runs_bf16_natively
+
+    native = int(runs_bf16_natively(torch.device("cpu")))
+    assert (results["train_bf16"], results["train_mining_bf16"]) == (native, native)
     assert results["test_P@1"] > 20  # the planted task is learnable in two epochs
     model = DEXMLModel.from_pretrained(out)
     assert model.predict(["anything at all"], k=3).label_ids.shape == (1, 3)

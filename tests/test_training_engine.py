@@ -175,15 +175,30 @@ def test_clustering_within_the_first_epoch_reuses_the_mining_pass(tiny_encoder_d
     assert make_trainer(tiny_encoder_dir, data, tmp_path / "d", cluster_min_labels=data.train.targets.shape[1], **flags).cluster_sampler is not None
 
 
+def test_a_cpu_multiplies_bf16_with_amx_or_avx512_bf16(tmp_path):
+    from hf_xmc.training.negatives import cpu_multiplies_bf16
+
+    def cpuinfo(flags: str) -> str:
+        path = tmp_path / f"cpuinfo-{len(list(tmp_path.iterdir()))}"
+        path.write_text(f"processor\t: 0\nmodel name\t: some CPU\nflags\t\t: fpu sse2 avx2 {flags}\n\nprocessor\t: 1\n")
+        return str(path)
+
+    assert cpu_multiplies_bf16(cpuinfo("avx512f amx_bf16 amx_tile"))  # Intel with AMX (Sapphire Rapids on)
+    assert cpu_multiplies_bf16(cpuinfo("avx512f avx512_bf16"))  # AVX512-BF16 alone (AMD Zen 4 / 5, Cooper Lake)
+    assert not cpu_multiplies_bf16(cpuinfo("avx512f avx512_vnni"))  # AVX-512 without bf16: emulated
+    assert not cpu_multiplies_bf16(cpuinfo("avx512_bf16x"))  # a flag is a whole word
+    assert not cpu_multiplies_bf16(str(tmp_path / "missing"))
+
+
 def test_mining_precision_picks_bfloat16_where_the_hardware_runs_it(tiny_encoder_dir, monkeypatch):
     from hf_xmc.training import negatives
 
     cpu = torch.device("cpu")
     assert negatives.mining_autocast_dtype("float32", cpu) is None
     assert negatives.mining_autocast_dtype("bfloat16", cpu) is torch.bfloat16
-    for amx in (True, False):
-        monkeypatch.setattr(negatives, "cpu_has_amx_bf16", lambda amx=amx: amx)
-        assert negatives.mining_autocast_dtype("auto", cpu) is (torch.bfloat16 if amx else None)
+    for native in (True, False):
+        monkeypatch.setattr(negatives, "cpu_multiplies_bf16", lambda native=native: native)
+        assert negatives.mining_autocast_dtype("auto", cpu) is (torch.bfloat16 if native else None)
     with pytest.raises(ValueError, match="mining_precision"):
         negatives.mining_autocast_dtype("fp8", cpu)
     with pytest.raises(ValueError, match="mining_precision"):
@@ -207,13 +222,13 @@ def test_bf16_default_follows_the_hardware_and_the_steps_run_under_autocast(tiny
     from hf_xmc.training.recipes.dexml import DEXMLModelArguments, DEXMLTrainingArguments
     from hf_xmc.training.script_utils import parse_script_args
 
-    for amx in (True, False):  # auto (None): on where the CPU runs bfloat16 in hardware, off elsewhere
-        monkeypatch.setattr(negatives, "cpu_has_amx_bf16", lambda amx=amx: amx)
-        assert XMCTrainingArguments(output_dir="unused").bf16 is amx
+    for native in (True, False):  # auto (None): on where the CPU runs bfloat16 in hardware, off elsewhere
+        monkeypatch.setattr(negatives, "cpu_multiplies_bf16", lambda native=native: native)
+        assert XMCTrainingArguments(output_dir="unused").bf16 is native
         assert XMCTrainingArguments(output_dir="unused", bf16=False).bf16 is False  # an explicit choice wins
         assert XMCTrainingArguments(output_dir="unused", bf16=True).bf16 is True
-        assert XMCTrainingArguments(output_dir="unused", bf16="auto").bf16 is amx  # "auto" from a JSON config
-    monkeypatch.setattr(negatives, "cpu_has_amx_bf16", lambda: True)
+        assert XMCTrainingArguments(output_dir="unused", bf16="auto").bf16 is native  # "auto" from a JSON config
+    monkeypatch.setattr(negatives, "cpu_multiplies_bf16", lambda: True)
     _, task_dir = tiny_task
     contract = ["--model_name_or_path", tiny_encoder_dir, "--train_file", f"{task_dir}/trn.json.gz", "--test_file", f"{task_dir}/tst.json.gz",
                 "--label_file", f"{task_dir}/lbl.json.gz", "--output_dir", str(tmp_path / "args")]

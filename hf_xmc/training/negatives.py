@@ -23,14 +23,20 @@ _SEARCH_BUDGET = 1 << 22
 MINING_PRECISIONS = ("auto", "float32", "bfloat16")
 
 
+#: ``/proc/cpuinfo`` flags of a CPU that multiplies bfloat16 in hardware: Intel's AMX tiles, and the AVX512-BF16 dot
+#: product (Intel from Cooper Lake, AMD from Zen 4)
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
 @functools.cache
-def cpu_has_amx_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 matrices in hardware (Intel AMX, ``amx_bf16`` in ``/proc/cpuinfo``): there
-    a bfloat16 encoding pass of MiniLM ran 2.2-2.4x faster than float32 (2-core Xeon VM, family 6 model 207); with
-    AVX512-BF16 alone or none, bfloat16 does not pay and float32 stays. False where the flags cannot be read."""
+def cpu_multiplies_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (a flag of :data:`CPU_BF16_FLAGS`). bfloat16 autocast paid on
+    both kinds measured: AMX (a 2-core Xeon VM, family 6 model 207: a MiniLM encoding pass 2.2-2.4x float32's speed)
+    and AVX512-BF16 without AMX (2 cores of an AMD EPYC, Zen 5: ``benchmarks/bench_bf16_cpu.py``, results/bf16_cpu.json).
+    Without either, bfloat16 is emulated and float32 stays. False where the flags (of ``cpuinfo``) cannot be read."""
     try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+        with open(cpuinfo) as f:
+            return any(line.startswith("flags") and any(flag in line.split() for flag in CPU_BF16_FLAGS) for line in f)
     except OSError:
         return False
 
@@ -38,7 +44,8 @@ def cpu_has_amx_bf16() -> bool:
 def mining_autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
     """The autocast dtype of the passes that choose training examples (hard-negative mining, cluster batching's
     query embeddings) for ``--mining_precision``: ``"bfloat16"``, ``"float32"`` (None: no autocast) or ``"auto"``,
-    bfloat16 where the device runs it natively (a CUDA GPU with bf16, a CPU with AMX) and float32 elsewhere. These
+    bfloat16 where the device runs it natively (a CUDA GPU with bf16, a CPU with AMX or AVX512-BF16) and float32
+    elsewhere. These
     passes only rank labels (or group queries) to pick negatives, so bfloat16's ~3 significant digits cost nothing
     that matters; the model's predictions, its saved label index and every evaluation stay in its own precision."""
     if precision not in MINING_PRECISIONS:
@@ -52,10 +59,10 @@ def mining_autocast_dtype(precision: str, device: torch.device) -> Optional[torc
 
 def runs_bf16_natively(device: torch.device) -> bool:
     """Whether ``device`` multiplies bfloat16 matrices in hardware: a CUDA GPU with bf16 (Ampere on), a CPU with AMX
-    (:func:`cpu_has_amx_bf16`); False elsewhere (MPS, older GPUs and CPUs, where bfloat16 is emulated or slow)."""
+    or AVX512-BF16 (:func:`cpu_multiplies_bf16`); False elsewhere (MPS, older GPUs and CPUs: emulated or slow)."""
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and cpu_has_amx_bf16()
+    return device.type == "cpu" and cpu_multiplies_bf16()
 
 
 def mining_autocast(model, precision: str):

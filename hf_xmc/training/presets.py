@@ -18,7 +18,7 @@ method's table says which. Common to all presets:
   (``WORLD_SIZE``, set by ``accelerate launch``): 2 processes on LF-AmazonTitles-1.3M run PRIME with
   ``--per_device_train_batch_size 1600``.
 * Mixed precision follows the device, not the preset: ``--bf16`` defaults to auto (bfloat16 autocast on a GPU with
-  bf16 or a CPU with AMX, float32 elsewhere); ``--fp16 true`` is what the official codes train with on a GPU,
+  bf16 or a CPU with AMX or AVX512-BF16, float32 elsewhere); ``--fp16 true`` is what the official codes train with on a GPU,
   ``--bf16 false`` keeps float32.
 * The filter file of the dataset (``filter_labels_test.txt``) is not named by the preset: pass
   ``--test_filter_file``, as the published numbers remove those pairs.

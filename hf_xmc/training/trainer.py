@@ -30,7 +30,7 @@ from .collator import (
 from .evaluation import XMCEvaluator
 from .gradcache import cached_loss
 from .label_state import initialize_label_state
-from .negatives import MINING_PRECISIONS, runs_bf16_natively
+from .negatives import MINING_PRECISIONS, mining_autocast_dtype, runs_bf16_natively
 from .optim import (
     SparseAdamW,
     can_reduce_sparse_gradients,
@@ -69,7 +69,7 @@ class XMCTrainingArguments(TrainingArguments):
     )
     #: fields whose None default means auto (resolved in __post_init__): the script parser takes true, false or auto
     AUTO_SWITCHES: ClassVar[tuple[str, ...]] = ("bf16",)
-    bf16: Optional[bool] = field(default=None, metadata={"help": "bfloat16 mixed precision (autocast) for the training steps. Default auto: on where the device multiplies bfloat16 in hardware (a GPU with bf16, a CPU with AMX: a step 1.26-2.1x faster there), off elsewhere; --bf16 false keeps float32."})
+    bf16: Optional[bool] = field(default=None, metadata={"help": "bfloat16 mixed precision (autocast) for the training steps. Default auto: on where the device multiplies bfloat16 in hardware (a GPU with bf16, a CPU with AMX or AVX512-BF16: a step 1.26-2.4x faster there), off elsewhere; --bf16 false keeps float32."})
 
     # --- how batches and label pools are built (hf_xmc) ---
     positive_sampling: str = field(default="uniform", metadata={"help": "Positive sampling: 'uniform' or 'propensity' (by inverse propensity, favours tail labels)."})
@@ -85,7 +85,7 @@ class XMCTrainingArguments(TrainingArguments):
     hard_negative_top_k: int = field(default=100, metadata={"help": "Shortlist size per query (known positives removed)."})
     hard_negative_start_epoch: float = field(default=5, metadata={"help": "When the shortlist is first mined, in epochs (in-batch negatives before); a fraction mines within an epoch (0.1: a tenth into the first)."})
     hard_negative_refresh_interval: float = field(default=5, metadata={"help": "Re-mine the shortlist every N epochs (a fraction: several times an epoch)."})
-    mining_precision: str = field(default="auto", metadata={"help": "Precision of the encoding passes that pick training examples (hard-negative mining, cluster batching): 'auto' (bfloat16 where the device runs it natively: a CPU with AMX, a GPU with bf16; else float32), 'float32' or 'bfloat16'."})
+    mining_precision: str = field(default="auto", metadata={"help": "Precision of the encoding passes that pick training examples (hard-negative mining, cluster batching): 'auto' (bfloat16 where the device runs it natively: a CPU with AMX or AVX512-BF16, a GPU with bf16; else float32), 'float32' or 'bfloat16'."})
     gradient_cache_chunk_size: int = field(default=0, metadata={"help": "GradCache: encode queries and labels in chunks of N rows (0 = off; with label_pool='all' 0 means 256)."})
     label_pool: str = field(default="in_batch", metadata={"help": "'in_batch' (sampled positives [+ hard negatives]), 'psl' (UniDEC pick-some-labels: sampled positives, hard negatives and the batch's other positives, capped at max_label_pool) or 'all' (every label re-encoded each step: DEXML brute force)."})
     max_label_pool: int = field(default=0, metadata={"help": "label_pool='psl': most labels in a pool (0 = no cap)."})
@@ -366,6 +366,9 @@ class XMCTrainer(Trainer):
             initialize_label_state(self.model, data.texts, data.targets, seed=self.args.seed, show_progress_bar=not self.args.disable_tqdm)
         try:
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            # the precisions --bf16 and --mining_precision resolved to ("auto": the hardware's), so rows compare
+            output.metrics["train_bf16"] = int(bool(self.args.bf16))
+            output.metrics["train_mining_bf16"] = int(mining_autocast_dtype(self.args.mining_precision, self.args.device) is torch.bfloat16)
             callback = self._epoch_callback()
             if callback is not None:  # this process's passes that only picked training examples (within train_runtime)
                 output.metrics["train_mining_seconds"] = round(callback.mining_seconds, 3)
