@@ -332,6 +332,8 @@ def test_a_read_back_ivf_index_maps_its_lists_and_reads_them_in_before_it_change
         return faiss.downcast_InvertedLists(ivf.invlists)
 
     assert loaded.restored_from_file and isinstance(lists(loaded), faiss.OnDiskInvertedLists)
+    # faiss's prefetch threads (32 started on every search) are off: ten times a one-query search over lists in memory
+    assert lists(loaded).prefetch_nthread == 0
     for got, want in zip(loaded.search(queries, 10), built.search(queries, 10)):
         np.testing.assert_array_equal(got, want)
     loaded.save(str(tmp_path / "second"))  # written from memory, not as a reference to the first file
