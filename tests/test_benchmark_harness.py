@@ -108,6 +108,7 @@ def _blocks() -> dict:
         "new-labels": ("new_labels.json", lambda r: bench_new_labels.new_labels_table(r["rows"])),
         "prime": ("prime.json", modes),
         "prime-ablation-reuters": ("prime_ablation_reuters.json", modes),
+        "prime-modes": ("prime_modes.json", modes),
         "prime-ablation-debtags": ("prime_ablation_debtags.json", modes),
         "unidec": ("unidec.json", modes),
         "unidec-heads": ("unidec_heads.json", modes),
