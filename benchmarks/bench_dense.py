@@ -23,7 +23,6 @@ the whole script on the machine it ran on (``load_1min`` says how busy it was); 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -49,6 +48,7 @@ from benchmarks.harness import (  # noqa: E402
     chosen_by_group,
     data_version,
     dataset_cell,
+    git_commit,
     markdown_table,
     publish,
     read_json,
@@ -230,7 +230,7 @@ def run_row(dataset: str, method: str, recipe: str, work: str) -> dict:
              *RECIPE_BUDGETS.get((dataset, recipe, method), RECIPE_BUDGETS.get((dataset, recipe), []))]
     out = os.path.join(work, f"{dataset}-{method}-{recipe}")
     results, wall = run_training_script(method, data_dir, minilm(), out, [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", *flags])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    commit = git_commit()
     return {"row": f"{dataset}-{method}-{recipe}", "dataset": dataset, "data_version": data_version(dataset, data_dir), "method": method,
             "recipe": recipe, "flags": flags,
             "commit": commit, "wall_seconds": round(wall, 1), "load_1min": round(os.getloadavg()[0], 2),

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.harness import bench_parser, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.harness import bench_parser, git_commit, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
 from benchmarks.sweep_defaults import prepare, run_training_script  # noqa: E402
 
 SHOWN = ("P@1", "P@5", "PSP@5")
@@ -46,17 +45,13 @@ HEADLINES: dict[tuple[str, str], dict] = {
 PEERS = ("omikuji", "omikuji_bonsai", "napkinxc")
 
 
-def commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-
-
 def run_model(dataset: str, method: str, seed: int, work: str) -> dict:
     """One seed of a headline model through its training script."""
     data_dir, encoder, data_flags = prepare(dataset, work)
     spec = HEADLINES[(dataset, method)]
     out = os.path.join(work, f"{dataset}-{method}-{seed}")
     results, wall = run_training_script(method, data_dir, encoder, out, [*data_flags, "--seed", str(seed), "--lexical_channel", "omikuji", *spec["flags"]])
-    return {"dataset": dataset, "model": method, "seed": seed, "budget": spec["budget"], "flags": spec["flags"], "commit": commit(),
+    return {"dataset": dataset, "model": method, "seed": seed, "budget": spec["budget"], "flags": spec["flags"], "commit": git_commit(),
             "load_1min": round(os.getloadavg()[0], 2), "train_minutes": round(wall / 60, 2),
             "predict_ms": round(1000.0 / results["test_samples_per_second"], 3),
             "dense": {m: results[f"test_dense_{m}"] for m in SHOWN}, "fused": {m: results[f"test_{m}"] for m in SHOWN},
@@ -78,7 +73,7 @@ def run_peer_rows(dataset: str, seed: int, work: str) -> list[dict]:
     a, b = propensity_constants(dataset)
     rows = []
     for peer in run_peers(data, seed=seed, only=list(PEERS), propensity_a=a, propensity_b=b):
-        rows.append({"dataset": dataset, "model": peer["method"], "seed": seed, "budget": "library defaults", "commit": commit(),
+        rows.append({"dataset": dataset, "model": peer["method"], "seed": seed, "budget": "library defaults", "commit": git_commit(),
                      "load_1min": round(os.getloadavg()[0], 2), "train_minutes": round(peer["train_seconds"] / 60, 2),
                      "predict_ms": round(1000.0 / peer["predict_queries_per_second"], 3), "peer": {m: peer["metrics"][m] for m in SHOWN}})
     return rows

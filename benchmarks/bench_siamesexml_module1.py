@@ -30,6 +30,7 @@ from benchmarks.harness import (  # noqa: E402
     SELECTION_KEYS,
     bench_parser,
     chosen_by_group,
+    git_commit,
     markdown_table,
     publish,
     read_json,
@@ -83,7 +84,7 @@ def run_variant(dataset: str, epochs: str, flags: list[str], work: str) -> dict:
     mine(model, data, training_args)
     evaluator = build_evaluator(data, data_args)
     validation = validation_evaluator(data, evaluator)
-    row = {"module1_seconds": round(module1_seconds, 1), "load_1min": round(os.getloadavg()[0], 2)}
+    row = {"module1_seconds": round(module1_seconds, 1), "load_1min": round(os.getloadavg()[0], 2), "commit": git_commit()}
     for mode in ("shortlist", "label_text"):
         model.config.search_mode = mode
         row[f"{mode}_validation"] = {k: round(v, 2) for k, v in validation(model).items() if k in SELECTION_KEYS}

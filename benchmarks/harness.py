@@ -38,6 +38,14 @@ def cpu_name() -> str:
     return name or platform.processor() or "unknown"
 
 
+def git_commit() -> str | None:
+    """The short commit of the checkout the benchmark runs from (None outside a git checkout), for each row."""
+    import subprocess
+
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    return proc.stdout.strip() or None
+
+
 def result_path(name: str) -> str:
     """``benchmarks/results/<name>``: the default ``--out`` of a benchmark."""
     return os.path.join(RESULTS_DIR, name)
