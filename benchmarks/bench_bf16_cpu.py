@@ -23,7 +23,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.harness import bench_parser, cpu_name, markdown_table, read_json, result_path, write_json  # noqa: E402
+from benchmarks.harness import bench_parser, cpu_name, markdown_table, measured_or_read, result_path  # noqa: E402
 
 BATCH = 64
 QUERIES = 512
@@ -102,9 +102,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
-    result = read_json(args.out) if args.table_only else measure(args.threads, args.rounds)
-    if not args.table_only:
-        write_json(args.out, result, sort_keys=False)
+    result = measured_or_read(args, lambda: measure(args.threads, args.rounds))
     print(table(result))
     return result
 

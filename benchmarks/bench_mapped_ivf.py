@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.bench_index import make_vectors  # noqa: E402
-from benchmarks.harness import bench_parser, cpu_name, markdown_table, read_json, result_path, write_json  # noqa: E402
+from benchmarks.harness import bench_parser, cpu_name, markdown_table, measured_or_read, result_path  # noqa: E402
 
 K = 10
 LIST_SIZE = 280  # labels a list, as default_ivf_nlist makes them at 1.3M (~4,600 lists)
@@ -87,9 +87,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--queries", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    result = read_json(args.out) if args.table_only else measure(args.num_labels, args.codes, args.queries, args.rounds)
-    if not args.table_only:
-        write_json(args.out, result, sort_keys=False)
+    result = measured_or_read(args, lambda: measure(args.num_labels, args.codes, args.queries, args.rounds))
     print(table(result))
     return result
 

@@ -38,6 +38,16 @@ def cpu_name() -> str:
     return name or platform.processor() or "unknown"
 
 
+def measured_or_read(args: argparse.Namespace, measure) -> dict:
+    """The result a benchmark prints: with ``--table_only`` the one at ``--out``, else ``measure()``, written to
+    ``--out`` (its key order kept)."""
+    if args.table_only:
+        return read_json(args.out)
+    result = measure()
+    write_json(args.out, result, sort_keys=False)
+    return result
+
+
 def git_commit() -> str | None:
     """The short commit of the checkout the benchmark runs from (None outside a git checkout), for each row."""
     import subprocess
