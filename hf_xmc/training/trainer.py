@@ -69,7 +69,7 @@ class XMCTrainingArguments(TrainingArguments):
     )
     #: fields whose None default means auto (resolved in __post_init__): the script parser takes true, false or auto
     AUTO_SWITCHES: ClassVar[tuple[str, ...]] = ("bf16",)
-    bf16: Optional[bool] = field(default=None, metadata={"help": "bfloat16 mixed precision (autocast) for the training steps. Default auto: on where the device multiplies bfloat16 in hardware (a GPU with bf16, a CPU with AMX or AVX512-BF16: a step 1.26-2.4x faster there), off elsewhere; --bf16 false keeps float32."})
+    bf16: Optional[bool] = field(default=None, metadata={"help": "bfloat16 mixed precision (autocast) for the training steps. Default auto: on where the device multiplies bfloat16 in hardware (a GPU with bf16, a CPU with AMX or AVX512-BF16: a step 1.26-2.1x faster there), off elsewhere; --bf16 false keeps float32."})
 
     # --- how batches and label pools are built (hf_xmc) ---
     positive_sampling: str = field(default="uniform", metadata={"help": "Positive sampling: 'uniform' or 'propensity' (by inverse propensity, favours tail labels)."})
