@@ -30,24 +30,13 @@ QUERIES = 512
 MAX_LENGTH = 32
 
 
-def cpu_flags() -> list[str]:
-    """This CPU's bfloat16 flags of ``/proc/cpuinfo`` (empty where there are none or none can be read)."""
-    from hf_xmc.training.negatives import CPU_BF16_FLAGS
-
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return [flag for flag in CPU_BF16_FLAGS if flag in flags]
-
-
 def measure(threads: int, rounds: int) -> dict:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
     from benchmarks.sweep_defaults import minilm
     from hf_xmc.data import load_debtags
+    from hf_xmc.training.negatives import cpu_bf16_flags
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -85,7 +74,7 @@ def measure(threads: int, rounds: int) -> dict:
         rows.append({"pass": name, "float32_s": round(min(seconds[False]), 4), "bfloat16_s": round(min(seconds[True]), 4),
                      "speedup": round(min(seconds[False]) / min(seconds[True]), 2),
                      "float32_rounds": [round(x, 4) for x in seconds[False]], "bfloat16_rounds": [round(x, 4) for x in seconds[True]]})
-    return {"cpu": cpu_name(), "bf16_flags": cpu_flags(), "threads": threads, "rounds": rounds, "torch": torch.__version__,
+    return {"cpu": cpu_name(), "bf16_flags": list(cpu_bf16_flags()), "threads": threads, "rounds": rounds, "torch": torch.__version__,
             "load_1min": round(os.getloadavg()[0], 2), "date": time.strftime("%Y-%m-%d"), "rows": rows}
 
 

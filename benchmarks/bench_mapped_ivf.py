@@ -37,7 +37,7 @@ WAYS = ("in memory", "mapped", "mapped + prefetch")
 def measure(num_labels: int, codes: str, num_queries: int, rounds: int) -> dict:
     import faiss
 
-    from hf_xmc.models.label_codes import _mapped_lists, own_inverted_lists
+    from hf_xmc.models.label_codes import _mapped_ivf, own_inverted_lists
     from hf_xmc.models.label_index import LabelIndex
 
     labels, queries = make_vectors(num_labels, num_queries, 384)
@@ -47,18 +47,22 @@ def measure(num_labels: int, codes: str, num_queries: int, rounds: int) -> dict:
         LabelIndex(labels, kind="ivf", codes=codes, ivf_nlist=nlist, ivf_nprobe=NPROBE).save(work)
         build_s = time.perf_counter() - start
         paths = os.path.join(work, "label_index.json"), os.path.join(work, "label_index.faiss")
-        indexes = {way: LabelIndex.load(labels, *paths) for way in WAYS}
-        own_inverted_lists(indexes["in memory"]._index)
-        _mapped_lists(indexes["mapped + prefetch"]._index).prefetch_nthread = 32  # faiss's default
-        assert _mapped_lists(indexes["mapped"]._index).prefetch_nthread == 0
+
+        def load(way: str) -> LabelIndex:
+            index = LabelIndex.load(labels, *paths)  # mapped, prefetch off (read_code_index)
+            if way == "in memory":
+                own_inverted_lists(index._index)
+            elif way == "mapped + prefetch":
+                _mapped_ivf(index._index)[1].prefetch_nthread = 32  # faiss's default
+            return index
+
+        indexes = {"in memory": load("in memory")}
         ms: dict[str, dict[str, list[float]]] = {way: {"first": [], "second": []} for way in WAYS}
         for _ in range(rounds):
             for way in WAYS:
-                index = indexes[way]
                 if way != "in memory":  # a fresh mapping each round: the first pass maps its pages again
-                    index = indexes[way] = LabelIndex.load(labels, *paths)
-                    if way == "mapped + prefetch":
-                        _mapped_lists(index._index).prefetch_nthread = 32
+                    indexes[way] = load(way)
+                index = indexes[way]
                 for name in ("first", "second"):
                     start = time.perf_counter()
                     for i in range(num_queries):

@@ -540,11 +540,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .serving import ServingLimits, serve
     except ImportError as err:
         raise UserError(f"serving needs fastapi and uvicorn (pip install 'hf_xmc[serving]'): {_first_line(err)}") from None
-    model = load_model(args.model, revision=args.revision)
-    _pick_device(model, args.device)
     limits = ServingLimits(**{flag: getattr(args, flag) for flag in SERVE_LIMIT_FLAGS})
     if args.workers > 1:
-        return serve_with_workers(model, args, limits)
+        return serve_with_workers(args, limits)
+    model = load_model(args.model, revision=args.revision)
+    _pick_device(model, args.device)
     try:
         code = serve(model, host=args.host, port=args.port, limits=limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                      backend=args.backend, query_encoder=args.query_encoder, wait_for_arrivals=args.wait_for_arrivals)
@@ -556,21 +556,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return code
 
 
-def serve_with_workers(model, args: argparse.Namespace, limits) -> int:
-    """``hf-xmc serve --workers N``: check here what each worker would refuse (one line, before the port is bound), let
-    the model go, and serve with N processes (:func:`hf_xmc.serving.serve_workers`), each loading the model through
-    :func:`serve_worker_app` with its share of the cores."""
-    import dataclasses
-    import gc
+def _check_servable_model(args: argparse.Namespace) -> None:
+    """Load the model as a worker of ``hf-xmc serve --workers N`` will and raise, in one line, what serving it would
+    refuse (a stale ONNX export or static encoder); the model is let go when this returns."""
+    from .serving import check_servable
 
-    from .serving import check_servable, serve_workers, threads_per_worker
-
+    model = load_model(args.model, revision=args.revision)
+    _pick_device(model, args.device)
     try:
         check_servable(model, args.backend, args.query_encoder)
     except ValueError as err:  # --backend onnx without (a current) export; --query_encoder static without a current one
         raise UserError(f"{args.model}: {_first_line(err)}") from None
-    del model
-    gc.collect()
+
+
+def serve_with_workers(args: argparse.Namespace, limits) -> int:
+    """``hf-xmc serve --workers N``: check here what each worker would refuse (one line, before the port is bound),
+    holding no model while it serves, and serve with N processes (:func:`hf_xmc.serving.serve_workers`), each loading
+    the model through :func:`serve_worker_app` with its share of the cores."""
+    import dataclasses
+    import gc
+
+    from .serving import serve_workers, threads_per_worker
+
+    _check_servable_model(args)
+    gc.collect()  # the checked model's cycles (modules, hooks) go now, not at some later collection
     spec = {"model": args.model, "revision": args.revision, "device": args.device, "limits": dataclasses.asdict(limits),
             "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms, "backend": args.backend, "query_encoder": args.query_encoder,
             "wait_for_arrivals": args.wait_for_arrivals, "workers": args.workers, "threads": threads_per_worker(args.workers)}

@@ -301,6 +301,13 @@ def test_the_serve_command_with_two_workers_serves_from_both_and_replaces_a_dead
     texts = list(tiny_task[0].test.texts[:2])
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # what no worker could serve (no ONNX export here) is refused by the parent in one line, before the port is bound
+    bad = subprocess.run([sys.executable, "-m", "hf_xmc.cli", "serve", str(tmp_path / "model"), "--port", str(port), "--workers", "2",
+                          "--backend", "onnx"], capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=300)
+    error = bad.stderr.strip().splitlines()[-1]  # after transformers' weight-loading bar
+    assert bad.returncode == 2 and error.startswith("hf-xmc serve: ") and "no exported query encoder" in error
+    assert "Traceback" not in bad.stderr
+    assert "Uvicorn running" not in bad.stderr + bad.stdout
     proc = subprocess.Popen([sys.executable, "-m", "hf_xmc.cli", "serve", str(tmp_path / "model"), "--port", str(port), "--workers", "2",
                              "--max_wait_ms", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, HF_HUB_OFFLINE="1"))

@@ -119,17 +119,19 @@ def read_code_index(path: str, codes: str, mapped: bool = False):
     Such an index must not be changed or written as it is: :func:`own_inverted_lists` reads its lists into memory first.
     The mapped lists' prefetch is turned off: faiss's ``OnDiskInvertedLists`` starts ``prefetch_nthread`` (32) threads
     on every search to read the probed lists ahead, which for lists in the page cache only costs: a one-query search of
-    64 lists of ~280 int8 codes took 5.9 ms with it and 0.59 ms without, as the same index in memory (0.61)."""
+    64 lists of ~280 int8 codes at 200,000 labels took 2.77 ms with it and 0.55 ms without, 0.64 with the lists in
+    memory (``benchmarks/bench_mapped_ivf.py``, alone)."""
     flags = faiss.IO_FLAG_MMAP if mapped else 0
     index = faiss.read_index_binary(path, flags) if codes == "binary" else faiss.read_index(path, flags)
-    lists = _mapped_lists(index)
-    if lists is not None:
-        lists.prefetch_nthread = 0
+    mapped_ivf = _mapped_ivf(index)
+    if mapped_ivf is not None:
+        mapped_ivf[1].prefetch_nthread = 0
     return index
 
 
-def _mapped_lists(index):
-    """The memory-mapped (``OnDiskInvertedLists``) lists of an IVF ``index``, or None (lists in memory, or no IVF)."""
+def _mapped_ivf(index):
+    """``(ivf, lists)``: the IVF part of ``index`` and its memory-mapped (``OnDiskInvertedLists``) lists; None when the
+    lists are in memory or there is no IVF."""
     if faiss is None or index is None:
         return None
     if isinstance(index, faiss.IndexBinary):
@@ -142,7 +144,7 @@ def _mapped_lists(index):
         except RuntimeError:  # not an IVF index
             return None
     lists = faiss.downcast_InvertedLists(ivf.invlists)
-    return lists if isinstance(lists, faiss.OnDiskInvertedLists) else None
+    return (ivf, lists) if isinstance(lists, faiss.OnDiskInvertedLists) else None
 
 
 def own_inverted_lists(index) -> bool:
@@ -150,10 +152,10 @@ def own_inverted_lists(index) -> bool:
     can be added to, reset, cloned or written (faiss aborts the process on a write to mapped lists, and would write a
     reference to the mapped file instead of the lists); ``False`` when there was nothing to read (lists in memory, or
     no IVF). Memory: the lists' codes and ids (``L * (code bytes + 8)``)."""
-    lists = _mapped_lists(index)
-    if lists is None:
+    mapped_ivf = _mapped_ivf(index)
+    if mapped_ivf is None:
         return False
-    ivf = faiss.downcast_IndexBinary(index) if isinstance(index, faiss.IndexBinary) else faiss.extract_index_ivf(index)
+    ivf, lists = mapped_ivf
     owned = faiss.ArrayInvertedLists(lists.nlist, lists.code_size)
     for list_no in range(lists.nlist):
         size = lists.list_size(list_no)

@@ -52,7 +52,6 @@ class OnnxQueryEncoder:
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:  # onnxruntime's own default: one thread per physical core, too many for processes sharing the cores
             options.intra_op_num_threads = threads
-        self.threads = threads
         self.session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         self.path, self.meta = path, meta
 

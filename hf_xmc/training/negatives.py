@@ -28,26 +28,31 @@ MINING_PRECISIONS = ("auto", "float32", "bfloat16")
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
+def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
+    """The flags of :data:`CPU_BF16_FLAGS` this CPU has (``cpuinfo``'s ``flags`` lines); none where it cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            flags = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[-1].split()}
+    except OSError:
+        return ()
+    return tuple(flag for flag in CPU_BF16_FLAGS if flag in flags)
+
+
 @functools.cache
 def cpu_multiplies_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (a flag of :data:`CPU_BF16_FLAGS`). bfloat16 autocast paid on
     both kinds measured: AMX (a 2-core Xeon VM, family 6 model 207: a MiniLM encoding pass 2.2-2.4x float32's speed)
     and AVX512-BF16 without AMX (2 cores of an AMD EPYC, Zen 5: ``benchmarks/bench_bf16_cpu.py``, results/bf16_cpu.json).
     Without either, bfloat16 is emulated and float32 stays. False where the flags (of ``cpuinfo``) cannot be read."""
-    try:
-        with open(cpuinfo) as f:
-            return any(line.startswith("flags") and any(flag in line.split() for flag in CPU_BF16_FLAGS) for line in f)
-    except OSError:
-        return False
+    return bool(cpu_bf16_flags(cpuinfo))
 
 
 def mining_autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
     """The autocast dtype of the passes that choose training examples (hard-negative mining, cluster batching's
     query embeddings) for ``--mining_precision``: ``"bfloat16"``, ``"float32"`` (None: no autocast) or ``"auto"``,
     bfloat16 where the device runs it natively (a CUDA GPU with bf16, a CPU with AMX or AVX512-BF16) and float32
-    elsewhere. These
-    passes only rank labels (or group queries) to pick negatives, so bfloat16's ~3 significant digits cost nothing
-    that matters; the model's predictions, its saved label index and every evaluation stay in its own precision."""
+    elsewhere. These passes only rank labels (or group queries) to pick negatives, so bfloat16's ~3 significant digits
+    cost nothing that matters; the model's predictions, its saved label index and every evaluation stay in its own precision."""
     if precision not in MINING_PRECISIONS:
         raise ValueError(f"--mining_precision takes one of {MINING_PRECISIONS}, got {precision!r}")
     if precision == "float32":
