@@ -55,7 +55,11 @@ def run_model(dataset: str, method: str, seed: int, work: str) -> dict:
             "load_1min": round(os.getloadavg()[0], 2), "train_minutes": round(wall / 60, 2),
             "predict_ms": round(1000.0 / results["test_samples_per_second"], 3),
             "dense": {m: results[f"test_dense_{m}"] for m in SHOWN}, "fused": {m: results[f"test_{m}"] for m in SHOWN},
-            "weights": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")]}
+            "weights": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")],
+            "validation_fused": {m: results[f"eval_{m}"] for m in SHOWN if f"eval_{m}" in results},
+            # the model's own ranking settings tuned on the validation split (SiameseXML's classifier share, ...)
+            "tuned": {k[len("tuned_"):]: v for k, v in results.items() if k.startswith("tuned_")},
+            "train": {k: results.get(k) for k in ("train_bf16", "train_mining_bf16", "train_mining_seconds", "train_clustering_seconds")}}
 
 
 def run_peer_rows(dataset: str, seed: int, work: str) -> list[dict]:
