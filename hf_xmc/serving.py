@@ -608,7 +608,9 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
         except Exception as err:  # WorkerFailed, or anything else predict raised: one line, not a traceback page
             message = str(err) if isinstance(err, WorkerFailed) else f"prediction failed: {_first_line(err)}"
             raise Refused(500, message.splitlines()[0]) from None
-        return {"predictions": predictions}
+        # a response of its own: FastAPI would walk the records through jsonable_encoder first (~0.1 ms a request of
+        # k=10, 7x the JSON encoding itself); they are plain str / int / float already
+        return JSONResponse({"predictions": predictions})
 
     @app.get("/health")
     async def health():
@@ -644,7 +646,7 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
         if uid not in label_ids:
             raise Refused(404, f"no label with uid {uid!r}")
         i = label_ids[uid]
-        return {"id": i, "uid": uid, "text": model.label_texts[i]}
+        return JSONResponse({"id": i, "uid": uid, "text": model.label_texts[i]})
 
     return app
 
