@@ -91,7 +91,7 @@ def spread(values: list[float]) -> str:
 
 def table(rows: list[dict]) -> str:
     """Per dataset: each hf_xmc model's dense and fused rankings, then the peers, over the seeds each has run."""
-    header = ["dataset", "model", "ranking", "seeds", *SHOWN, "train min", "predict ms / query", "budget"]
+    header = ["dataset", "model", "ranking", "seeds", *SHOWN, "train min", "training in", "predict ms / query", "budget"]
     cells = []
     for dataset in dict.fromkeys(r["dataset"] for r in rows):
         here = [r for r in rows if r["dataset"] == dataset]
@@ -101,8 +101,17 @@ def table(rows: list[dict]) -> str:
             seeds = ", ".join(str(r["seed"]) for r in runs)
             for ranking in (("peer",) if "peer" in runs[0] else ("dense", "fused")):
                 cells.append([dataset, model, "" if ranking == "peer" else ranking, seeds, *(spread([r[ranking][m] for r in runs]) for m in SHOWN),
-                              spread([r["train_minutes"] for r in runs]), spread([r["predict_ms"] for r in runs]), runs[0]["budget"]])
-    return markdown_table(header, cells, "llll" + "r" * (len(SHOWN) + 2) + "l") + "\n"
+                              spread([r["train_minutes"] for r in runs]), precision(runs), spread([r["predict_ms"] for r in runs]), runs[0]["budget"]])
+    return markdown_table(header, cells, "llll" + "r" * (len(SHOWN) + 1) + "lrl") + "\n"
+
+
+def precision(runs: list[dict]) -> str:
+    """What the runs' training steps ran in (``--bf16 auto`` resolves per CPU: train minutes compare only within one);
+    empty for the peers, ``not recorded`` for rows from before the field."""
+    if "peer" in runs[0]:
+        return ""
+    seen = {r.get("train", {}).get("train_bf16") for r in runs}
+    return " / ".join(sorted({"bf16" if v == 1 else "float32" if v == 0 else "not recorded" for v in seen}))
 
 
 def main(argv=None) -> list[dict]:

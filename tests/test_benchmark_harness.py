@@ -296,19 +296,22 @@ def test_tail_metrics_are_kept_in_the_rows_and_rendered_beside_older_rows_as_das
 def test_the_headline_table_gives_each_ranking_its_mean_and_sample_std_over_the_seeds():
     from benchmarks import bench_headline
 
-    def run(seed, dense, fused):
-        return {"dataset": "debtags", "model": "dexml", "seed": seed, "budget": "1 epoch", "train_minutes": 10.0, "predict_ms": 4.0,
-                "dense": {"P@1": dense, "P@5": 40.0, "PSP@5": 60.0}, "fused": {"P@1": fused, "P@5": 41.0, "PSP@5": 61.0}}
+    def run(seed, dense, fused, model="dexml", bf16=None):
+        return {"dataset": "debtags", "model": model, "seed": seed, "budget": "1 epoch", "train_minutes": 10.0, "predict_ms": 4.0,
+                "dense": {"P@1": dense, "P@5": 40.0, "PSP@5": 60.0}, "fused": {"P@1": fused, "P@5": 41.0, "PSP@5": 61.0},
+                **({} if bf16 is None else {"train": {"train_bf16": bf16}})}
 
-    rows = [run(42, 90.0, 91.0), run(43, 92.0, 91.0), run(44, 91.0, 94.0),
+    rows = [run(42, 90.0, 91.0), run(43, 92.0, 91.0), run(44, 91.0, 94.0), run(42, 90.0, 91.0, "unidec", 1), run(43, 90.0, 91.0, "unidec", 0),
             {"dataset": "debtags", "model": "Omikuji", "seed": 42, "budget": "library defaults", "train_minutes": 0.1, "predict_ms": 0.1,
              "peer": {"P@1": 90.3, "P@5": 47.6, "PSP@5": 68.8}}]
     lines = bench_headline.table(rows).splitlines()
     dense = next(line for line in lines if "| dense |" in line)
     fused = next(line for line in lines if "| fused |" in line)
     assert "| 42, 43, 44 | 91.00 ± 1.00 | 40.00 ± 0.00 |" in dense  # mean 91, sample std 1 (not the population's 0.82)
-    assert "| 92.00 ± 1.73 |" in fused
-    assert "| Omikuji |  | 42 | 90.30 | 47.60 | 68.80 | 0.10 | 0.10 | library defaults |" in bench_headline.table(rows)
+    assert "| 92.00 ± 1.73 |" in fused and "| 10.00 ± 0.00 | not recorded |" in fused  # rows from before the precision was kept
+    # what the training ran in, per model: train minutes compare only within one precision
+    assert "| unidec | dense | 42, 43 | 90.00 ± 0.00 | 40.00 ± 0.00 | 60.00 ± 0.00 | 10.00 ± 0.00 | bf16 / float32 |" in bench_headline.table(rows)
+    assert "| Omikuji |  | 42 | 90.30 | 47.60 | 68.80 | 0.10 |  | 0.10 | library defaults |" in bench_headline.table(rows)
 
 
 def test_the_fusion_invariant_is_checked_on_the_validation_split_once_rows_carry_it():
