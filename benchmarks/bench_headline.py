@@ -56,6 +56,7 @@ def run_model(dataset: str, method: str, seed: int, work: str) -> dict:
             "predict_ms": round(1000.0 / results["test_samples_per_second"], 3),
             "dense": {m: results[f"test_dense_{m}"] for m in SHOWN}, "fused": {m: results[f"test_{m}"] for m in SHOWN},
             "weights": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")],
+            "weights_on_edge": [results.get("lexical_ranker_weight_on_edge"), results.get("lexical_text_weight_on_edge")],  # at their grid's cap
             "validation_fused": {m: results[f"eval_{m}"] for m in SHOWN if f"eval_{m}" in results},
             # the model's own ranking settings tuned on the validation split (SiameseXML's classifier share, ...)
             "tuned": {k[len("tuned_"):]: v for k, v in results.items() if k.startswith("tuned_")},
