@@ -53,6 +53,8 @@ from benchmarks.harness import (  # noqa: E402
     publish,
     read_json,
     result_path,
+    training_record,
+    tuned_settings,
     write_json,
 )
 from benchmarks.sweep_defaults import DATA_FLAGS, minilm, run_training_script  # noqa: E402
@@ -239,9 +241,9 @@ def run_row(dataset: str, method: str, recipe: str, work: str) -> dict:
             "validation_dense": pick(results, "eval_dense_"), "validation_fused": pick(results, "eval_"),
             "weights": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")],
             # the model's own ranking settings tuned on the validation split (SiameseXML's classifier share, ...)
-            "tuned": {k[len("tuned_"):]: v for k, v in results.items() if k.startswith("tuned_")},
+            "tuned": tuned_settings(results),
             # what --bf16 auto / --mining_precision auto resolved to, and the passes that only picked training examples
-            "train": {k: results.get(k) for k in ("train_bf16", "train_mining_bf16", "train_mining_seconds", "train_clustering_seconds")},
+            "train": training_record(results),
             "tail": pick_tail(results)}  # coverage, seen / unseen, deciles of both rankings (bench_validation.TAIL_HEADER)
 
 

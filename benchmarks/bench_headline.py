@@ -27,7 +27,17 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.harness import bench_parser, git_commit, markdown_table, publish, read_json, result_path, write_json  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    bench_parser,
+    git_commit,
+    markdown_table,
+    publish,
+    read_json,
+    result_path,
+    training_record,
+    tuned_settings,
+    write_json,
+)
 from benchmarks.sweep_defaults import prepare, run_training_script  # noqa: E402
 
 SHOWN = ("P@1", "P@5", "PSP@5")
@@ -59,8 +69,8 @@ def run_model(dataset: str, method: str, seed: int, work: str) -> dict:
             "weights_on_edge": [results.get("lexical_ranker_weight_on_edge"), results.get("lexical_text_weight_on_edge")],  # at their grid's cap
             "validation_fused": {m: results[f"eval_{m}"] for m in SHOWN if f"eval_{m}" in results},
             # the model's own ranking settings tuned on the validation split (SiameseXML's classifier share, ...)
-            "tuned": {k[len("tuned_"):]: v for k, v in results.items() if k.startswith("tuned_")},
-            "train": {k: results.get(k) for k in ("train_bf16", "train_mining_bf16", "train_mining_seconds", "train_clustering_seconds")}}
+            "tuned": tuned_settings(results),
+            "train": training_record(results)}
 
 
 def run_peer_rows(dataset: str, seed: int, work: str) -> list[dict]:

@@ -40,6 +40,8 @@ from benchmarks.harness import (  # noqa: E402
     read_json,
     result_path,
     row_dataset_cell,
+    training_record,
+    tuned_settings,
     write_json,
 )
 from benchmarks.sweep_defaults import minilm, run_training_script, validation_flags  # noqa: E402
@@ -119,9 +121,9 @@ def run_row(dataset: str, method: str, latency_queries: int, work: str) -> dict:
                     "static": [results.get("static_lexical_ranker_weight"), results.get("static_lexical_text_weight")]},
         "fit": {"seconds": results.get("static_fit_runtime"), "encode_seconds": fit.get("encode_seconds"), "queries": fit.get("queries"),
                 "epochs": fit.get("epochs"), "final_loss": fit["epoch_losses"][-1] if fit.get("epoch_losses") else None},
-        "tuned": {k[len("tuned_"):]: v for k, v in results.items() if k.startswith("tuned_")},  # SiameseXML's classifier share, ...
+        "tuned": tuned_settings(results),  # SiameseXML's classifier share, ...
         # what the training's own passes over the queries cost (does a static tower pay for training too: docs/serving.md)
-        "train": {k: results.get(k) for k in ("train_bf16", "train_mining_bf16", "train_mining_seconds", "train_clustering_seconds", "train_runtime")},
+        "train": training_record(results, extra=("train_runtime",)),
         "latency": {"queries": len(sample), "tower": latencies(model, sample, "transformer"), "static": latencies(model, sample, "static")},
     }
 

@@ -49,6 +49,7 @@ from benchmarks.harness import (  # noqa: E402
     read_json,
     result_path,
     row_dataset_cell,
+    tuned_settings,
     write_json,
 )
 from benchmarks.sweep_defaults import minilm, prepare, run_training_script  # noqa: E402
@@ -95,7 +96,7 @@ def run_row(dataset: str, method: str, work: str) -> dict:
            "weights_now": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")],
            "ece": {k[len("test_ECE_"):]: v for k, v in results.items() if k.startswith("test_ECE_")},
            "reliability": results.get("calibration_reliability"), "train_runtime": results.get("train_runtime"),
-           "tuned": {k[len("tuned_"):]: v for k, v in results.items() if k.startswith("tuned_")},  # the model's own ranking settings
+           "tuned": tuned_settings(results),  # the model's own ranking settings
            # the final model on the validation split (before the ranker is trained again on it): the invariant's own ground
            "validation_fused": pick(results, "eval_"), "validation_dense": pick(results, "eval_dense_"),
            "weights_on_edge": [name for name in ("ranker", "text") if results.get(f"lexical_{name}_weight_on_edge")],

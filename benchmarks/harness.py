@@ -38,6 +38,22 @@ def cpu_name() -> str:
     return name or platform.processor() or "unknown"
 
 
+#: what a training script's eval_results say about how it trained: what ``--bf16 auto`` / ``--mining_precision auto``
+#: resolved to, and the seconds of the passes that only picked training examples
+TRAINING_KEYS = ("train_bf16", "train_mining_bf16", "train_mining_seconds", "train_clustering_seconds")
+
+
+def tuned_settings(results: dict) -> dict:
+    """The model's own ranking settings tuned on the validation split (``tuned_*`` of a script's eval_results, the
+    prefix dropped: SiameseXML's classifier share, ...)."""
+    return {k[len("tuned_"):]: v for k, v in results.items() if k.startswith("tuned_")}
+
+
+def training_record(results: dict, extra: tuple[str, ...] = ()) -> dict:
+    """:data:`TRAINING_KEYS` (and ``extra``) of a script's eval_results, None where the run did not report one."""
+    return {k: results.get(k) for k in (*TRAINING_KEYS, *extra)}
+
+
 def measured_or_read(args: argparse.Namespace, measure) -> dict:
     """The result a benchmark prints: with ``--table_only`` the one at ``--out``, else ``measure()``, written to
     ``--out`` (its key order kept)."""
