@@ -69,8 +69,14 @@ MINED = ["--hard_negatives", "1", "--hard_negative_top_k", "100", "--hard_negati
 DEXML_NEGATIVES = [*MINED, "--hard_negative_refresh_interval", "1", "--cluster_batching", "true", "--cluster_start_epoch", "0.05",
                    "--cluster_init_size", "16", "--cluster_curriculum_epochs", "100", "--cluster_refresh_interval", "1",
                    "--cluster_min_labels", "0"]
-#: SiameseXML's Module I with DEXML's decoupled softmax (the ``softmax_module1`` recipe and its longer twin)
-SOFTMAX_MODULE1 = ["--siamese_loss", "softmax", "--learning_rate", "3e-4", "--label_sampling_power", "1.0", "--bf16", "true"]
+#: SiameseXML's Module IV as [P] trains it: the point likelihood over the 3 x |P_i| hardest shortlist negatives. Named
+#: on the command line because it stopped being the script's default on 2026-11-30 (d875e9e): until 2026-12-05 the
+#: recipes below left it to the defaults, so their rows from then on ran the softmax Module IV, the very objective
+#: ``softmax_classifiers`` names (the "tie" of the Module IV decision on Debtags and Reuters was one configuration run twice)
+PAPER_MODULE4 = ["--classifier_loss", "likelihood", "--classifier_negatives", "hardest"]
+#: SiameseXML's Module I with DEXML's decoupled softmax (the ``softmax_module1`` recipe and its longer twin), with
+#: [P]'s Module IV
+SOFTMAX_MODULE1 = ["--siamese_loss", "softmax", "--learning_rate", "3e-4", "--label_sampling_power", "1.0", "--bf16", "true", *PAPER_MODULE4]
 #: named flag sets appended to a row's command (the script's defaults fill in the rest, at the commit that ran the row)
 RECIPES: dict[str, list[str]] = {
     # in-batch negatives only: the other queries' positives of the batch (train_dexml.py's default before the hard negatives)
@@ -115,7 +121,7 @@ RECIPES: dict[str, list[str]] = {
     "forty_minutes": ["--bf16", "true"],
     # SiameseXML's Module I with DEXML's decoupled softmax (scale 20) over the in-batch labels instead of the point
     # likelihood with one hard negative, at DEXML's rate (3e-4 for 1e-4) and labels drawn in proportion to their points
-    # (power 1 for [P]'s 0.45), in bf16: the script's defaults from 2026-11-29
+    # (power 1 for [P]'s 0.45), in bf16: the script's defaults from 2026-11-29; Module IV as [P] (PAPER_MODULE4)
     "softmax_module1": SOFTMAX_MODULE1,
     # the same with twice Module I's epochs (4 instead of the script's 2; Module IV keeps its 10): the dense Debtags
     # model was 1.3 P@1 under the tree peer after 2
@@ -141,6 +147,8 @@ DECISIONS: dict[str, tuple[str, ...]] = {
     # shortlist negatives, or DEXML's decoupled softmax of each positive against all of the point's 100
     "module_iv": ("softmax_module1", "softmax_classifiers"),
 }
+#: the methods each decision is taken for (its recipes must give each of them different arguments: a test parses them)
+DECISION_METHODS: dict[str, tuple[str, ...]] = {"negatives": ("dexml", "unidec"), "module_iv": ("siamesexml",)}
 
 
 def decisions_of(recipe: str) -> tuple[str, ...]:
@@ -217,6 +225,13 @@ def without_budget(flags: list[str]) -> list[str]:
     return out
 
 
+def row_flags(dataset: str, method: str, recipe: str) -> list[str]:
+    """The flags a row adds after the dataset's own (the last occurrence wins, as on the command line): the method's
+    step budget on that dataset (unless the recipe brings its own), the recipe's flags, then the recipe's budget."""
+    return [*([] if recipe in OWN_BUDGET else BUDGETS.get((dataset, method), [])), *RECIPES[recipe],
+            *RECIPE_BUDGETS.get((dataset, recipe, method), RECIPE_BUDGETS.get((dataset, recipe), []))]
+
+
 def run_row(dataset: str, method: str, recipe: str, work: str) -> dict:
     """Train through the script (``run_training_script``) and keep what its eval_results.json says."""
     data_dir, data_flags = data_setup(dataset, work)
@@ -228,8 +243,7 @@ def run_row(dataset: str, method: str, recipe: str, work: str) -> dict:
 
     if recipe == "gpu_preset" and not torch.cuda.is_available():
         raise SystemExit("bench_dense.py: the gpu_preset recipe is sized for one GPU and needs CUDA; this machine has none")
-    flags = [*([] if recipe in OWN_BUDGET else BUDGETS.get((dataset, method), [])), *RECIPES[recipe],
-             *RECIPE_BUDGETS.get((dataset, recipe, method), RECIPE_BUDGETS.get((dataset, recipe), []))]
+    flags = row_flags(dataset, method, recipe)
     out = os.path.join(work, f"{dataset}-{method}-{recipe}")
     results, wall = run_training_script(method, data_dir, minilm(), out, [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", *flags])
     commit = git_commit()

@@ -382,3 +382,34 @@ def test_tables_name_the_wordnet_version_a_row_ran_on(tmp_path):
     (tmp_path / "stats.json").write_text("{}")
     assert harness.data_version("wordnet", str(tmp_path)) == "v1"
     assert harness.data_version("debtags", str(tmp_path)) is None
+
+
+def test_the_recipes_of_a_decision_give_its_methods_different_arguments(tmp_path):
+    """Each :data:`bench_dense.DECISIONS` entry compares recipes that its methods' scripts parse into different
+    arguments on every dataset: a recipe that leaves the compared setting to the script's defaults runs the other
+    recipe's configuration once the default moves (SiameseXML's ``softmax_module1`` did from 2026-11-30 to 12-05)."""
+    import dataclasses
+    import importlib
+
+    from benchmarks import bench_dense
+    from hf_xmc.training.script_utils import XMCArgumentParser, XMCDataArguments
+
+    prefixes = {"dexml": "DEXML", "prime": "PRIME", "unidec": "UniDEC", "siamesexml": "SiameseXML"}
+    base = ["--model_name_or_path", "m", "--train_file", "t", "--output_dir", str(tmp_path)]
+    assert set(bench_dense.DECISION_METHODS) == set(bench_dense.DECISIONS)
+    for decision, recipes in bench_dense.DECISIONS.items():
+        for method in bench_dense.DECISION_METHODS[decision]:
+            module = importlib.import_module(f"hf_xmc.training.recipes.{method}")
+            classes = (getattr(module, f"{prefixes[method]}ModelArguments"), XMCDataArguments, getattr(module, f"{prefixes[method]}TrainingArguments"))
+            for dataset in bench_dense.DATASETS:
+                parsed = {}
+                for recipe in recipes:
+                    args = XMCArgumentParser(classes).parse_args_into_dataclasses(args=[*base, *bench_dense.row_flags(dataset, method, recipe)])
+                    parsed[recipe] = tuple(dataclasses.asdict(a) for a in args)
+                assert len({repr(p) for p in parsed.values()}) == len(recipes), (decision, method, dataset)
+    # the check catches the case it is for: without the pinned Module IV, softmax_module1 parses as softmax_classifiers
+    module = importlib.import_module("hf_xmc.training.recipes.siamesexml")
+    classes = (module.SiameseXMLModelArguments, XMCDataArguments, module.SiameseXMLTrainingArguments)
+    unpinned = [f for f in bench_dense.SOFTMAX_MODULE1 if f not in bench_dense.PAPER_MODULE4]
+    parse = lambda flags: repr(tuple(dataclasses.asdict(a) for a in XMCArgumentParser(classes).parse_args_into_dataclasses(args=[*base, *flags])))  # noqa: E731
+    assert parse(unpinned) == parse(bench_dense.RECIPES["softmax_classifiers"])
