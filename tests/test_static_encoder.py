@@ -209,7 +209,8 @@ def test_training_scripts_fit_tune_and_report_the_static_encoder_and_the_cli_ser
     _, task_dir = tiny_task
     out = tmp_path / "out"
     proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(out), epochs="1") + ["--lexical_channel", "omikuji", "--static_query_encoder",
-                                                                                       "--static_query_encoder_epochs", "3"])
+                                                                                       "--static_query_encoder_epochs", "3",
+                                                                                       "--static_query_encoder_precision", "bfloat16"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "eval_results.json").read_text())
     for key in ("test_static_P@1", "test_static_dense_P@1", "eval_static_P@1", "static_fit_runtime", "static_lexical_ranker_weight"):
@@ -217,6 +218,7 @@ def test_training_scripts_fit_tune_and_report_the_static_encoder_and_the_cli_ser
     assert (out / STATIC_ENCODER_FILE).exists()
     meta = json.loads((out / STATIC_ENCODER_META).read_text())
     assert meta["fusion"]["ranker_weight"] == results["static_lexical_ranker_weight"] and "score_calibration" in meta
+    assert results["static_fit_bf16"] == 1 and meta["fit"]["encode_precision"] == "bfloat16"  # the flag reached the fit
     reloaded = AutoModel.from_pretrained(out)
     assert reloaded.score_calibration is not None  # the tower's, recorded after training (fused AdamW: see test_provenance)
     with reloaded.using_query_encoder("static"):
@@ -236,10 +238,12 @@ def test_training_scripts_fit_tune_and_report_the_static_encoder_and_the_cli_ser
     assert cli.main(["predict", str(plain), "--text", "q", "--query_encoder", "static"]) != 0
     assert "no static query encoder" in capsys.readouterr().err
     # hf-xmc fit-static adds one to a saved model
-    code = cli.main(["fit-static", str(plain), "--train_file", f"{task_dir}/trn.json.gz", "--epochs", "2", "--output_dir", str(tmp_path / "grown")])
+    code = cli.main(["fit-static", str(plain), "--train_file", f"{task_dir}/trn.json.gz", "--epochs", "2", "--output_dir", str(tmp_path / "grown"),
+                     "--precision", "float32"])
     assert code == 0
     fitted = json.loads(capsys.readouterr().out)
     assert fitted["static_fit_queries"] > 0 and (tmp_path / "grown" / STATIC_ENCODER_FILE).exists()
+    assert fitted["static_fit_bf16"] == 0 and json.loads((tmp_path / "grown" / STATIC_ENCODER_META).read_text())["fit"]["encode_precision"] == "float32"
 
 
 def test_a_server_answers_with_the_static_encoder_it_was_started_with(tiny_encoder_dir, tiny_task):
@@ -287,6 +291,33 @@ def test_the_fit_encodes_the_towers_vectors_in_chunks_with_the_same_result(tiny_
     chunked, _ = static_encoder.fit_static_encoder(model, texts, epochs=2, seed=3)
     torch.testing.assert_close(chunked.embeddings.weight, whole.embeddings.weight)
     assert chunked.output_scale == whole.output_scale
+
+
+def test_a_bfloat16_fit_encodes_the_tower_under_autocast_and_lands_beside_the_float32_fit(tiny_encoder_dir, tiny_task, monkeypatch):
+    """``encode_dtype=torch.bfloat16`` runs the tower's passes (the targets and the initial rows) under bfloat16
+    autocast and says so in the fit's record; the table it fits is the float32 fit's to bfloat16's precision."""
+    from hf_xmc.models import static_encoder
+
+    data = tiny_task[0]
+    model = tiny_model(tiny_encoder_dir, data)
+    texts = list(data.train.texts[:50])
+    seen = []
+    embed = model.embed
+
+    def recording_embed(*args, **kwargs):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return embed(*args, **kwargs)
+
+    monkeypatch.setattr(model, "embed", recording_embed)
+    full, fit32 = static_encoder.fit_static_encoder(model, texts, epochs=2, seed=3)
+    assert set(seen) == {None} and fit32["encode_precision"] == "float32"
+    seen.clear()
+    half, fit16 = static_encoder.fit_static_encoder(model, texts, epochs=2, seed=3, encode_dtype=torch.bfloat16)
+    assert set(seen) == {torch.bfloat16} and fit16["encode_precision"] == "bfloat16"
+    assert model.encoding_autocast_dtype is None  # restored after the fit
+    assert not torch.equal(half.embeddings.weight, full.embeddings.weight)  # the autocast was real
+    cosine = torch.nn.functional.cosine_similarity(half.embeddings.weight.detach(), full.embeddings.weight.detach(), dim=1)
+    assert float(cosine.min()) > 0.98
 
 
 def test_the_fits_batch_gather_takes_each_chosen_bag_whole_and_in_order():

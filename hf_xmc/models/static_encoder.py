@@ -122,7 +122,8 @@ def gather_bags(ids: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
 @torch.no_grad()
 def tower_token_vectors(model, batch_size: int = 512, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
     """Each vocabulary token's search vector through the model's query tower, alone between the tokenizer's special
-    tokens (Model2Vec's initialisation of a static table): ``(vocab, dim)`` float32. Memory: the result and one batch."""
+    tokens (Model2Vec's initialisation of a static table): ``(vocab, dim)`` float32, under the model's
+    ``encoding_autocast`` dtype when one is set. Memory: the result and one batch."""
     from tqdm.auto import tqdm
 
     tokenizer = model._require_tokenizer()
@@ -146,7 +147,9 @@ def tower_token_vectors(model, batch_size: int = 512, show_progress_bar: Optiona
                 input_ids = torch.tensor(wrap, dtype=torch.long).repeat(len(ids), 1)
                 input_ids[:, position] = ids
             mask = torch.ones_like(input_ids)
-            vectors = model.embed(input_ids.to(model.device), mask.to(model.device), **model.query_embed_kwargs()).float().cpu()
+            autocast = model.encoding_autocast_dtype  # as encode_texts: model.encoding_autocast(dtype) around the call
+            with torch.autocast(model.device.type, dtype=autocast, enabled=autocast is not None):
+                vectors = model.embed(input_ids.to(model.device), mask.to(model.device), **model.query_embed_kwargs()).float().cpu()
             if out is None:
                 out = torch.empty(vocab, vectors.shape[1])
             out[start : start + len(ids)] = vectors
@@ -165,13 +168,16 @@ def fit_static_encoder(
     max_queries: Optional[int] = None,
     seed: int = 0,
     show_progress_bar: Optional[bool] = None,
+    encode_dtype: Optional[torch.dtype] = None,
 ) -> tuple[StaticQueryEncoder, dict]:
     """Fit a :class:`StaticQueryEncoder` to ``model``'s query vectors of ``texts`` (the training queries: never the
     validation or test ones, which tune and judge it): minimise ``1 - cos(static(q), tower(q))`` with lazy Adam
     (``torch.optim.SparseAdam``: a step touches only the rows of its batch's tokens) for ``epochs`` passes in shuffled
     batches. ``init``: ``"tower"`` (each token's vector through the tower, :func:`tower_token_vectors`) or
     ``"random"`` (normal, std 1 / sqrt(dim)). ``max_queries``: fit on a seeded sample of that many texts (memory:
-    the module docstring). Returns the encoder and what the fit did (the meta's ``fit`` entry)."""
+    the module docstring). ``encode_dtype``: the autocast dtype of the tower's passes that make the targets and the
+    initial rows (``torch.bfloat16`` halves them where the hardware multiplies bfloat16; the targets are stored in
+    float16 anyway); None: the weights' precision. Returns the encoder and what the fit did (the meta's ``fit`` entry)."""
     from tqdm.auto import tqdm
 
     if init not in ("tower", "random"):
@@ -191,7 +197,8 @@ def fit_static_encoder(
     targets: Optional[torch.Tensor] = None
     norms = torch.empty(len(texts))
     for start in range(0, len(texts), FIT_ENCODE_CHUNK):
-        chunk = model.query_search_vectors(texts[start : start + FIT_ENCODE_CHUNK], show_progress_bar=show_progress_bar).float()
+        with model.encoding_autocast(encode_dtype):
+            chunk = model.query_search_vectors(texts[start : start + FIT_ENCODE_CHUNK], show_progress_bar=show_progress_bar).float()
         if targets is None:
             targets = torch.empty(len(texts), chunk.shape[1], dtype=torch.float16)
         norms[start : start + len(chunk)] = chunk.norm(dim=1)
@@ -201,7 +208,8 @@ def fit_static_encoder(
     scale = 1.0 if unit else float(norms.median())  # the scale is one constant: the dense scores keep their range
     encoder = StaticQueryEncoder(len(tokenizer), targets.shape[1], output_scale=scale)
     if init == "tower":
-        encoder.embeddings.weight.data.copy_(tower_token_vectors(model, show_progress_bar=show_progress_bar))
+        with model.encoding_autocast(encode_dtype):
+            encoder.embeddings.weight.data.copy_(tower_token_vectors(model, show_progress_bar=show_progress_bar))
     else:
         generator = torch.Generator().manual_seed(seed)
         encoder.embeddings.weight.data.normal_(0.0, 1.0 / math.sqrt(targets.shape[1]), generator=generator)
@@ -229,6 +237,7 @@ def fit_static_encoder(
     encoder.eval()
     fit = {"queries": len(texts), "epochs": int(epochs), "batch_size": int(batch_size), "learning_rate": float(learning_rate), "init": init,
            "seed": int(seed), "loss": "cosine", "epoch_losses": losses, "encode_seconds": round(encode_seconds, 2),
+           "encode_precision": "float32" if encode_dtype is None else str(encode_dtype).removeprefix("torch."),
            "seconds": round(time.perf_counter() - started, 2)}
     return encoder, fit
 
