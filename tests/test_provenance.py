@@ -285,3 +285,20 @@ def test_the_cached_tensor_list_follows_replaced_parameters_conversions_and_new_
     converted = model.weights_fingerprint()
     model.encoder.resize_token_embeddings(model.encoder.get_input_embeddings().num_embeddings + 8)
     assert [id(t) for t in model._weight_tensors()] == fresh() and model.weights_fingerprint() != converted
+
+
+def test_the_weights_fingerprint_is_each_tensors_float64_sum_and_norm_however_it_is_chunked(tiny_encoder_dir, monkeypatch):
+    """The fingerprint converts each tensor to float64 a chunk at a time (one conversion for both reductions); it must
+    be the float64 sum and norm of the values, whatever the chunk size, or saved fingerprints would stop matching."""
+    from hf_xmc.models import model_provenance
+
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir, max_seq_length=16)
+    tensors = model._weight_tensors()
+    expected = [v for t in tensors for v in (float(t.detach().double().sum()), float(torch.linalg.vector_norm(t.detach().double())))]
+    whole = model.weights_fingerprint()
+    np.testing.assert_allclose(whole, expected, rtol=1e-12, atol=0)
+    monkeypatch.setattr(model_provenance, "FINGERPRINT_CHUNK", 7)  # every tensor in many chunks, the last one short
+    model.invalidate_weights_fingerprint()
+    chunked = model.weights_fingerprint()
+    assert chunked != whole or all(t.numel() <= 7 for t in tensors)  # computed again, not the cached tuple
+    np.testing.assert_allclose(chunked, expected, rtol=1e-12, atol=1e-12)
