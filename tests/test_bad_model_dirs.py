@@ -9,6 +9,7 @@ unless asked for. ``MODEL_DIR_KINDS`` counts the kinds for the bad-input total (
 import json
 import logging
 import os
+import re
 import shutil
 
 import numpy as np
@@ -299,3 +300,11 @@ def test_labels_file_read_whole_or_line_by_line_gives_the_same_rows_and_faults(t
     path.write_text('{"uid": "a", "text": "t"}\n\n{"uid": "b", "text": "u"}\n', encoding="utf-8")
     with pytest.raises(ModelFileError, match=r"labels.jsonl, line 2: malformed JSON"):
         read_labels(str(path))
+    # rows that parse as JSON but are not {uid: str, text: str} objects fall through to the line-by-line read
+    for bad_row, fault in (('{"uid": "b"}', "not a {'uid', 'text'} JSON object"), ('["b", "u"]', "not a {'uid', 'text'} JSON object"),
+                           ('{"uid": 2, "text": "u"}', "uid is 2, not a string"), ('{"uid": "b", "text": ["u"]}', 'text is ["u"], not a string')):
+        path.write_text(f'{{"uid": "a", "text": "t"}}\n{bad_row}\n', encoding="utf-8")
+        with pytest.raises(ModelFileError, match=re.escape(f"labels.jsonl, line 2: {fault}")):
+            read_labels(str(path))
+    path.write_text('{"uid": "a", "text": "t", "extra": 1}\n', encoding="utf-8")
+    assert read_labels(str(path)) == (["a"], ["t"])  # other keys are ignored, as before

@@ -166,10 +166,13 @@ def read_labels(path: str) -> tuple[list[str], list[str]]:
         except ValueError:
             rows = None
         del text
-        if rows is not None and len(rows) == num_lines and all(
-            type(row) is dict and type(row.get("uid")) is str and type(row.get("text")) is str for row in rows
-        ):
-            return [row["uid"] for row in rows], [row["text"] for row in rows]
+        if rows is not None and len(rows) == num_lines and set(map(type, rows)) <= {dict}:  # each check one C-level pass
+            try:
+                uids, texts = [row["uid"] for row in rows], [row["text"] for row in rows]
+            except KeyError:
+                uids = texts = None
+            if uids is not None and set(map(type, uids)) <= {str} and set(map(type, texts)) <= {str}:
+                return uids, texts
     finally:
         if collecting:
             gc.enable()
