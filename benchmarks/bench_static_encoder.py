@@ -120,12 +120,20 @@ def run_row(dataset: str, method: str, latency_queries: int, work: str) -> dict:
         "weights": {"tower": [results.get("lexical_ranker_weight"), results.get("lexical_text_weight")],
                     "static": [results.get("static_lexical_ranker_weight"), results.get("static_lexical_text_weight")]},
         "fit": {"seconds": results.get("static_fit_runtime"), "encode_seconds": fit.get("encode_seconds"), "queries": fit.get("queries"),
-                "epochs": fit.get("epochs"), "final_loss": fit["epoch_losses"][-1] if fit.get("epoch_losses") else None},
+                "epochs": fit.get("epochs"), "final_loss": fit["epoch_losses"][-1] if fit.get("epoch_losses") else None,
+                "encode_precision": fit.get("encode_precision", "float32")},
         "tuned": tuned_settings(results),  # SiameseXML's classifier share, ...
+        # the static encoder's own values of them, tuned with its ranking (rows measured before: absent)
+        "static_tuned": {k[len("static_tuned_"):]: v for k, v in results.items() if k.startswith("static_tuned_")},
         # what the training's own passes over the queries cost (does a static tower pay for training too: docs/serving.md)
         "train": training_record(results, extra=("train_runtime",)),
         "latency": {"queries": len(sample), "tower": latencies(model, sample, "transformer"), "static": latencies(model, sample, "static")},
     }
+
+
+def precision_name(precision) -> str:
+    """The fit's tower pass as the table names it: ``bf16`` or ``float32`` (rows measured before it was recorded)."""
+    return "bf16" if precision == "bfloat16" else "float32"
 
 
 def static_table(rows: list[dict]) -> str:
@@ -142,14 +150,14 @@ def static_table(rows: list[dict]) -> str:
         cells.append([where, r["method"], "static, initialised only", *(f"{r['static_init']['dense'].get(m, '-')}" for m in SHOWN),
                       *([""] * len(SHOWN)), "", "", ""])
         cells.append([where, r["method"], "static, fitted", *(f"{r['static']['dense'].get(m, '-')}" for m in SHOWN),
-                      *(f"{r['static']['fused'].get(m, '-')}" for m in SHOWN), f"{r['fit']['seconds']:.0f}",
+                      *(f"{r['static']['fused'].get(m, '-')}" for m in SHOWN), f"{r['fit']['seconds']:.0f} ({precision_name(r['fit'].get('encode_precision'))})",
                       f"{lat['static']['p50_ms']:.2f}", f"{lat['static']['p99_ms']:.2f}"])
     table = markdown_table(header, cells, "lll" + "r" * (2 * len(SHOWN) + 3))
     loads: dict[str, list[float]] = {}
     for r in rows:
         loads.setdefault(r["cpu"], []).append(r["load_1min"])
     machines = "; ".join(f"{cpu} (1-minute load {min(v):g}-{max(v):g})" for cpu, v in sorted(loads.items()))
-    return table + f"\n\nMeasured on {machines}. Fit s: encoding the training queries with the tower, the start, the fit.\n"
+    return table + f"\n\nMeasured on {machines}. Fit s: encoding the training queries with the tower (in the precision named), the start, the fit.\n"
 
 
 def main(argv=None) -> list[dict]:

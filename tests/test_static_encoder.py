@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModel
 
 from hf_xmc import cli
-from hf_xmc.models import DEXMLModel, UniDECModel
+from hf_xmc.models import DEXMLModel, SiameseXMLModel, UniDECModel
 from hf_xmc.models.calibration import ScoreCalibration
 from hf_xmc.models.provenance import StaleDerivedPartError
 from hf_xmc.models.static_encoder import (
@@ -157,6 +157,44 @@ def test_the_static_encoder_fuses_with_its_own_weights_and_calibration(tiny_enco
         assert model.predict(texts, k=5, query_encoder="static").probabilities is None
     assert "query_encoder" in caplog.text and calibrated_meta is not None
     assert model.predict(texts, k=5).probabilities is not None
+
+
+def test_the_static_encoder_keeps_its_own_ranking_settings_tuned_on_its_ranking(tiny_encoder_dir, tiny_task, tmp_path):
+    """SiameseXML's classifier share (a tunable ranking setting) is tuned again with the static encoder ranking and
+    kept in its meta: used while it ranks, saved and reloaded, while the tower keeps the config's value."""
+    from tests.models.test_modeling_siamesexml import make_siamesexml, perturb
+
+    data = tiny_task[0]
+    torch.manual_seed(0)
+    model = make_siamesexml(tiny_encoder_dir, data)
+    perturb(model)
+    model.config.fusion_weight = 0.5
+    model.fit_static_query_encoder(list(data.train.texts), epochs=2, seed=0)
+    evaluator = XMCEvaluator(data.test, data.label_texts, data.label_uids, train_targets=data.train.targets, name="eval")
+    info = tune_static_query_encoder(model, data.test, data.train.targets, evaluator)
+    chosen = model.static_query_encoder_meta["ranking"]["fusion_weight"]
+    assert info["static_tuned_fusion_weight"] == chosen and chosen in SiameseXMLModel.tunable_ranking_settings["fusion_weight"]
+    assert model.config.fusion_weight == 0.5  # the tower's, restored after the tuning
+    texts = list(data.test.texts[:10])
+    model.set_static_ranking_settings({"fusion_weight": 1.0})  # the classifiers alone, so the two rankings must differ
+    with model.using_query_encoder("static"):
+        assert model.config.fusion_weight == 1.0
+    assert model.config.fusion_weight == 0.5
+    static = model.predict(texts, k=5, query_encoder="static")
+    vectors = model.static_query_vectors(texts)
+    model.config.fusion_weight = 1.0
+    expected_scores, expected_ids = model.search(vectors, 5)
+    model.config.fusion_weight = 0.5
+    np.testing.assert_array_equal(static.label_ids, expected_ids)
+    np.testing.assert_allclose(static.scores, expected_scores, rtol=1e-6)
+    other_scores, _ = model.search(vectors, 5)
+    assert not np.allclose(other_scores, expected_scores)  # the setting matters to this ranking
+    with pytest.raises(ValueError, match="no tunable ranking setting 'dense_weight'"):
+        model.set_static_ranking_settings({"dense_weight": 1.0})
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = SiameseXMLModel.from_pretrained(tmp_path / "saved")
+    assert reloaded.static_query_encoder_meta["ranking"] == {"fusion_weight": 1.0} and reloaded.config.fusion_weight == 0.5
+    np.testing.assert_array_equal(reloaded.predict(texts, k=5, query_encoder="static").label_ids, static.label_ids)
 
 
 def test_a_static_encoder_of_another_tower_is_refused_and_not_saved(tiny_encoder_dir, tiny_task, tmp_path):

@@ -340,10 +340,16 @@ class StaticQueryEncoderMixin:
         previous = self._query_encoder
         channel = self.lexical_channel
         saved = None
-        fusion = (self.static_query_encoder_meta or {}).get("fusion") if name == "static" else None
+        meta = (self.static_query_encoder_meta or {}) if name == "static" else {}
+        fusion = meta.get("fusion")
         if channel is not None and fusion:
             saved = {key: channel.settings[key] for key in STATIC_FUSION_KEYS}
             channel.settings.update({key: float(fusion[key]) for key in STATIC_FUSION_KEYS if key in fusion})
+        # its own values of the model's tunable ranking settings (SiameseXML's classifier share), tuned with its ranking
+        ranking = {key: value for key, value in (meta.get("ranking") or {}).items() if key in self.tunable_ranking_settings}
+        saved_ranking = {key: getattr(self.config, key) for key in ranking}
+        for key, value in ranking.items():
+            setattr(self.config, key, value)
         self._query_encoder = name
         try:
             yield self
@@ -351,12 +357,24 @@ class StaticQueryEncoderMixin:
             self._query_encoder = previous
             if saved is not None:
                 channel.settings.update(saved)
+            for key, value in saved_ranking.items():
+                setattr(self.config, key, value)
 
     def set_static_fusion_weights(self, weights: dict) -> None:
         """The static encoder's own lexical fusion weights (``ranker_weight``, ``text_weight``), used while it ranks."""
         if self.static_query_encoder_meta is None:
             raise ValueError(f"{type(self).__name__} has no static query encoder")
         self.static_query_encoder_meta["fusion"] = {key: float(weights[key]) for key in STATIC_FUSION_KEYS}
+
+    def set_static_ranking_settings(self, settings: dict) -> None:
+        """The static encoder's own values of the model's ``tunable_ranking_settings`` (SiameseXML's ``fusion_weight``:
+        the classifiers' share), used while it ranks; the tower keeps the config's."""
+        if self.static_query_encoder_meta is None:
+            raise ValueError(f"{type(self).__name__} has no static query encoder")
+        unknown = set(settings) - set(self.tunable_ranking_settings)
+        if unknown:
+            raise ValueError(f"{type(self).__name__} has no tunable ranking setting {sorted(unknown)[0]!r}")
+        self.static_query_encoder_meta["ranking"] = {key: float(value) for key, value in settings.items()}
 
     def static_query_vectors(self, texts: Sequence[str], batch_size: int = 1024) -> torch.Tensor:
         """``(n, dim)`` search vectors of ``texts`` from the static encoder (checked first)."""

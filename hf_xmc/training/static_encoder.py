@@ -37,12 +37,27 @@ def tune_static_query_encoder(
     text_weight: Optional[float] = None,
     batch_size: int = 128,
 ) -> dict:
-    """With the model's static encoder ranking: tune the lexical channel's weights left ``None`` on ``validation``
+    """With the model's static encoder ranking: tune the model's own ranking settings (``tunable_ranking_settings``:
+    SiameseXML's classifier share) on ``validation_evaluator``'s queries, then the lexical channel's weights left ``None`` on ``validation``
     (the model has a channel and a validation split; else the tower's weights stay), then fit the score calibration
     ``calibration_method`` (``isotonic`` / ``platt``; ``none``: none) on ``validation_evaluator``'s ranking. Returns
     ``static_*`` entries for ``eval_results.json``: the tuned weights, whether each ended on its grid's cap, the
     runtimes."""
     info: dict = {}
+    names = list(model.tunable_ranking_settings)
+    if names and validation_evaluator is not None:  # its own ranking settings first, as the tower's: the channel fuses on top
+        from .evaluation import tune_ranking_settings
+
+        start = time.perf_counter()
+        tower = {name: getattr(model.config, name) for name in names}
+        try:
+            with model.using_query_encoder("static"):
+                chosen = tune_ranking_settings(model, validation_evaluator, names)
+        finally:  # the tuning writes the config: the tower keeps its own values
+            for name, value in tower.items():
+                setattr(model.config, name, value)
+        model.set_static_ranking_settings(chosen)
+        info.update({f"static_tuned_{name}": value for name, value in chosen.items()}, static_ranking_tuning_runtime=round(time.perf_counter() - start, 4))
     with model.using_query_encoder("static"):
         channel = model.current_lexical_channel()
         if channel is not None and validation is not None and (ranker_weight is None or text_weight is None):
