@@ -347,7 +347,7 @@ def serve_and_measure(directory: str, backend: str, queries: list[str], requests
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     server = subprocess.Popen([sys.executable, "-m", "hf_xmc.cli", "serve", directory, "--port", str(port), "--backend", backend,
                                "--max_wait_ms", str(max_wait_ms), "--query_encoder", query_encoder, "--workers", str(workers),
-                               *(["--wait_for_arrivals"] if wait_for_arrivals else [])], env=env, stdout=subprocess.DEVNULL,
+                               "--wait_for_arrivals" if wait_for_arrivals else "--no_wait_for_arrivals"], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     try:
         start, deadline = time.perf_counter(), time.time() + 600
@@ -549,7 +549,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--scales", nargs="+", default=["53k", "1.3m"], choices=list(ROWS))
     ap.add_argument("--requests", type=int, default=300, help="one-client requests measured per row")
     ap.add_argument("--max_wait_ms", type=float, default=2.0, help="the server's --max_wait_ms (rows at another value than 2 are named -waitN)")
-    ap.add_argument("--wait_for_arrivals", action="store_true", help="the server's --wait_for_arrivals (rows named -arrivals)")
+    ap.add_argument("--wait_for_arrivals", action="store_true", help="the server's --wait_for_arrivals, its default since 2026-12-05 "
+                    "(rows named -arrivals); without it the rows run the fixed wait (--no_wait_for_arrivals), as before")
     ap.add_argument("--workers", type=int, default=1, help="the server's --workers (rows named -workersN)")
     ap.add_argument("--ivf_nprobe", type=int, default=IVF_NPROBE, help="IVF lists probed at the 1.3M scale (rows at another count are named -nprobeN)")
     ap.add_argument("--rows", nargs="+", help="only these rows of each scale (e.g. float32-torch int8-onnx-channel)")

@@ -486,15 +486,16 @@ def body_limit(app, max_bytes: int):
 
 
 def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 64, max_wait_ms: float = 2.0, backend: str = "torch",
-               on_dead: Optional[Callable[[str], None]] = None, query_encoder: Optional[str] = None, wait_for_arrivals: bool = False,
+               on_dead: Optional[Callable[[str], None]] = None, query_encoder: Optional[str] = None, wait_for_arrivals: bool = True,
                workers: int = 1):
     """The FastAPI application serving ``model`` (module docstring), its body limit in front. ``app.state.batcher`` is
     its :class:`PredictionBatcher`, closed when the application shuts down; ``on_dead(reason)`` is called (from the
     worker thread) when the worker stops for good. ``backend="onnx"``: queries are encoded by the model's exported
     encoder (``model.export_onnx``), checked here, before the first request. ``query_encoder="static"``: every request
     is ranked with the model's static query encoder (``model.set_query_encoder``; a missing or stale one is one error
-    here); None: the model's own. ``wait_for_arrivals``: a batch waits ``max_wait_ms`` only while another ``/predict``
-    has arrived and is being read (:class:`PredictionBatcher`); a request alone runs at once. ``workers``: how many
+    here); None: the model's own. ``wait_for_arrivals`` (default): a batch waits ``max_wait_ms`` only while another ``/predict``
+    has arrived and is being read (:class:`PredictionBatcher`); a request alone runs at once; False: every batch waits
+    ``max_wait_ms`` after its first request. ``workers``: how many
     processes serve the port (:func:`serve_workers`), reported by ``/info`` with this one's pid."""
     from contextlib import asynccontextmanager
 
@@ -709,7 +710,7 @@ def serve_workers(app_factory: str, spec: dict, workers: int, host: str = "127.0
 
 def serve(model, host: str = "127.0.0.1", port: int = 8000, limits: Optional[ServingLimits] = None, max_batch: int = 64,
           max_wait_ms: float = 2.0, log_level: str = "info", backend: str = "torch", query_encoder: Optional[str] = None,
-          wait_for_arrivals: bool = False) -> int:
+          wait_for_arrivals: bool = True) -> int:
     """Serve ``model`` with uvicorn until interrupted (SIGINT / SIGTERM: requests in flight are answered first, for at
     most ``request_timeout`` + 5 s) or until the worker dies for good; returns 0, or 1 when the worker died. With
     ``backend="onnx"`` torch keeps one thread: onnxruntime runs the encoder on its own pool, and torch's (left with the

@@ -492,6 +492,21 @@ def test_evaluate_refuses_a_non_finite_propensity(capsys, tmp_path):
         assert (code, err) == (2, f"hf-xmc evaluate: {flag} must be a finite number, got {value}\n")
 
 
+def test_serve_waits_for_arrivals_unless_told_to_wait_a_fixed_time():
+    """``hf-xmc serve`` batches with ``--wait_for_arrivals`` by default (measured against the fixed wait at 53K and 1.3M
+    labels: docs/serving.md); ``--no_wait_for_arrivals`` brings the fixed wait back. The Python API agrees."""
+    import inspect
+
+    from hf_xmc import serving
+
+    parser = cli.build_parser()
+    assert parser.parse_args(["serve", "m"]).wait_for_arrivals is True
+    assert parser.parse_args(["serve", "m", "--wait_for_arrivals"]).wait_for_arrivals is True
+    assert parser.parse_args(["serve", "m", "--no_wait_for_arrivals"]).wait_for_arrivals is False
+    for function in (serving.serve, serving.create_app):
+        assert inspect.signature(function).parameters["wait_for_arrivals"].default is True
+
+
 def test_serve_help_says_a_repo_runs_its_code_and_takes_a_revision(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["serve", "--help"])

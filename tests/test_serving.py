@@ -69,7 +69,7 @@ def running(app):
 def served(tiny_encoder_dir, tiny_task):
     """The tiny DEXML model behind uvicorn in a thread; batches wait 300 ms for company, so concurrent requests meet."""
     model = make_model(tiny_encoder_dir, tiny_task[0])
-    with running(create_app(model, ServingLimits(max_texts=8, max_chars=200, max_k=20), max_batch=64, max_wait_ms=300)) as url:
+    with running(create_app(model, ServingLimits(max_texts=8, max_chars=200, max_k=20), max_batch=64, max_wait_ms=300, wait_for_arrivals=False)) as url:
         yield model, url
 
 
@@ -148,7 +148,8 @@ def served_mufin(task):  # noqa: F811 - the imported fixture
     data = task[0]
     model = tiny_model(task)
     model.build_label_index(data.label_texts, data.label_uids)
-    with running(create_app(model, ServingLimits(max_texts=4, max_images=2, max_image_bytes=20_000, max_pixels=1_000_000), max_wait_ms=300)) as url:
+    with running(create_app(model, ServingLimits(max_texts=4, max_images=2, max_image_bytes=20_000, max_pixels=1_000_000), max_wait_ms=300,
+                            wait_for_arrivals=False)) as url:
         yield model, data, url
 
 
@@ -211,7 +212,7 @@ def test_the_serve_command_serves_a_saved_model(tiny_encoder_dir, tiny_task, tmp
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "hf_xmc.cli", "serve", str(tmp_path / "model"), "--port", str(port), "--max_k", "5",
-                             "--max_wait_ms", "1000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                             "--max_wait_ms", "1000", "--no_wait_for_arrivals"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         assert wait_for_health(url, proc)[0] == 200
         status, body = call(url + "/predict", {"texts": texts, "k": 3})
@@ -394,7 +395,7 @@ def hostile(tiny_encoder_dir, tiny_task):
     model = with_faults(make_model(tiny_encoder_dir, tiny_task[0]))
     model.set_score_calibration(ScoreCalibration("platt", a=20.0, b=0.0))
     limits = ServingLimits(max_texts=4, max_chars=200, max_k=20, max_body_bytes=20_000, max_queue=6, request_timeout=2.0, max_worker_restarts=1)
-    with running(create_app(model, limits, max_wait_ms=200)) as url:
+    with running(create_app(model, limits, max_wait_ms=200, wait_for_arrivals=False)) as url:
         yield model, url
 
 
