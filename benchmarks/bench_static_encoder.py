@@ -124,7 +124,7 @@ def run_row(dataset: str, method: str, latency_queries: int, work: str) -> dict:
                 "encode_precision": fit.get("encode_precision", "float32")},
         "tuned": tuned_settings(results),  # SiameseXML's classifier share, ...
         # the static encoder's own values of them, tuned with its ranking (rows measured before: absent)
-        "static_tuned": {k[len("static_tuned_"):]: v for k, v in results.items() if k.startswith("static_tuned_")},
+        "static_tuned": tuned_settings(results, prefix="static_tuned_"),
         # what the training's own passes over the queries cost (does a static tower pay for training too: docs/serving.md)
         "train": training_record(results, extra=("train_runtime",)),
         "latency": {"queries": len(sample), "tower": latencies(model, sample, "transformer"), "static": latencies(model, sample, "static")},

@@ -43,10 +43,10 @@ def cpu_name() -> str:
 TRAINING_KEYS = ("train_bf16", "train_mining_bf16", "train_mining_seconds", "train_clustering_seconds")
 
 
-def tuned_settings(results: dict) -> dict:
+def tuned_settings(results: dict, prefix: str = "tuned_") -> dict:
     """The model's own ranking settings tuned on the validation split (``tuned_*`` of a script's eval_results, the
-    prefix dropped: SiameseXML's classifier share, ...)."""
-    return {k[len("tuned_"):]: v for k, v in results.items() if k.startswith("tuned_")}
+    prefix dropped: SiameseXML's classifier share, ...); ``prefix="static_tuned_"``: the static encoder's own values."""
+    return {k[len(prefix):]: v for k, v in results.items() if k.startswith(prefix)}
 
 
 def training_record(results: dict, extra: tuple[str, ...] = ()) -> dict:

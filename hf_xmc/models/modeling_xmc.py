@@ -264,6 +264,12 @@ class XMCPreTrainedModel(XMCTrainingHooks, XMCPersistenceMixin, EncoderAdapterMi
         finally:
             self.encoding_autocast_dtype = previous
 
+    def encoding_autocast_context(self) -> torch.autocast:
+        """``torch.autocast`` in :attr:`encoding_autocast_dtype` on the model's device (disabled when it is None): what
+        every encoding forward runs under (:meth:`encode_texts`, the static encoder's token vectors)."""
+        dtype = self.encoding_autocast_dtype
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
     @torch.no_grad()
     def encode_texts(
         self,
@@ -296,10 +302,9 @@ class XMCPreTrainedModel(XMCTrainingHooks, XMCPersistenceMixin, EncoderAdapterMi
                 idx = order[start : start + batch_size]
                 batch = self.tokenize([texts[i] for i in idx], max_length)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                autocast = self.encoding_autocast_dtype
-                with torch.autocast(self.device.type, dtype=autocast, enabled=autocast is not None):
+                with self.encoding_autocast_context():
                     emb = self.embed(batch["input_ids"], batch["attention_mask"], normalize=normalize, **embed_kwargs)
-                emb = emb.float().cpu() if autocast is not None else emb.cpu()
+                emb = emb.float().cpu() if self.encoding_autocast_dtype is not None else emb.cpu()
                 if out is None:
                     out = torch.empty(len(order), emb.shape[1], dtype=dtype or emb.dtype)
                 out[torch.from_numpy(idx)] = emb.to(out.dtype)

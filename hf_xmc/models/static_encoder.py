@@ -147,8 +147,7 @@ def tower_token_vectors(model, batch_size: int = 512, show_progress_bar: Optiona
                 input_ids = torch.tensor(wrap, dtype=torch.long).repeat(len(ids), 1)
                 input_ids[:, position] = ids
             mask = torch.ones_like(input_ids)
-            autocast = model.encoding_autocast_dtype  # as encode_texts: model.encoding_autocast(dtype) around the call
-            with torch.autocast(model.device.type, dtype=autocast, enabled=autocast is not None):
+            with model.encoding_autocast_context():  # as encode_texts: model.encoding_autocast(dtype) around the call
                 vectors = model.embed(input_ids.to(model.device), mask.to(model.device), **model.query_embed_kwargs()).float().cpu()
             if out is None:
                 out = torch.empty(vocab, vectors.shape[1])
@@ -345,11 +344,12 @@ class StaticQueryEncoderMixin:
         if channel is not None and fusion:
             saved = {key: channel.settings[key] for key in STATIC_FUSION_KEYS}
             channel.settings.update({key: float(fusion[key]) for key in STATIC_FUSION_KEYS if key in fusion})
-        # its own values of the model's tunable ranking settings (SiameseXML's classifier share), tuned with its ranking
-        ranking = {key: value for key, value in (meta.get("ranking") or {}).items() if key in self.tunable_ranking_settings}
-        saved_ranking = {key: getattr(self.config, key) for key in ranking}
-        for key, value in ranking.items():
-            setattr(self.config, key, value)
+        # its own values of the model's tunable ranking settings (SiameseXML's classifier share), tuned with its ranking;
+        # all of them are restored after a static block: a tuning inside it leaves the tower's values as they were
+        saved_ranking = {key: getattr(self.config, key) for key in self.tunable_ranking_settings} if name == "static" else {}
+        for key, value in (meta.get("ranking") or {}).items():
+            if key in saved_ranking:
+                setattr(self.config, key, value)
         self._query_encoder = name
         try:
             yield self

@@ -49,13 +49,8 @@ def tune_static_query_encoder(
         from .evaluation import tune_ranking_settings
 
         start = time.perf_counter()
-        tower = {name: getattr(model.config, name) for name in names}
-        try:
-            with model.using_query_encoder("static"):
-                chosen = tune_ranking_settings(model, validation_evaluator, names)
-        finally:  # the tuning writes the config: the tower keeps its own values
-            for name, value in tower.items():
-                setattr(model.config, name, value)
+        with model.using_query_encoder("static"):  # the tuning writes the config; the block gives the tower its values back
+            chosen = tune_ranking_settings(model, validation_evaluator, names)
         model.set_static_ranking_settings(chosen)
         info.update({f"static_tuned_{name}": value for name, value in chosen.items()}, static_ranking_tuning_runtime=round(time.perf_counter() - start, 4))
     with model.using_query_encoder("static"):
