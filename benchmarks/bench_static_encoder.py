@@ -87,11 +87,8 @@ def initialised_only(model, train, test, data_flags: list[str]) -> dict:
 
 
 def run_row(dataset: str, method: str, latency_queries: int, work: str) -> dict:
-    from transformers import AutoModel
-
     from benchmarks.bench_headline import HEADLINES
     from benchmarks.bench_validation import BUDGETS, data_setup
-    from hf_xmc.data import read_xc_raw
 
     data_dir, data_flags = data_setup(dataset, work)  # WordNet-XMC: its test filter and length 32
     encoder = minilm()
@@ -100,6 +97,19 @@ def run_row(dataset: str, method: str, latency_queries: int, work: str) -> dict:
     out = os.path.join(work, f"{dataset}-{method}")
     extra = [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", "--static_query_encoder", *validation_flags(data_dir), *flags]
     results, wall = run_training_script(method, data_dir, encoder, out, extra)
+    return measured_row(dataset, method, data_dir, data_flags, extra, results, wall, out, latency_queries)
+
+
+def measured_row(dataset: str, method: str, data_dir: str, data_flags: list[str], extra: list[str], results: dict, wall: float,
+                 out: str, latency_queries: int) -> dict:
+    """A row of this table from a training script's run with ``--static_query_encoder`` (``extra``: its flags beyond the
+    data and the encoder; ``results``: its ``eval_results.json``; ``out``: the saved model), the initialised-only
+    ranking and the latencies measured on the saved model here. Shared with ``bench_validation.py
+    --static_query_encoder``, whose rows train once for both tables."""
+    from transformers import AutoModel
+
+    from hf_xmc.data import read_xc_raw
+
     model = AutoModel.from_pretrained(out, trust_remote_code=True)
     train = read_xc_raw(os.path.join(data_dir, "trn.json.gz"), num_labels=len(model.label_texts))
     test = read_xc_raw(os.path.join(data_dir, "tst.json.gz"), num_labels=len(model.label_texts), skip_unlabeled=False)
@@ -129,6 +139,14 @@ def run_row(dataset: str, method: str, latency_queries: int, work: str) -> dict:
         "train": training_record(results, extra=("train_runtime",)),
         "latency": {"queries": len(sample), "tower": latencies(model, sample, "transformer"), "static": latencies(model, sample, "static")},
     }
+
+
+def merge_row(rows: list[dict], row: dict) -> list[dict]:
+    """``rows`` with ``row`` in place of the row of its dataset and method (at the end when it is new)."""
+    key = (row["dataset"], row["method"])
+    if any((r["dataset"], r["method"]) == key for r in rows):
+        return [row if (r["dataset"], r["method"]) == key else r for r in rows]
+    return [*rows, row]
 
 
 def precision_name(precision) -> str:
@@ -172,7 +190,7 @@ def main(argv=None) -> list[dict]:
             for dataset in args.datasets:
                 for method in args.methods:
                     row = run_row(dataset, method, args.latency_queries, work)
-                    rows = [r for r in rows if (r["dataset"], r["method"]) != (dataset, method)] + [row]
+                    rows = merge_row(rows, row)
                     write_json(args.out, rows)
                     print(row, flush=True)
     publish(static_table(rows), "static", args.update_docs)

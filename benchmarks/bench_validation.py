@@ -4,6 +4,7 @@ method and dataset.
 
     python benchmarks/bench_validation.py --datasets debtags reuters --update_docs
     python benchmarks/make_wordnet.py && python benchmarks/bench_validation.py --datasets wordnet --update_docs
+    python benchmarks/bench_validation.py --datasets wordnet --methods prime --rerun --static_query_encoder --update_docs
 
 Each row runs ``training_scripts/train_<method>.py`` through the training-script contract with ``--lexical_channel
 omikuji`` and the script's defaults otherwise: a validation split (5% of the training queries, 500-2,000) is held out
@@ -25,7 +26,9 @@ trained model must beat. Then, in this process, the saved model is loaded and sc
 The invariant of the validation-split issue is checked per row: fused now >= max(dense, untrained + channel) - 0.3 on
 P@1 and on PSP@5. Wall minutes are the training script's (data, training, channel, calibration, evaluation, save) on
 the machine it ran on; each row records the 1-minute load average when it ended. Rows already in ``--out`` are kept
-(``--rerun`` runs them again); ``--table_only`` re-renders the tables.
+(``--rerun`` runs them again); ``--table_only`` re-renders the tables. ``--static_query_encoder``: the same training
+also fits the static query encoder (after the tower's channel and calibration: the tower's figures do not move) and
+writes its row of ``bench_static_encoder.py``'s table (``--static_out``), one training for both tables.
 """
 
 from __future__ import annotations
@@ -82,14 +85,19 @@ def data_setup(dataset: str, work: str) -> tuple[str, list[str]]:
     return data_dir, flags
 
 
-def run_row(dataset: str, method: str, work: str) -> dict:
-    """Train through the script, then score the saved model's other rankings (module docstring)."""
+def run_row(dataset: str, method: str, work: str, static_latency_queries: int = 0) -> tuple[dict, dict | None]:
+    """Train through the script, then score the saved model's other rankings (module docstring). With
+    ``static_latency_queries`` (a trained method), the script also fits the static query encoder (after the tower's
+    channel and calibration, so the tower's figures are unchanged) and the second value is its row of
+    ``bench_static_encoder.py``'s table (that many test queries timed one at a time); else ``None``."""
     data_dir, data_flags = data_setup(dataset, work)
     out = os.path.join(work, f"{dataset}-{method}")
     script = "dexml" if method == "zeroshot" else method
     flags = ["--max_steps", "0"] if method == "zeroshot" else BUDGETS.get((dataset, method), [])
-    results, wall = run_training_script(script, data_dir, minilm(), out, [*data_flags, "--seed", "42", "--lexical_channel", "omikuji",
-                                                                           "--latency_queries", str(LATENCY_QUERIES), *flags])
+    static = bool(static_latency_queries) and method != "zeroshot"
+    extra = [*data_flags, "--seed", "42", "--lexical_channel", "omikuji", "--latency_queries", str(LATENCY_QUERIES),
+             *(["--static_query_encoder"] if static else []), *flags]
+    results, wall = run_training_script(script, data_dir, minilm(), out, extra)
     row = {"row": f"{dataset}-{method}", "dataset": dataset, "data_version": data_version(dataset, data_dir), "method": method,
            "flags": flags, "wall_seconds": round(wall, 1),
            "load_1min": round(os.getloadavg()[0], 2), "fused_now": pick(results, "test_"), "dense": pick(results, "test_dense_"),
@@ -104,7 +112,11 @@ def run_row(dataset: str, method: str, work: str) -> dict:
            "latency_bs1_ms": results.get("test_latency_bs1_p50_ms"), "queries_per_second": results.get("test_samples_per_second")}
     row["tail"] = pick_tail(results)  # coverage, seen / unseen, deciles of the script's two rankings
     row.update(post_hoc(out, data_dir, data_flags))
-    return row
+    if not static:
+        return row, None
+    from benchmarks.bench_static_encoder import measured_row
+
+    return row, measured_row(dataset, method, data_dir, data_flags, extra, results, wall, out, static_latency_queries)
 
 
 #: label counts of the datasets: a recall cut-off at or above it says nothing (every ranking of the whole label set
@@ -409,8 +421,13 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--datasets", nargs="+", default=["debtags", "reuters"], choices=["debtags", "reuters", "wordnet"])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--rerun", action="store_true", help="run rows already in --out again")
+    ap.add_argument("--static_query_encoder", action="store_true",
+                    help="the trained methods' scripts also fit the static query encoder; its row (bench_static_encoder.py's table) goes to --static_out")
+    ap.add_argument("--static_out", default=result_path("static_encoder.json"), help="bench_static_encoder.py's results, where --static_query_encoder's rows go")
+    ap.add_argument("--static_latency_queries", type=int, default=300, help="--static_query_encoder: test queries timed one at a time per query encoder")
     args = ap.parse_args(argv)
     rows = read_json(args.out) if os.path.exists(args.out) else []
+    static_rows = read_json(args.static_out) if args.static_query_encoder and os.path.exists(args.static_out) else []
     order = {(d, m): i for i, (d, m) in enumerate((d, m) for d in ("debtags", "reuters", "wordnet") for m in METHODS)}
     if not args.table_only:
         with tempfile.TemporaryDirectory(prefix="validation_") as work:
@@ -419,13 +436,22 @@ def main(argv=None) -> list[dict]:
                     name = f"{dataset}-{method}"
                     if any(r["row"] == name for r in rows) and not args.rerun:
                         continue
-                    row = run_row(dataset, method, work)
+                    row, static_row = run_row(dataset, method, work, args.static_latency_queries if args.static_query_encoder else 0)
                     rows = sorted([r for r in rows if r["row"] != name] + [row], key=lambda r: order[(r["dataset"], r["method"])])
                     write_json(args.out, rows, sort_keys=False)
+                    if static_row is not None:
+                        from benchmarks.bench_static_encoder import merge_row
+
+                        static_rows = merge_row(static_rows, static_row)
+                        write_json(args.static_out, static_rows)
                     print(f"{name}: now {row['fused_now']} before {row['fused_before']} dense {row['dense']} ({row['wall_seconds'] / 60:.1f} min)", flush=True)
     publish(tables(rows), "validation_fusion", args.update_docs)
     publish(reliability(rows), "validation_reliability", args.update_docs)
     publish(tail_overview(rows), "tail", args.update_docs)
+    if static_rows:
+        from benchmarks.bench_static_encoder import static_table
+
+        publish(static_table(static_rows), "static", args.update_docs)
     return rows
 
 

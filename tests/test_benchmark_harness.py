@@ -413,3 +413,17 @@ def test_the_recipes_of_a_decision_give_its_methods_different_arguments(tmp_path
     unpinned = [f for f in bench_dense.SOFTMAX_MODULE1 if f not in bench_dense.PAPER_MODULE4]
     parse = lambda flags: repr(tuple(dataclasses.asdict(a) for a in XMCArgumentParser(classes).parse_args_into_dataclasses(args=[*base, *flags])))  # noqa: E731
     assert parse(unpinned) == parse(bench_dense.RECIPES["softmax_classifiers"])
+
+
+def test_static_rows_merge_in_place():
+    """A static-encoder row run again (by bench_static_encoder.py or bench_validation.py --static_query_encoder) takes
+    its old row's place; a new (dataset, method) is appended; the other rows are kept as they were."""
+    from benchmarks.bench_static_encoder import merge_row
+
+    rows = [{"dataset": "debtags", "method": "dexml", "run": 1}, {"dataset": "wordnet", "method": "prime", "run": 1},
+            {"dataset": "reuters", "method": "dexml", "run": 1}]
+    again = merge_row(rows, {"dataset": "wordnet", "method": "prime", "run": 2})
+    assert [(r["dataset"], r["method"], r["run"]) for r in again] == [("debtags", "dexml", 1), ("wordnet", "prime", 2), ("reuters", "dexml", 1)]
+    new = merge_row(again, {"dataset": "wordnet", "method": "unidec", "run": 1})
+    assert [(r["dataset"], r["method"]) for r in new][-1] == ("wordnet", "unidec") and len(new) == 4
+    assert rows[1]["run"] == 1  # the list given is not changed
