@@ -110,6 +110,25 @@ def test_calibration_is_dropped_under_another_search_mode(tiny_encoder_dir, tiny
     _assert_dropped(model, data.test.texts[:4], caplog, "search_mode")
 
 
+def test_calibration_is_dropped_for_another_classifier_share(tiny_encoder_dir, tiny_task, caplog):
+    """A model's tunable ranking settings (SiameseXML's classifier share) are part of the ranking a calibration was
+    fitted on: a share edited afterwards drops it; a calibration recorded before they were is not checked on them."""
+    from tests.models.test_modeling_siamesexml import make_siamesexml
+
+    data = tiny_task[0]
+    model = make_siamesexml(tiny_encoder_dir, data)
+    model.config.fusion_weight = 0.5
+    model.set_score_calibration(ScoreCalibration("platt", a=5.0, b=0.0))
+    assert model.config.score_calibration["fingerprint"]["ranking_settings"] == {"fusion_weight": 0.5}
+    assert model.score_calibration is not None
+    del model.config.score_calibration["fingerprint"]["ranking_settings"]  # as saved before
+    model.config.fusion_weight = 0.9
+    assert model.score_calibration is not None
+    model.set_score_calibration(ScoreCalibration("platt", a=5.0, b=0.0))  # fitted at 0.9
+    model.config.fusion_weight = 0.25  # edited by hand afterwards: another ranking
+    _assert_dropped(model, data.test.texts[:4], caplog, "ranking_settings")
+
+
 def test_a_channel_left_behind_by_its_labels_is_rebuilt(fused_model, tiny_task):
     """The lexical channel records the label set its rows were made for; labels changed without it (a label store that
     forgot to tell it) are caught where it is used: its rows are rebuilt, the ranker of the old labels switched off."""

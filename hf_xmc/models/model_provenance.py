@@ -132,11 +132,15 @@ class ModelProvenanceMixin:
 
     def ranking_fingerprint(self) -> dict:
         """What the ranking :meth:`predict` returns is made from: the weights, the labels, the search mode, the lexical
-        channel (its weights, rows and ranker, or None) and the query encoder. The score calibration records it when it
-        is attached and is dropped when it no longer matches (``provenance.py``)."""
+        channel (its weights, rows and ranker, or None), the query encoder and, for a model that has them, the values of
+        its ``tunable_ranking_settings`` in use (SiameseXML's classifier share; the static encoder's own while it ranks).
+        The score calibration records it when it is attached and is dropped when it no longer matches
+        (``provenance.py``; a calibration recorded before the settings were part of it is not checked on them)."""
         channel = self.lexical_channel
+        settings = {key: float(getattr(self.config, key)) for key in getattr(self, "tunable_ranking_settings", {})}
         return fingerprint_of(weights=self.weights_summary(), labels=self.labels_digest(), search_mode=self.search_mode,
-                              channel=channel.fingerprint() if channel is not None else None, query_encoder=self.query_encoder_fingerprint())
+                              channel=channel.fingerprint() if channel is not None else None, query_encoder=self.query_encoder_fingerprint(),
+                              **({"ranking_settings": settings} if settings else {}))
 
     def current_lexical_channel(self) -> Optional[LexicalChannel]:
         """The lexical channel as :meth:`predict` fuses it, checked against the model's labels first: label rows made for
