@@ -517,7 +517,7 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
                                 stall_after=limits.request_timeout, on_dead=on_dead, metrics=metrics, wait_for_arrivals=wait_for_arrivals)
     info = model_info(model, backend, limits)  # taken once: what is served does not change while it runs
     info["process"] = {"pid": os.getpid(), "workers": workers, "torch_threads": torch.get_num_threads()}
-    label_ids = {uid: i for i, uid in enumerate(model.label_uids)}
+    label_ids: dict[str, int] = {}  # uid -> id, made on the first /labels request: a pass over every uid (label_file.py)
 
     takes_images = model.takes_images
     timeout = limits.request_timeout
@@ -644,6 +644,8 @@ def create_app(model, limits: Optional[ServingLimits] = None, max_batch: int = 6
 
     @app.get("/labels/{uid}")
     async def label(uid: str):
+        if not label_ids:
+            label_ids.update((u, i) for i, u in enumerate(model.label_uids or ()))
         if uid not in label_ids:
             raise Refused(404, f"no label with uid {uid!r}")
         i = label_ids[uid]

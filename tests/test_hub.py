@@ -27,7 +27,7 @@ DEXML_REPO_FILES = {
     "config.json", "model.safetensors",
     "configuration_dexml.py", "configuration_xmc.py", "modeling_dexml.py", "modeling_xmc.py", "label_index.py", "xmc_losses.py", "pipeline_xmc.py", "lexical_channel.py", "calibration.py", "model_files.py",
     "io_utils.py", "label_store.py", "hub_files.py", "encoder_utils.py", "encoder_adapter.py", "all_label_loss.py", "training_hooks.py",
-    "label_space.py", "label_codes.py", "onnx_encoder.py", "static_encoder.py", "model_provenance.py", "provenance.py", "model_persistence.py",
+    "label_space.py", "label_codes.py", "onnx_encoder.py", "static_encoder.py", "model_provenance.py", "provenance.py", "model_persistence.py", "label_file.py",
     "tokenizer.json", "tokenizer_config.json",
     "labels.jsonl", "label_embeddings.safetensors", "label_index.json",
     "README.md", "xmc_metrics.png",

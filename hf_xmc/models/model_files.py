@@ -143,20 +143,36 @@ def open_safetensors(path: str, framework: str = "pt", keys: Sequence[str] = ())
         raise ModelFileError(f"{path}: not valid safetensors, truncated or corrupt ({err})") from None
 
 
-def read_labels(path: str) -> tuple[list[str], list[str]]:
+def read_labels(path: str, data: Optional[bytes] = None) -> tuple[list[str], list[str]]:
     """``labels.jsonl``: one ``{"uid": str, "text": str}`` object per line, in label-id order; ``(uids, texts)``. A row
-    that is not such an object (a null, a number, a missing field, a half line) is refused by file and line.
+    that is not such an object (a null, a number, a missing field, a half line) is refused by file and line
+    (:func:`parse_labels`). ``data``: the file's bytes when already read. A model reads the file it saved itself on
+    demand instead (``label_file.py``)."""
+    if data is None:
+        with open(path, "rb") as f:
+            data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ModelFileError(f"{path}: not UTF-8 text ({err})") from None
+    if "\r" in text:  # line ends as a text-mode read turns them (a JSON string holds no raw carriage return)
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return parse_labels(path, text)
 
-    The whole file is parsed as one JSON array first (its newlines made commas: one C-level parse, no string a line;
+
+def parse_labels(path: str, text: str) -> tuple[list[str], list[str]]:
+    """``(uids, texts)`` of the text of a ``labels.jsonl`` read from ``path`` (named in errors), checked as
+    :func:`read_labels` says.
+
+    The whole text is parsed as one JSON array first (its newlines made commas: one C-level parse, no string a line;
     a JSON string holds no raw newline, so only the row separators change), with the garbage collector paused while
     its 1.3M rows become objects (a collection would walk every object of the process, torch's included, again and
     again): 0.82 s at 1.3M labels in ``bench_serving.py``'s cold load (``load_parts_s``; 2 cores of an AMD EPYC, Zen 5,
-    2026-12-05). Only a file that fails that check is read again line by line, for the line at fault. Memory: the
+    2026-12-05). Only a text that fails that check is read again line by line, for the line at fault. Memory: the
     file's text twice (as read and as the array), while its rows are parsed."""
     import gc
 
-    with open(path, encoding="utf-8") as f:
-        text = f.read().rstrip("\n")
+    text = text.rstrip("\n")
     num_lines = text.count("\n") + 1 if text else 0
     collecting = gc.isenabled()
     gc.disable()
@@ -165,7 +181,6 @@ def read_labels(path: str) -> tuple[list[str], list[str]]:
             rows = json.loads("[" + text.replace("\n", ",") + "]")
         except ValueError:
             rows = None
-        del text
         if rows is not None and len(rows) == num_lines and set(map(type, rows)) <= {dict}:  # each check one C-level pass
             try:
                 uids, texts = [row["uid"] for row in rows], [row["text"] for row in rows]
@@ -177,20 +192,32 @@ def read_labels(path: str) -> tuple[list[str], list[str]]:
         if collecting:
             gc.enable()
     uids, texts = [], []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            try:
-                row = json.loads(line)
-            except ValueError as err:
-                raise ModelFileError(f"{path}, line {line_no}: malformed JSON ({err})") from None
-            if not isinstance(row, dict) or "uid" not in row or "text" not in row:
-                raise ModelFileError(f"{path}, line {line_no}: not a {{'uid', 'text'}} JSON object")
-            bad = [key for key in ("uid", "text") if not isinstance(row[key], str)]
-            if bad:
-                raise ModelFileError(f"{path}, line {line_no}: {bad[0]} is {json.dumps(row[bad[0]])}, not a string")
-            uids.append(row["uid"])
-            texts.append(row["text"])
+    for line_no, line in enumerate(text.split("\n") if text else (), 1):
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            raise ModelFileError(f"{path}, line {line_no}: malformed JSON ({err})") from None
+        if not isinstance(row, dict) or "uid" not in row or "text" not in row:
+            raise ModelFileError(f"{path}, line {line_no}: not a {{'uid', 'text'}} JSON object")
+        bad = [key for key in ("uid", "text") if not isinstance(row[key], str)]
+        if bad:
+            raise ModelFileError(f"{path}, line {line_no}: {bad[0]} is {json.dumps(row[bad[0]])}, not a string")
+        uids.append(row["uid"])
+        texts.append(row["text"])
     return uids, texts
+
+
+def label_text_sample(label_texts: Sequence[Optional[str]], size: int) -> list[str]:
+    """Up to ``size`` non-empty label texts spread over the label space, read by position (labels read on demand stay
+    unparsed but for these: ``label_file.py``); where the spread draws too few, the non-empty texts of the whole list."""
+    if not len(label_texts):
+        return []
+    positions = np.unique(np.linspace(0, len(label_texts) - 1, min(len(label_texts), size)).astype(np.int64))
+    sample = [t for t in (label_texts[int(i)] for i in positions) if isinstance(t, str) and t.strip()]
+    if len(sample) * 2 >= len(positions):
+        return sample
+    texts = [t for t in label_texts if isinstance(t, str) and t.strip()]  # mostly image-only labels (MUFIN)
+    return [texts[i] for i in np.unique(np.linspace(0, len(texts) - 1, min(len(texts), size)).astype(np.int64))] if texts else []
 
 
 def check_tokenizer(tokenizer, label_texts: Sequence[Optional[str]], directory: str, fetch: Callable[[str], Optional[str]],
@@ -205,11 +232,10 @@ def check_tokenizer(tokenizer, label_texts: Sequence[Optional[str]], directory: 
             f"{file_name(directory, 'tokenizer_config.json')}: missing: the model has labels but no tokenizer files, so no query "
             "or label text can be encoded"
         )
-    texts = [t for t in label_texts if isinstance(t, str) and t.strip()]
-    if not texts:  # image-only labels (MUFIN): nothing to try
+    sample = label_text_sample(label_texts, TOKENIZER_SAMPLE)
+    if not sample:  # image-only labels (MUFIN): nothing to try
         return
-    rows = np.unique(np.linspace(0, len(texts) - 1, min(len(texts), TOKENIZER_SAMPLE)).astype(np.int64))
-    ids = tokenizer([texts[i] for i in rows], add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]
+    ids = tokenizer(sample, add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]
     special = set(getattr(tokenizer, "all_special_ids", ()) or ())
     if getattr(tokenizer, "unk_token_id", None) is not None:
         special.add(tokenizer.unk_token_id)
@@ -247,7 +273,7 @@ def check_loaded_model(model, directory: str, fetch: Callable[[str], Optional[st
     embeddings = model.encoder.get_input_embeddings() if hasattr(model.encoder, "get_input_embeddings") else None
     check_tokenizer(model.tokenizer, texts, directory, fetch, model.config.label_max_seq_length, getattr(embeddings, "num_embeddings", None))
     if model.label_index is not None:
-        probe = next((t for t in texts if isinstance(t, str) and t.strip()), "x")
+        probe = next(iter(label_text_sample(texts, 1)), "x")  # the first non-empty text
         width = model.query_search_vectors([probe], batch_size=1, show_progress_bar=False).shape[1]
         if width != model.label_index.dim:
             raise ModelFileError(f"{store_path}: label vectors of width {model.label_index.dim}, but the model's query vectors have {width}")

@@ -18,7 +18,6 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -37,6 +36,8 @@ from .calibration import ScoreCalibration
 from .encoder_utils import saved_adapter_only
 from .hub_files import ModelCardFiles, default_model_card, model_directory_files, upload_model_folder
 from .io_utils import atomic_write, commit_staged_directory, read_bytes, staged_directory_path
+from .label_file import RECORD_KEY as LABELS_RECORD_KEY
+from .label_file import open_labels_file, write_labels_file
 from .label_index import INDEX_FILE, INDEX_META_FILE, LabelIndex
 from .label_store import (
     LABEL_EMBEDDINGS_FILE,
@@ -148,14 +149,16 @@ class XMCPersistenceMixin:
 
         self.config.custom_pipelines = {XMC_PIPELINE_TASK: dict(XMC_PIPELINE_INFO)}
         self.config.lexical_channel = dict(self.lexical_channel.settings) if self.lexical_channel is not None else None
+        # labels.jsonl first: config.json records the file written (a load reads its rows on demand: label_file.py)
+        setattr(self.config, LABELS_RECORD_KEY, None)
+        if self.label_texts is not None:
+            atomic_write(os.path.join(save_directory, LABELS_FILE), self._write_labels)
         if self.has_encoder_adapter and not self.trainer_checkpoint_keys:
             self._save_adapted_weights(save_directory, *args, **kwargs)
         else:  # a plain encoder, or a Trainer checkpoint (the adapter's own weights and names: resume loads them)
             super().save_pretrained(save_directory, *args, **kwargs)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(save_directory)
-        if self.label_texts is not None:
-            atomic_write(os.path.join(save_directory, LABELS_FILE), self._write_labels)
         if self.label_embedding_blocks is not None:
             dtype = getattr(torch, self.config.label_embeddings_dtype)
             save_label_store(save_directory, self.label_embedding_blocks, dtype, label_shard_size)
@@ -201,9 +204,8 @@ class XMCPersistenceMixin:
             )
 
     def _write_labels(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            for uid, text in zip(self.label_uids, self.label_texts):
-                f.write(json.dumps({"uid": uid, "text": text}, ensure_ascii=False) + "\n")
+        record = write_labels_file(path, self.label_uids, self.label_texts, self.labels_digest())
+        setattr(self.config, LABELS_RECORD_KEY, record)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, use_saved_index: Optional[bool] = None, **kwargs):
@@ -288,7 +290,7 @@ class XMCPersistenceMixin:
         labels_path = fetch(LABELS_FILE)
         if labels_path is not None:
             with self._loading("labels"):
-                self.label_uids, self.label_texts = read_labels(labels_path)
+                self._read_labels(labels_path)
         with self._loading("label_store"):
             blocks = load_label_store(fetch)  # memory-mapped, in the precision they were saved in
         if blocks is not None:
@@ -326,6 +328,18 @@ class XMCPersistenceMixin:
             files = {MODEL_CARD_FILE: card_path}
             files.update({name: fetch(name) for name in MODEL_CARD_ASSETS})
             self.model_card = ModelCardFiles({name: read_bytes(p) for name, p in files.items() if p is not None})
+
+    def _read_labels(self, path: str) -> None:
+        """``labels.jsonl``: left unparsed, its rows read on demand, when it is the file this model's config records
+        (``label_file.py``: the recorded label digest is the model's); else read and checked whole (:func:`read_labels`)."""
+        with open(path, "rb") as f:
+            data = f.read()
+        rows = open_labels_file(data, getattr(self.config, LABELS_RECORD_KEY, None), path)
+        if rows is None:
+            self.label_uids, self.label_texts = read_labels(path, data)
+            return
+        self.label_uids, self.label_texts = rows.uids, rows.texts
+        self.seed_labels_digest(rows.digest)
 
     def _load_tokenizer(self, path: str, hub: dict, fetch: Callable[[str], Optional[str]]) -> None:
         """The tokenizer saved beside the weights, if any (one :class:`ModelFileError` line when it does not load)."""

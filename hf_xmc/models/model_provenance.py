@@ -130,6 +130,11 @@ class ModelProvenanceMixin:
             self._labels_digest_cache = cached
         return cached[2]
 
+    def seed_labels_digest(self, value: str) -> None:
+        """Take ``value`` as the digest of the current label lists (read on demand from the file whose record holds
+        it: ``label_file.py``) instead of reading every text for it."""
+        self._labels_digest_cache = (self.label_texts, self.label_uids, value)
+
     def ranking_fingerprint(self) -> dict:
         """What the ranking :meth:`predict` returns is made from: the weights, the labels, the search mode, the lexical
         channel (its weights, rows and ranker, or None), the query encoder and, for a model that has them, the values of
