@@ -73,6 +73,7 @@ def _blocks() -> dict:
     from benchmarks import (
         bench_calibration_depth,
         bench_classifier_stage,
+        bench_cold_load,
         bench_debtags,
         bench_dense,
         bench_dexml_modes,
@@ -131,6 +132,7 @@ def _blocks() -> dict:
         "peers_wordnet": ("peers_wordnet.json", lambda r: peers.peers_table(r["rows"])),
         "headline": ("headline.json", bench_headline.table),
         "static": ("static_encoder.json", bench_static_encoder.static_table),
+        "cold_load": ("cold_load.json", bench_cold_load.table),
     }
 
 
