@@ -47,7 +47,7 @@ def test_a_reloaded_model_predicts_without_parsing_its_labels(labels_saved):
     assert model.label_texts.rows.columns is None
     # a whole-column pass parses the file once, for both columns
     assert model.label_texts == labels_saved["texts"] and labels_saved["uids"] == model.label_uids and model.label_texts != labels_saved["uids"]
-    assert model.label_texts.rows.columns is not None and model.label_texts.rows.data is None
+    assert model.label_texts.rows.columns is not None and model.label_texts.rows.raw is None
     assert list(model.label_uids) == labels_saved["uids"] and model.label_texts + ["new"] == [*labels_saved["texts"], "new"]
     assert pickle.loads(pickle.dumps(model.label_texts)) == labels_saved["texts"]
     assert model.labels_digest() == labels_saved["digest"]

@@ -42,9 +42,10 @@ def write_labels_file(path: str, uids: Sequence[str], texts: Sequence[str], dige
     h = hashlib.sha256()
     source = getattr(texts, "rows", None)
     with open(path, "wb") as f:
-        if isinstance(source, LabelRows) and source is getattr(uids, "rows", None) and source.data is not None:
-            f.write(source.data)
-            h.update(source.data)
+        raw = source.raw if isinstance(source, LabelRows) and source is getattr(uids, "rows", None) else None
+        if raw is not None:
+            f.write(raw[0])
+            h.update(raw[0])
         else:
             for start in range(0, len(texts), WRITE_CHUNK):  # a chunk's bytes at a time
                 stop = min(start + WRITE_CHUNK, len(texts))
@@ -68,12 +69,13 @@ def open_labels_file(data: bytes, record: Any, path: str) -> Optional[LabelRows]
 
 
 class LabelRows:
-    """The rows of one ``labels.jsonl`` as its bytes and row ends; :attr:`uids` and :attr:`texts` are its two columns
-    (:class:`LabelColumn`). Thread-safe: a server's threads may read rows while one of them parses the whole file."""
+    """The rows of one ``labels.jsonl`` as its bytes and row ends (:attr:`raw`, until the whole file is parsed into
+    :attr:`columns`); :attr:`uids` and :attr:`texts` are its two columns (:class:`LabelColumn`). Thread-safe: a server's
+    threads may read rows while one of them parses the whole file (``columns`` is set before ``raw`` is dropped, and
+    ``raw`` is one attribute, so a reader sees the bytes and their row ends of one state)."""
 
     def __init__(self, data: bytes, ends: np.ndarray, path: str, digest: str):
-        self.data: Optional[bytes] = data
-        self.ends = ends
+        self.raw: Optional[tuple[bytes, np.ndarray]] = (data, ends)
         self.path = path
         self.digest = digest
         self.num_rows = len(ends)
@@ -82,18 +84,22 @@ class LabelRows:
         self.uids = LabelColumn(self, 0)
         self.texts = LabelColumn(self, 1)
 
-    def row(self, i: int) -> dict:
-        """Label ``i``'s object, parsed now."""
-        start = int(self.ends[i - 1]) + 1 if i else 0
-        return json.loads(self.data[start : int(self.ends[i])])
+    def value(self, i: int, column: int) -> str:
+        """Column ``column`` of label ``i`` (``0 <= i < num_rows``): parsed from its row now, or from the parsed lists."""
+        raw = self.raw
+        if raw is None:
+            return self.columns[column][i]
+        data, ends = raw
+        start = int(ends[i - 1]) + 1 if i else 0
+        return json.loads(data[start : int(ends[i])])[FIELDS[column]]
 
     def materialize(self) -> tuple[list[str], list[str]]:
         """Both columns as lists, the whole file parsed once (:func:`model_files.parse_labels`); the bytes and row ends
         are dropped after."""
         with self._lock:
             if self.columns is None:
-                self.columns = parse_labels(self.path, self.data.decode("utf-8"))
-                self.data, self.ends = None, np.empty(0, dtype=np.int64)
+                self.columns = parse_labels(self.path, self.raw[0].decode("utf-8"))
+                self.raw = None
         return self.columns
 
 
@@ -127,9 +133,7 @@ class LabelColumn(Sequence):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(f"label id {index} out of range for {len(self)} labels")
-        if self.rows.columns is not None:  # parsed meanwhile by another thread
-            return self.rows.columns[self.column][i]
-        return self.rows.row(i)[FIELDS[self.column]]
+        return self.rows.value(i, self.column)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.as_list())

@@ -210,14 +210,15 @@ def parse_labels(path: str, text: str) -> tuple[list[str], list[str]]:
 def label_text_sample(label_texts: Sequence[Optional[str]], size: int) -> list[str]:
     """Up to ``size`` non-empty label texts spread over the label space, read by position (labels read on demand stay
     unparsed but for these: ``label_file.py``); where the spread draws too few, the non-empty texts of the whole list."""
-    if not len(label_texts):
-        return []
-    positions = np.unique(np.linspace(0, len(label_texts) - 1, min(len(label_texts), size)).astype(np.int64))
+    def spread(n: int) -> np.ndarray:  # up to ``size`` positions spread evenly over range(n)
+        return np.unique(np.linspace(0, n - 1, min(n, size)).astype(np.int64)) if n else np.empty(0, dtype=np.int64)
+
+    positions = spread(len(label_texts))
     sample = [t for t in (label_texts[int(i)] for i in positions) if isinstance(t, str) and t.strip()]
     if len(sample) * 2 >= len(positions):
         return sample
     texts = [t for t in label_texts if isinstance(t, str) and t.strip()]  # mostly image-only labels (MUFIN)
-    return [texts[i] for i in np.unique(np.linspace(0, len(texts) - 1, min(len(texts), size)).astype(np.int64))] if texts else []
+    return [texts[i] for i in spread(len(texts))]
 
 
 def check_tokenizer(tokenizer, label_texts: Sequence[Optional[str]], directory: str, fetch: Callable[[str], Optional[str]],
