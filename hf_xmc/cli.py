@@ -458,7 +458,8 @@ def cmd_fit_static(args: argparse.Namespace) -> int:
         calibration = ((model.config.score_calibration or {}).get("method") or "isotonic") if model.config.score_calibration and evaluator else "none"
     try:
         info = fit_and_tune_static_query_encoder(model, train.texts, validation, train.targets, evaluator, calibration, epochs=args.epochs,
-                                                 max_queries=args.max_queries, seed=args.seed, precision=args.precision)
+                                                 max_queries=args.max_queries, seed=args.seed, precision=args.precision,
+                                                 objective=args.objective)
     except ValueError as err:
         raise UserError(f"{args.model}: {_first_line(err)}") from None
     if evaluator is not None:
@@ -755,6 +756,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=42, help="seed of the sample and the fit's batches")
     p.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="precision of the tower's pass over the training queries (auto: bfloat16 where the hardware multiplies it natively)")
+    p.add_argument("--objective", choices=["cosine", "cosine+ranking"], default="cosine",
+                   help="what the fit minimises: the cosine to the tower's query vectors, or that plus a distillation of the tower's ranking")
     p.add_argument("--output_dir", help="where the model goes (default: the model directory itself)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.set_defaults(func=cmd_fit_static)

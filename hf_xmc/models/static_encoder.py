@@ -4,7 +4,9 @@ limit (a table lookup and a mean instead of a transformer forward).
 ``model.fit_static_query_encoder(texts)`` (or ``--static_query_encoder`` of every training script, or ``hf-xmc
 fit-static``) fits a ``(vocab, dim)`` table over the model's own tokenizer so that the mean of a query's token rows,
 L2-normalised, reproduces the tower's search vector of the query (cosine loss, lazy Adam, a few epochs over the
-training queries; the rows start from each vocabulary token's vector through the tower, Model2Vec's initialisation).
+training queries; the rows start from each vocabulary token's vector through the tower, Model2Vec's initialisation;
+``objective="cosine+ranking"`` adds a listwise distillation of the tower's ranking of its top labels, which helps
+where a bag of tokens cannot follow the tower's every direction: WordNet-XMC, not Debtags, docs/serving.md).
 The label vectors, the index, the lexical channel stay the model's: only the query side changes, chosen per call
 (``predict(texts, query_encoder="static")``, the pipeline's ``query_encoder=``, ``hf-xmc predict / serve
 --query_encoder static``). The static encoder keeps its own lexical fusion weights and score calibration (tuned on
@@ -21,7 +23,8 @@ the ranking, is dropped as every calibration is).
 Memory: the table, ``vocab x dim x 4`` bytes (all-MiniLM-L6-v2: 30,522 x 384, 47 MB); per call one batch of token ids
 (8 bytes a token) and its ``(batch, dim)`` vectors. The fit holds the tower's vectors of the fitted queries in float16
 (``queries x dim x 2`` bytes: 2.2M queries x 384 = 1.7 GB; ``max_queries`` caps it), encoded 65,536 at a time, their
-token ids (8 bytes a token), plus Adam's two moments of the table (2 x the table).
+token ids (8 bytes a token), plus Adam's two moments of the table (2 x the table); the ranking objective adds the
+tower's top ``RANKING_DEPTH`` label ids a query (``queries x 16 x 4`` bytes: 141 MB at 2.2M) and a batch's label rows.
 
 Remote-code file: imports torch, numpy, safetensors and its siblings only.
 """
@@ -50,6 +53,14 @@ QUERY_ENCODERS = ("transformer", "static")
 FIT_ENCODE_CHUNK = 65_536
 #: the fusion weights a static encoder keeps of its own (the channel's other settings are shared)
 STATIC_FUSION_KEYS = ("ranker_weight", "text_weight")
+#: what the fit minimises (``fit_static_encoder``'s ``objective``)
+FIT_OBJECTIVES = ("cosine", "cosine+ranking")
+#: the tower's top labels per fitted query whose order the ranking objective distils, its softmax temperature (a
+#: fraction of the median label-vector norm: 0.05 of a cosine for unit label vectors) and its weight beside the cosine
+#: (4: the best of 1 / 4 / 16 on WordNet-XMC's validation split, docs/serving.md)
+RANKING_DEPTH = 16
+RANKING_TEMPERATURE = 0.05
+RANKING_WEIGHT = 4.0
 
 
 class StaticQueryEncoder(nn.Module):
@@ -119,6 +130,38 @@ def gather_bags(ids: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
     return ids[torch.arange(len(shift)) + shift], bag_offsets
 
 
+class TowerRanking:
+    """The tower's ranking of the fitted queries, for the ranking objective of :func:`fit_static_encoder`: each
+    query's top ``depth`` rows of the model's label index (searched once with the tower's vectors) and a listwise
+    distillation loss over a batch's union of them.
+
+    Memory: ``queries x depth x 4`` bytes of row ids (2.2M queries x 16: 141 MB); per batch its union of rows'
+    vectors (at most ``batch x depth x dim x 4``: 256 x 16 x 384, 6 MB) and two ``(batch, union)`` score matrices."""
+
+    def __init__(self, index, targets: torch.Tensor, depth: int, temperature: float, chunk: int = FIT_ENCODE_CHUNK):
+        started = time.perf_counter()
+        self.index = index
+        self.top = torch.empty(len(targets), min(depth, index.num_labels), dtype=torch.int32)
+        for start in range(0, len(targets), chunk):
+            _, ids = index.search(targets[start : start + chunk].float(), self.top.shape[1])
+            self.top[start : start + len(ids)] = torch.from_numpy(ids.astype(np.int32))
+        sample = index._training_sample(min(index.num_labels, 10_000)).astype(np.float32)
+        # the scores' scale is the label vectors' (the query side is a direction): the temperature follows it
+        self.temperature = float(temperature) * max(float(np.median(np.linalg.norm(sample, axis=1))), 1e-6)
+        self.seconds = time.perf_counter() - started
+
+    def loss(self, rows: torch.Tensor, predicted: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
+        """``KL(softmax(tower scores / T) || softmax(static scores / T))`` averaged over the batch ``rows``, the scores
+        of each query over the union of the batch's top rows (``predicted``, ``wanted``: the static encoder's and the
+        tower's unit query vectors)."""
+        union = torch.unique(self.top[rows].long())
+        union = union[union >= 0]
+        labels = self.index._gather(union.numpy()).float()
+        teacher = F.log_softmax(wanted @ labels.T / self.temperature, dim=1)
+        student = F.log_softmax(predicted @ labels.T / self.temperature, dim=1)
+        return F.kl_div(student, teacher, reduction="batchmean", log_target=True)
+
+
 @torch.no_grad()
 def tower_token_vectors(model, batch_size: int = 512, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
     """Each vocabulary token's search vector through the model's query tower, alone between the tokenizer's special
@@ -168,6 +211,10 @@ def fit_static_encoder(
     seed: int = 0,
     show_progress_bar: Optional[bool] = None,
     encode_dtype: Optional[torch.dtype] = None,
+    objective: str = "cosine",
+    ranking_depth: int = RANKING_DEPTH,
+    ranking_temperature: float = RANKING_TEMPERATURE,
+    ranking_weight: float = RANKING_WEIGHT,
 ) -> tuple[StaticQueryEncoder, dict]:
     """Fit a :class:`StaticQueryEncoder` to ``model``'s query vectors of ``texts`` (the training queries: never the
     validation or test ones, which tune and judge it): minimise ``1 - cos(static(q), tower(q))`` with lazy Adam
@@ -176,11 +223,20 @@ def fit_static_encoder(
     ``"random"`` (normal, std 1 / sqrt(dim)). ``max_queries``: fit on a seeded sample of that many texts (memory:
     the module docstring). ``encode_dtype``: the autocast dtype of the tower's passes that make the targets and the
     initial rows (``torch.bfloat16`` halves them where the hardware multiplies bfloat16; the targets are stored in
-    float16 anyway); None: the weights' precision. Returns the encoder and what the fit did (the meta's ``fit`` entry)."""
+    float16 anyway); None: the weights' precision. ``objective``: ``"cosine"`` (the tower's direction only) or
+    ``"cosine+ranking"``: the cosine loss plus ``ranking_weight`` times a listwise distillation of the tower's ranking
+    (:func:`ranking_distillation_loss`: each query's scores over the union of its batch's tower top ``ranking_depth``
+    labels, softmax at ``ranking_temperature`` times the median label-vector norm, the static encoder's against the
+    tower's), which spends the table's capacity on the order of the labels near the top rather than on every
+    direction alike. Returns the encoder and what the fit did (the meta's ``fit`` entry)."""
     from tqdm.auto import tqdm
 
     if init not in ("tower", "random"):
         raise ValueError(f"init must be 'tower' or 'random', got {init!r}")
+    if objective not in FIT_OBJECTIVES:
+        raise ValueError(f"objective must be one of {FIT_OBJECTIVES}, got {objective!r}")
+    if objective != "cosine" and (ranking_depth < 1 or not ranking_temperature > 0 or not ranking_weight >= 0):
+        raise ValueError(f"need ranking_depth >= 1, ranking_temperature > 0 and ranking_weight >= 0, got {ranking_depth}, {ranking_temperature}, {ranking_weight}")
     if epochs < 0 or batch_size < 1 or not learning_rate > 0:
         raise ValueError(f"need epochs >= 0, batch_size >= 1 and learning_rate > 0, got {epochs}, {batch_size}, {learning_rate}")
     texts = list(texts)
@@ -203,6 +259,7 @@ def fit_static_encoder(
         norms[start : start + len(chunk)] = chunk.norm(dim=1)
         targets[start : start + len(chunk)] = F.normalize(chunk, dim=1).to(torch.float16)  # the fit matches directions
     encode_seconds = time.perf_counter() - started
+    teacher = TowerRanking(model.ensure_label_index(), targets, ranking_depth, ranking_temperature) if objective != "cosine" else None
     unit = bool(torch.allclose(norms, torch.ones_like(norms), atol=1e-3))
     scale = 1.0 if unit else float(norms.median())  # the scale is one constant: the dense scores keep their range
     encoder = StaticQueryEncoder(len(tokenizer), targets.shape[1], output_scale=scale)
@@ -227,7 +284,10 @@ def fit_static_encoder(
                 continue
             bag_ids, bag_offsets = gather_bags(ids, offsets, lengths, rows)
             predicted = F.normalize(encoder.embeddings(bag_ids, bag_offsets), dim=-1)
-            loss = (1.0 - (predicted * targets[rows].float()).sum(1)).mean()
+            wanted = targets[rows].float()
+            loss = (1.0 - (predicted * wanted).sum(1)).mean()
+            if teacher is not None:
+                loss = loss + ranking_weight * teacher.loss(rows, predicted, wanted)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -235,7 +295,9 @@ def fit_static_encoder(
         losses.append(round(total / max(seen, 1), 5))
     encoder.eval()
     fit = {"queries": len(texts), "epochs": int(epochs), "batch_size": int(batch_size), "learning_rate": float(learning_rate), "init": init,
-           "seed": int(seed), "loss": "cosine", "epoch_losses": losses, "encode_seconds": round(encode_seconds, 2),
+           "seed": int(seed), "loss": objective, "epoch_losses": losses,
+           **({} if teacher is None else {"ranking_depth": int(ranking_depth), "ranking_temperature": float(ranking_temperature),
+                                          "ranking_weight": float(ranking_weight), "ranking_seconds": round(teacher.seconds, 2)}), "encode_seconds": round(encode_seconds, 2),
            "encode_precision": "float32" if encode_dtype is None else str(encode_dtype).removeprefix("torch."),
            "seconds": round(time.perf_counter() - started, 2)}
     return encoder, fit

@@ -784,7 +784,8 @@ def tune_after_training(model, trainer: XMCTrainer, data: XCData, validation: Op
 
         metrics.update(fit_and_tune_static_query_encoder(
             model, data.train.texts, data.validation, data.train.targets, validation, method, epochs=training_args.static_query_encoder_epochs,
-            max_queries=training_args.static_query_encoder_max_queries, seed=training_args.seed, precision=training_args.static_query_encoder_precision, ranker_weight=training_args.lexical_ranker_weight,
+            max_queries=training_args.static_query_encoder_max_queries, seed=training_args.seed, precision=training_args.static_query_encoder_precision,
+            objective=training_args.static_query_encoder_objective, ranker_weight=training_args.lexical_ranker_weight,
             text_weight=training_args.lexical_text_weight, batch_size=evaluator.batch_size, show_progress_bar=not training_args.disable_tqdm))
         if validation is not None:
             trainer.evaluator = validation

@@ -92,22 +92,25 @@ def fit_and_tune_static_query_encoder(
     batch_size: int = 128,
     show_progress_bar: Optional[bool] = None,
     precision: str = "auto",
+    objective: str = "cosine",
 ) -> dict:
     """:meth:`fit_static_query_encoder` on ``train_texts``, then :func:`tune_static_query_encoder`; returns the
     ``static_*`` entries (``static_fit_runtime``, the fit's loss, the tuned weights, the runtimes). ``precision``: of
     the tower's pass that makes the fit's targets, as ``--mining_precision`` (:func:`mining_autocast_dtype`: ``"auto"``
-    is bfloat16 where the hardware multiplies it natively); the fit, the tuning and every ranking stay in float32."""
+    is bfloat16 where the hardware multiplies it natively); the fit, the tuning and every ranking stay in float32.
+    ``objective``: what the fit minimises (:func:`~hf_xmc.models.static_encoder.fit_static_encoder`)."""
     if train_targets is None and validation is not None:  # before the fit, not after minutes of it
         raise ValueError("tuning the static encoder's fusion weights needs the training targets (their propensities weigh PSP@5)")
     start = time.perf_counter()
     dtype = mining_autocast_dtype(precision, model.device)
-    model.fit_static_query_encoder(train_texts, epochs=epochs, max_queries=max_queries, seed=seed, show_progress_bar=show_progress_bar, encode_dtype=dtype)
+    model.fit_static_query_encoder(train_texts, epochs=epochs, max_queries=max_queries, seed=seed, show_progress_bar=show_progress_bar, encode_dtype=dtype,
+                                   objective=objective)
     fit = model.static_query_encoder_meta["fit"]
     info = {"static_fit_runtime": round(time.perf_counter() - start, 4), "static_fit_queries": fit["queries"],
             "static_fit_loss": fit["epoch_losses"][-1] if fit["epoch_losses"] else None, "static_fit_encode_seconds": fit["encode_seconds"],
             "static_fit_bf16": int(dtype is torch.bfloat16)}
-    logger.info("static query encoder: fitted on %d training queries in %.1f s (cosine loss by epoch %s)", fit["queries"],
-                info["static_fit_runtime"], fit["epoch_losses"])
+    logger.info("static query encoder: fitted on %d training queries in %.1f s (%s loss by epoch %s)", fit["queries"],
+                info["static_fit_runtime"], fit["loss"], fit["epoch_losses"])
     info.update(tune_static_query_encoder(model, validation, train_targets, validation_evaluator, calibration_method, ranker_weight, text_weight,
                                           batch_size=batch_size))
     return info

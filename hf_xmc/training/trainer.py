@@ -18,6 +18,7 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput
 from ..data import XMCDataset
 from ..metrics import inverse_propensity
 from ..models.io_utils import progress_bar_disabled
+from ..models.static_encoder import FIT_OBJECTIVES as STATIC_FIT_OBJECTIVES
 from .callbacks import XMCEpochCallback
 from .collator import (
     LabelTokens,
@@ -111,6 +112,7 @@ class XMCTrainingArguments(TrainingArguments):
     static_query_encoder: bool = field(default=False, metadata={"help": "After training, the channel and the calibration: fit a static query encoder (a bag of token vectors over the model's tokenizer) to the trained query tower on the training queries, tune its own fusion weights and calibration on the validation split, report eval_static_* / test_static_* and save it with the model (predict(query_encoder='static'))."})
     static_query_encoder_epochs: int = field(default=8, metadata={"help": "--static_query_encoder: passes over the training queries."})
     static_query_encoder_precision: str = field(default="auto", metadata={"help": "--static_query_encoder: precision of the tower's pass over the training queries that makes the fit's targets, as --mining_precision: 'auto' (bfloat16 where the hardware multiplies it natively), 'float32' or 'bfloat16'."})
+    static_query_encoder_objective: str = field(default="cosine", metadata={"help": "--static_query_encoder: what the fit minimises: 'cosine' (1 - the cosine to the tower's query vector) or 'cosine+ranking' (plus a listwise distillation of the tower's ranking of its top labels)."})
     static_query_encoder_max_queries: Optional[int] = field(default=None, metadata={"help": "--static_query_encoder: fit on a seeded sample of at most this many training queries (the tower's vectors of each are held in float16: 768 bytes a query at 384 dimensions)."})
 
     # --- scores turned into probabilities of relevance, fitted on the validation split (hf_xmc.training.calibration) ---
@@ -137,6 +139,8 @@ class XMCTrainingArguments(TrainingArguments):
             raise ValueError(f"--mining_precision takes one of {MINING_PRECISIONS}, got {self.mining_precision!r}")
         if self.static_query_encoder_precision not in MINING_PRECISIONS:
             raise ValueError(f"--static_query_encoder_precision takes one of {MINING_PRECISIONS}, got {self.static_query_encoder_precision!r}")
+        if self.static_query_encoder_objective not in STATIC_FIT_OBJECTIVES:
+            raise ValueError(f"--static_query_encoder_objective takes one of {STATIC_FIT_OBJECTIVES}, got {self.static_query_encoder_objective!r}")
         if self.hard_negative_refresh_interval <= 0:
             raise ValueError(f"--hard_negative_refresh_interval must be > 0, got {self.hard_negative_refresh_interval}")
         for name in ("num_positives", "cluster_init_size", "cluster_refresh_interval", "hard_negative_top_k",
