@@ -225,7 +225,7 @@ def fit_static_encoder(
     initial rows (``torch.bfloat16`` halves them where the hardware multiplies bfloat16; the targets are stored in
     float16 anyway); None: the weights' precision. ``objective``: ``"cosine"`` (the tower's direction only) or
     ``"cosine+ranking"``: the cosine loss plus ``ranking_weight`` times a listwise distillation of the tower's ranking
-    (:func:`ranking_distillation_loss`: each query's scores over the union of its batch's tower top ``ranking_depth``
+    (:meth:`TowerRanking.loss`: each query's scores over the union of its batch's tower top ``ranking_depth``
     labels, softmax at ``ranking_temperature`` times the median label-vector norm, the static encoder's against the
     tower's), which spends the table's capacity on the order of the labels near the top rather than on every
     direction alike. Returns the encoder and what the fit did (the meta's ``fit`` entry)."""
