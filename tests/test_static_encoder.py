@@ -423,3 +423,7 @@ def test_the_ranking_objective_fits_the_towers_ranking_closer_than_the_cosine_al
     assert fit_ranked["loss"] == "cosine+ranking" and fit_ranked["ranking_depth"] == 8 and fit_ranked["ranking_weight"] == 1.0
     with pytest.raises(ValueError, match="objective must be one of"):
         static_encoder.fit_static_encoder(model, texts, epochs=1, objective="ranking")
+    for bad in ({"ranking_temperature": float("inf")}, {"ranking_temperature": float("nan")}, {"ranking_weight": float("inf")},
+                {"ranking_weight": -1.0}, {"ranking_depth": 2.5}, {"ranking_depth": 0}):
+        with pytest.raises(ValueError, match="need an integer ranking_depth"):
+            static_encoder.fit_static_encoder(model, texts, epochs=1, objective="cosine+ranking", **bad)

@@ -32,6 +32,7 @@ Remote-code file: imports torch, numpy, safetensors and its siblings only.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import time
 from collections.abc import Sequence
@@ -235,8 +236,10 @@ def fit_static_encoder(
         raise ValueError(f"init must be 'tower' or 'random', got {init!r}")
     if objective not in FIT_OBJECTIVES:
         raise ValueError(f"objective must be one of {FIT_OBJECTIVES}, got {objective!r}")
-    if objective != "cosine" and (ranking_depth < 1 or not ranking_temperature > 0 or not ranking_weight >= 0):
-        raise ValueError(f"need ranking_depth >= 1, ranking_temperature > 0 and ranking_weight >= 0, got {ranking_depth}, {ranking_temperature}, {ranking_weight}")
+    if objective != "cosine" and (not isinstance(ranking_depth, numbers.Integral) or ranking_depth < 1 or not 0 < ranking_temperature < math.inf
+                                  or not 0 <= ranking_weight < math.inf):  # NaN and infinity fail the comparisons
+        raise ValueError(f"need an integer ranking_depth >= 1, a finite ranking_temperature > 0 and a finite ranking_weight >= 0, "
+                         f"got {ranking_depth!r}, {ranking_temperature!r}, {ranking_weight!r}")
     if epochs < 0 or batch_size < 1 or not learning_rate > 0:
         raise ValueError(f"need epochs >= 0, batch_size >= 1 and learning_rate > 0, got {epochs}, {batch_size}, {learning_rate}")
     texts = list(texts)
