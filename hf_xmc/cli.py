@@ -220,6 +220,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     data = XCData(train=train, test=test, label_texts=model.label_texts, label_uids=model.label_uids)
     with _query_encoder_of(model, args.model, args.query_encoder):
         metrics = build_evaluator(data, data_args)(model)
+    if getattr(model, "lexical_channel", None) is not None:  # a file of the queries the ranker was refit on: said, and recorded
+        seen = model.lexical_channel.queries_seen_by_ranker(test.uids)
+        if seen:
+            metrics["queries_seen_by_lexical_ranker"] = seen
+            print(f"{PROG} evaluate: warning: {seen} of the {len(test)} queries of {args.test_file} trained the model's lexical ranker "
+                  "(its training script's validation split): the fused metrics are not held out", file=sys.stderr)
     if args.output_file:
         write_json_atomic(args.output_file, metrics)
     print(json.dumps(metrics, indent=2, sort_keys=True))

@@ -121,6 +121,10 @@ def _ranker_outside(t, m):
     t["ranker/../settings.json"] = t.pop("ranker/settings.json")
 
 
+def _refit_queries_not_hashes(t, m):
+    t["ranker_refit_queries"] = np.zeros((2, 3), dtype=np.float32)
+
+
 def _ranker_labels_out_of_range(t, m):
     t["ranker_labels"] = np.full(len(t["label_indptr"]) - 1, 99, dtype=np.int64)
 
@@ -173,6 +177,8 @@ MODEL_DIR_CASES = {
                                "{d}/lexical_channel.safetensors: lists ranker file '../settings.json', a path outside the model directory"),
     "lexical_ranker_labels_out_of_range": (lambda d: _edit_tensors(f"{d}/lexical_channel.safetensors", _ranker_labels_out_of_range, "numpy"),
                                            "{d}/lexical_channel.safetensors: ranker_labels holds label ids outside [-1, 40)"),
+    "lexical_refit_queries_not_hashes": (lambda d: _edit_tensors(f"{d}/lexical_channel.safetensors", _refit_queries_not_hashes, "numpy"),
+                                         "{d}/lexical_channel.safetensors: ranker_refit_queries is float32 of shape [2, 3], not a list of 64-bit hashes"),
     "lexical_label_indptr_out_of_range": (lambda d: _edit_tensors(f"{d}/lexical_channel.safetensors", _indptr_out_of_range, "numpy"),
                                           "{d}/lexical_channel.safetensors: label TF-IDF rows: the row pointers do not delimit"),
     "lexical_label_indices_out_of_range": (lambda d: _edit_tensors(f"{d}/lexical_channel.safetensors", _indices_out_of_range, "numpy"),

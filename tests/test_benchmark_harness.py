@@ -316,6 +316,28 @@ def test_the_headline_table_gives_each_ranking_its_mean_and_sample_std_over_the_
     assert "| Omikuji |  | 42 | 90.30 | 47.60 | 68.80 | 0.10 |  | 0.10 | library defaults |" in bench_headline.table(rows)
 
 
+def test_mufins_defaults_are_decided_by_the_seeds_mean_validation_objective_per_dataset_not_by_test():
+    from benchmarks import bench_mufin_defaults as md
+
+    def run(dataset, variant, seed, val, test):
+        return {"dataset": dataset, "variant": variant, "seed": seed, "wall_seconds": 60.0,
+                "eval_P@1": val, "eval_PSP@5": 10.0, "test_P@1": test, "test_P@5": 5.0, "test_PSP@5": 7.0}
+
+    rows = [run("emoji", "defaults", 42, 40.0, 30.0), run("emoji", "defaults", 43, 44.0, 30.0),
+            # one lucky seed: the best single validation run, but the lower mean (38 against 42)
+            run("emoji", "vit_tower", 42, 50.0, 60.0), run("emoji", "vit_tower", 43, 26.0, 60.0),
+            run("emoji", "label_batches", 42, 45.0, 10.0), run("emoji", "label_batches", 43, 45.0, 10.0),
+            run("reuters", "defaults", 42, 80.0, 90.0),  # the alternative did not run there: no mark on Reuters
+            {"dataset": "emoji", "variant": "vision_lr10", "seed": 42, "wall_seconds": 1.0, "test_P@1": 99.0}]  # no validation split
+    aggregates = md.aggregate(rows)
+    taken = {(a["dataset"], a["variant"]): names for a in aggregates for i, names in md.decisions(aggregates).items() if i == id(a)}
+    assert taken == {("emoji", "defaults"): ["vision tower"], ("emoji", "label_batches"): ["Module I batches"]}
+    lines = md.table({"rows": rows}).splitlines()
+    vit = next(line for line in lines if "ViT" in line)
+    assert "| emoji | a random small ViT for the ResNet | 2 | 38.00 ± 16.97 | 10.00 ± 0.00 | 48.00 | 60.00 ± 0.00 |" in vit
+    assert "chosen" not in vit and "| - | 99.00 |" in next(line for line in lines if "10x" in line)
+
+
 def test_the_fusion_invariant_is_checked_on_the_validation_split_once_rows_carry_it():
     from benchmarks import bench_validation
 

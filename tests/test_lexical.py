@@ -339,6 +339,46 @@ def test_save_reload_and_remote_code_give_the_same_top_k(lexical_model, tiny_tas
         DEXMLModel.from_pretrained(tmp_path / "m")
 
 
+def test_a_ranker_refit_on_the_validation_queries_says_so_after_a_save_and_evaluate_flags_them(tiny_encoder_dir, tiny_task, tmp_path, caplog, capsys):
+    """The ranker trained again on the validation split (--lexical_refit_ranker) records which queries it saw; a saved
+    and reloaded model still knows, hf-xmc evaluate on those queries says its fused figures are not held out, and
+    tuning the static encoder's weights on them warns; queries the ranker never saw are not flagged."""
+    from hf_xmc import cli
+    from hf_xmc.data import write_xc_raw
+    from hf_xmc.data.splits import split_validation
+    from hf_xmc.training.lexical import queries_seen_by_ranker
+
+    data, task_dir = tiny_task
+    train, validation = split_validation(data.train, size=40, seed=0)
+    model = DEXMLModel.from_encoder_pretrained(tiny_encoder_dir)
+    model.set_labels(data.label_texts, data.label_uids)
+    channel = fit_lexical_channel(model, train, ranker_weight=0.5, text_weight=0.1, n_threads=1, validation=validation, refit_ranker=True)
+    assert channel.queries_seen_by_ranker(validation.uids) == 40
+    assert channel.queries_seen_by_ranker(train.uids) == 0 and channel.queries_seen_by_ranker(data.test.uids) == 0
+    assert channel.queries_seen_by_ranker(validation.uids[:7] + data.test.uids[:5]) == 7
+    model.save_pretrained(tmp_path / "m")
+    loaded = DEXMLModel.from_pretrained(tmp_path / "m")
+    assert loaded.lexical_channel.queries_seen_by_ranker(validation.uids) == 40
+    with caplog.at_level(logging.WARNING):
+        assert queries_seen_by_ranker(loaded, validation, "tuned on") == 40
+    assert "40 of the 40 queries tuned on trained the lexical channel's ranker" in caplog.text
+    write_xc_raw(tmp_path / "val.json.gz", validation)
+    capsys.readouterr()
+    for points, flagged in ((tmp_path / "val.json.gz", 40), (f"{task_dir}/tst.json.gz", 0)):
+        out = tmp_path / f"metrics-{flagged}.json"
+        assert cli.main(["evaluate", str(tmp_path / "m"), "--test_file", str(points), "--output_file", str(out)]) == 0
+        err = capsys.readouterr().err
+        assert json.load(open(out)).get("queries_seen_by_lexical_ranker") == (flagged or None)
+        assert ("the fused metrics are not held out" in err) == bool(flagged)
+    # hf-xmc fit-static tunes the static encoder's weights on them: said, and recorded in what it prints
+    assert cli.main(["fit-static", str(tmp_path / "m"), "--train_file", f"{task_dir}/trn.json.gz", "--validation_file", str(tmp_path / "val.json.gz"),
+                     "--epochs", "1", "--precision", "float32", "--output_dir", str(tmp_path / "static")]) == 0
+    assert json.loads(capsys.readouterr().out)["static_tuning_queries_seen_by_ranker"] == 40
+    # a ranker trained again (on the training queries only, as a user refitting it would) forgets the record
+    loaded.lexical_channel.set_ranker(loaded.lexical_channel.ranker)
+    assert loaded.lexical_channel.queries_seen_by_ranker(validation.uids) == 0
+
+
 def test_without_omikuji_the_ranker_is_skipped_with_a_warning(lexical_model, tiny_task, tmp_path, monkeypatch, caplog):
     data, _ = tiny_task
     model, channel = lexical_model

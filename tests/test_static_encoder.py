@@ -259,6 +259,7 @@ def test_training_scripts_fit_tune_and_report_the_static_encoder_and_the_cli_ser
     assert meta["fusion"]["ranker_weight"] == results["static_lexical_ranker_weight"] and "score_calibration" in meta
     assert results["static_fit_bf16"] == 1 and meta["fit"]["encode_precision"] == "bfloat16"  # the flags reached the fit
     assert meta["fit"]["loss"] == "cosine+ranking" and meta["fit"]["ranking_depth"] > 0
+    assert results["static_tuning_queries_seen_by_ranker"] == 0  # tuned before the channel's ranker is refit on those queries
     reloaded = AutoModel.from_pretrained(out)
     assert reloaded.score_calibration is not None  # the tower's, recorded after training (fused AdamW: see test_provenance)
     with reloaded.using_query_encoder("static"):

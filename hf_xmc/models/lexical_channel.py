@@ -245,6 +245,10 @@ class LexicalChannel:
         ranker_id: which trained ranker this is (made when it is trained, saved with it): part of :meth:`fingerprint`.
         label_source: the digest of the model's label set the label rows were made from (``provenance.py``: the model
             rebuilds the rows when its labels changed without the channel); None when unknown.
+        refit_queries: :func:`query_hashes` of the validation queries the ranker was trained on besides the training
+            queries (``refit_lexical_ranker``, after everything was tuned on them), so that a later evaluation or tuning
+            on those queries can say its fused figures are not held out; None when the ranker saw none (or was saved
+            before this was recorded). Memory: 8 bytes per such query (at most the 2,000 of a default split).
     """
 
     def __init__(
@@ -257,6 +261,7 @@ class LexicalChannel:
         ranker_files: Optional[dict[str, bytes]] = None,
         ranker_id: Optional[str] = None,
         label_source: Optional[str] = None,
+        refit_queries: Optional[np.ndarray] = None,
     ):
         self.features = features
         self.label_rows = label_rows
@@ -267,6 +272,7 @@ class LexicalChannel:
             ranker_id = digest([part for name in sorted(ranker_files) for part in (name, ranker_files[name])]) if ranker_files else new_ranker_id()
         self.ranker_id = ranker_id
         self.label_source = label_source
+        self.refit_queries = None if refit_queries is None else np.asarray(refit_queries, dtype=np.uint64)
         self.ranker_labels = None if ranker_labels is None else np.asarray(ranker_labels, dtype=np.int64)
         unknown = set(settings or {}) - set(DEFAULT_SETTINGS)
         if unknown:
@@ -283,9 +289,18 @@ class LexicalChannel:
     def has_ranker(self) -> bool:
         return self.ranker is not None
 
-    def set_ranker(self, ranker) -> None:
-        """A newly trained ranker over the channel's labels (the ids are the model's); it gets a new :attr:`ranker_id`."""
+    def set_ranker(self, ranker, refit_queries: Optional[Sequence[str]] = None) -> None:
+        """A newly trained ranker over the channel's labels (the ids are the model's); it gets a new :attr:`ranker_id`.
+        ``refit_queries``: the uids of the validation queries it trained on besides the training ones (none: None)."""
         self.ranker, self.ranker_files, self.ranker_labels, self.ranker_id = ranker, None, None, new_ranker_id()
+        self.refit_queries = None if refit_queries is None else query_hashes(refit_queries)
+
+    def queries_seen_by_ranker(self, uids: Sequence[str]) -> int:
+        """How many of the queries ``uids`` the ranker trained on as :attr:`refit_queries` (0 when none is recorded):
+        a fused ranking of those queries is not a held-out figure."""
+        if self.refit_queries is None or not len(self.refit_queries) or not len(uids):
+            return 0
+        return int(np.isin(query_hashes(uids), self.refit_queries, assume_unique=False).sum())
 
     def fingerprint(self) -> str:
         """A digest of what the channel's scores depend on: its fusion settings, vocabulary and idf, label rows, and the
@@ -422,6 +437,8 @@ class LexicalChannel:
         }
         if self.ranker_labels is not None:
             tensors["ranker_labels"] = self.ranker_labels
+        if self.refit_queries is not None:
+            tensors["ranker_refit_queries"] = self.refit_queries
         for name, data in (files or {}).items():
             tensors[f"ranker/{name}"] = np.frombuffer(data, dtype=np.uint8).copy()
         metadata = {
@@ -461,6 +478,9 @@ class LexicalChannel:
         if ranker_labels is not None:
             if ranker_labels.ndim != 1 or (len(ranker_labels) and (int(ranker_labels.min()) < -1 or int(ranker_labels.max()) >= len(label_rows))):
                 raise ModelFileError(f"{path}: ranker_labels holds label ids outside [-1, {len(label_rows)}) (shape {list(ranker_labels.shape)})")
+        refit_queries = tensors.get("ranker_refit_queries")
+        if refit_queries is not None and (refit_queries.ndim != 1 or refit_queries.dtype != np.uint64):
+            raise ModelFileError(f"{path}: ranker_refit_queries is {refit_queries.dtype} of shape {list(refit_queries.shape)}, not a list of 64-bit hashes")
         files = {}
         for name in names:
             check_listed_name(path, name, "ranker file")
@@ -484,7 +504,15 @@ class LexicalChannel:
                 except BaseException as err:  # omikuji's RuntimeError, or a Rust panic (a BaseException) on garbage bytes
                     raise ModelFileError(f"{path}: the ranker's files do not load as an Omikuji model ({type(err).__name__}: {err})") from None
         return cls(features, label_rows, ranker, ranker_labels, settings, ranker_files=files or None,
-                   ranker_id=metadata.get("ranker_id") or None, label_source=metadata.get("label_source") or None)
+                   ranker_id=metadata.get("ranker_id") or None, label_source=metadata.get("label_source") or None, refit_queries=refit_queries)
+
+
+def query_hashes(uids: Sequence[str]) -> np.ndarray:
+    """Sorted unique 64-bit hashes (blake2b) of query uids: which queries a ranker trained on, in 8 bytes a query."""
+    import hashlib
+
+    return np.unique(np.fromiter((int.from_bytes(hashlib.blake2b(uid.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little") for uid in uids),
+                                 dtype=np.uint64, count=len(uids)))
 
 
 def new_ranker_id() -> str:

@@ -196,8 +196,22 @@ def refit_lexical_ranker(channel: LexicalChannel, train: XMCDataset, validation:
     start = time.perf_counter()
     rows = CsrRows.concat([channel.features.transform(train.texts), channel.features.transform(validation.texts)])
     targets = sp.vstack([train.targets, validation.targets], format="csr")
-    channel.set_ranker(train_omikuji(as_scipy(rows, channel.features.num_features), targets, n_threads=n_threads))
+    channel.set_ranker(train_omikuji(as_scipy(rows, channel.features.num_features), targets, n_threads=n_threads), refit_queries=validation.uids)
     logger.info("lexical channel: ranker trained again on the %d training and validation queries in %.1f s", len(rows), time.perf_counter() - start)
+
+
+def queries_seen_by_ranker(model, queries: XMCDataset, use: str) -> int:
+    """How many of ``queries`` the model's lexical ranker trained on (:meth:`LexicalChannel.queries_seen_by_ranker`:
+    the validation split a training script refit it on), with a warning naming ``use`` (what the caller does with
+    them) when any did: a fused ranking of those queries is not held out, and weights tuned on them favour the ranker.
+    0 without a channel, or for a ranker saved before the record existed (nothing is known then)."""
+    channel = getattr(model, "lexical_channel", None)
+    seen = channel.queries_seen_by_ranker(queries.uids) if channel is not None else 0
+    if seen:
+        logger.warning("%d of the %d queries %s trained the lexical channel's ranker (the training script refit it on its validation split, "
+                       "--lexical_refit_ranker): fused figures on them are not held out; use queries neither the model nor the ranker saw",
+                       seen, len(queries), use)
+    return seen
 
 
 def next_weight(weight: float) -> float:

@@ -21,7 +21,7 @@ import scipy.sparse as sp
 import torch
 
 from ..data import XMCDataset
-from .lexical import RANKER_WEIGHTS, TEXT_WEIGHTS, tune_fusion_weights
+from .lexical import RANKER_WEIGHTS, TEXT_WEIGHTS, queries_seen_by_ranker, tune_fusion_weights
 from .negatives import mining_autocast_dtype
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,8 @@ def fit_and_tune_static_query_encoder(
             "static_fit_bf16": int(dtype is torch.bfloat16)}
     logger.info("static query encoder: fitted on %d training queries in %.1f s (%s loss by epoch %s)", fit["queries"],
                 info["static_fit_runtime"], fit["loss"], fit["epoch_losses"])
+    if validation is not None and getattr(model, "lexical_channel", None) is not None:
+        info["static_tuning_queries_seen_by_ranker"] = queries_seen_by_ranker(model, validation, "the static encoder's fusion weights are tuned on")
     info.update(tune_static_query_encoder(model, validation, train_targets, validation_evaluator, calibration_method, ranker_weight, text_weight,
                                           batch_size=batch_size))
     return info
