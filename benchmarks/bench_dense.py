@@ -79,6 +79,12 @@ PAPER_MODULE4 = ["--classifier_loss", "likelihood", "--classifier_negatives", "h
 SOFTMAX_MODULE1 = ["--siamese_loss", "softmax", "--learning_rate", "3e-4", "--label_sampling_power", "1.0", "--bf16", "true", *PAPER_MODULE4]
 #: named flag sets appended to a row's command (the script's defaults fill in the rest, at the commit that ran the row)
 RECIPES: dict[str, list[str]] = {
+    # the script's defaults at the dataset's step budget: what bench_validation.py runs (its rows of
+    # validation_fusion.json join this table under this name, :func:`validation_rows`)
+    "defaults": [],
+    # the defaults without NGAME cluster batching (DEXML: clusters of 16 from --cluster_min_labels 10,000 labels on, so
+    # this differs from the defaults on WordNet-XMC only), the same steps: whether the gate's clustering pays there
+    "no_clusters": ["--cluster_batching", "false"],
     # in-batch negatives only: the other queries' positives of the batch (train_dexml.py's default before the hard negatives)
     "in_batch": ["--hard_negatives", "0", "--cluster_batching", "false"],
     # ANCE-style negatives from the model's own index: mined a twentieth of an epoch into the run and once an epoch
@@ -146,9 +152,11 @@ DECISIONS: dict[str, tuple[str, ...]] = {
     # SiameseXML's Module IV (both after the softmax Module I): [P]'s point likelihood over the 3 x |P_i| hardest
     # shortlist negatives, or DEXML's decoupled softmax of each positive against all of the point's 100
     "module_iv": ("softmax_module1", "softmax_classifiers"),
+    # DEXML's cluster batching on a label space past --cluster_min_labels (WordNet-XMC): the defaults, or none
+    "clusters": ("defaults", "no_clusters"),
 }
 #: the methods each decision is taken for (its recipes must give each of them different arguments: a test parses them)
-DECISION_METHODS: dict[str, tuple[str, ...]] = {"negatives": ("dexml", "unidec"), "module_iv": ("siamesexml",)}
+DECISION_METHODS: dict[str, tuple[str, ...]] = {"negatives": ("dexml", "unidec"), "module_iv": ("siamesexml",), "clusters": ("dexml",)}
 
 
 def decisions_of(recipe: str) -> tuple[str, ...]:
@@ -316,11 +324,13 @@ def budget(dataset: str, flags: list[str]) -> str:
 def validation_rows(rows: list[dict]) -> list[dict]:
     """The other methods' rows of ``validation_fusion.json`` (their scripts' defaults at the commit that ran them, the
     same step budgets, the same channel), as rows of this table (recipe ``defaults``), beside what this benchmark ran;
-    DEXML's too where this benchmark has no DEXML row on that dataset version (WordNet-XMC v2)."""
+    DEXML's too where this benchmark has no row of DEXML's defaults on that dataset version (WordNet-XMC v2; its other
+    recipes there, ``no_clusters``, are compared with it)."""
     path = result_path("validation_fusion.json")
     if not os.path.exists(path):
         return []
-    ours = {(r["dataset"], r.get("data_version")) for r in rows if r["method"] == "dexml"}
+    ours = {(r["dataset"], r.get("data_version")) for r in rows
+            if r["method"] == "dexml" and r["recipe"] in ("defaults", SCRIPT_DEFAULTS.get(("dexml", r["dataset"])))}
     return [{**r, "recipe": "defaults", "fused": r["fused_now"]} for r in read_json(path)
             if r["method"] in METHODS and (r["method"] != "dexml" or (r["dataset"], r.get("data_version")) not in ours)]
 

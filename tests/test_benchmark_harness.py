@@ -1,6 +1,7 @@
 """benchmarks/harness.py: the docs-block update and the table renderer every benchmark script uses, and the docs'
 benchmark tables being exactly what their scripts render from the committed results (none typed by hand)."""
 
+import json
 import os
 import re
 import stat
@@ -394,6 +395,14 @@ def test_a_decision_is_marked_among_its_own_recipes_once_each_has_validation_met
     marked = sorted(line.split("|")[3].strip().removesuffix(" (default)") for line in fused if "chosen" in line)
     assert marked == ["hard_negatives", "softmax_classifiers"]
     assert all("chosen (module_iv)" in line for line in fused if "softmax_classifiers" in line)
+    # DEXML's clusters on WordNet-XMC v2: its defaults come from validation_fusion.json's row (the recipe "defaults"),
+    # kept beside this benchmark's own no_clusters row of the same version, and the decision is taken between them
+    defaults = {**row("defaults", 0, 0), "row": "wordnet-dexml", "dataset": "wordnet", "data_version": "v2", "fused_now": {**shown, "P@1": 99.0},
+                "validation_fused": {"P@1": 60.0, "PSP@5": 40.0}}
+    (tmp_path / "validation_fusion.json").write_text(json.dumps([defaults]))
+    no_clusters = {**row("no_clusters", 62.0, 10.0), "dataset": "wordnet", "data_version": "v2"}
+    fused = [line for line in bench_dense.table([no_clusters]).splitlines() if "| fused |" in line]
+    assert len(fused) == 2 and [line for line in fused if "chosen (clusters)" in line] == [next(line for line in fused if "no_clusters" in line)]
 
 
 def test_tables_name_the_wordnet_version_a_row_ran_on(tmp_path):
