@@ -101,6 +101,9 @@ def fit_and_tune_static_query_encoder(
     ``objective``: what the fit minimises (:func:`~hf_xmc.models.static_encoder.fit_static_encoder`)."""
     if train_targets is None and validation is not None:  # before the fit, not after minutes of it
         raise ValueError("tuning the static encoder's fusion weights needs the training targets (their propensities weigh PSP@5)")
+    seen = None  # said before the fit, not after minutes of it
+    if validation is not None and getattr(model, "lexical_channel", None) is not None:
+        seen = queries_seen_by_ranker(model, validation, "the static encoder's fusion weights are tuned on")
     start = time.perf_counter()
     dtype = mining_autocast_dtype(precision, model.device)
     model.fit_static_query_encoder(train_texts, epochs=epochs, max_queries=max_queries, seed=seed, show_progress_bar=show_progress_bar, encode_dtype=dtype,
@@ -109,10 +112,10 @@ def fit_and_tune_static_query_encoder(
     info = {"static_fit_runtime": round(time.perf_counter() - start, 4), "static_fit_queries": fit["queries"],
             "static_fit_loss": fit["epoch_losses"][-1] if fit["epoch_losses"] else None, "static_fit_encode_seconds": fit["encode_seconds"],
             "static_fit_bf16": int(dtype is torch.bfloat16)}
+    if seen is not None:
+        info["static_tuning_queries_seen_by_ranker"] = seen
     logger.info("static query encoder: fitted on %d training queries in %.1f s (%s loss by epoch %s)", fit["queries"],
                 info["static_fit_runtime"], fit["loss"], fit["epoch_losses"])
-    if validation is not None and getattr(model, "lexical_channel", None) is not None:
-        info["static_tuning_queries_seen_by_ranker"] = queries_seen_by_ranker(model, validation, "the static encoder's fusion weights are tuned on")
     info.update(tune_static_query_encoder(model, validation, train_targets, validation_evaluator, calibration_method, ranker_weight, text_weight,
                                           batch_size=batch_size))
     return info
