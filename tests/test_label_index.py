@@ -210,6 +210,12 @@ def test_row_blocks_search_like_one_array_without_copies(vectors, kind):
     np.testing.assert_allclose(s1, s2, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="differ in width or dtype"):
         LabelIndex([labels[:10], labels[10:20, :8]], kind=kind)
+    # the public row reads (the static encoder's fit uses them) take rows across the blocks, in the order asked
+    rows = np.array([3, 129, 130, 131, 399, 400, 499])
+    np.testing.assert_array_equal(split.vectors(rows).numpy(), labels[rows])
+    sample = split.sample_vectors(50)
+    assert sample.shape == (50, 16) and sample.dtype == np.float32 and len({r.tobytes() for r in sample} - {r.tobytes() for r in labels}) == 0
+    np.testing.assert_array_equal(sample, whole.sample_vectors(50))  # a fixed draw
 
 
 @pytest.mark.parametrize("kind,faiss_type", [("exact", None), ("hnsw", "IndexHNSWSQ"), ("ivf", "IndexIVFScalarQuantizer")])

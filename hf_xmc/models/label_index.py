@@ -262,6 +262,15 @@ class LabelIndex:
             index.add(chunk.numpy())
         return index
 
+    def vectors(self, label_ids: np.ndarray) -> torch.Tensor:
+        """The float32 vectors of the increasing label ids ``label_ids`` as stored (block by block, no copy of the
+        whole store; memory: ``len(label_ids) x dim x 4`` bytes)."""
+        return self._gather(np.asarray(label_ids, dtype=np.int64)).float()
+
+    def sample_vectors(self, count: int) -> np.ndarray:
+        """``count`` label vectors (at most all), drawn with a fixed seed, float32 (``count x dim x 4`` bytes)."""
+        return self._training_sample(count)
+
     def _training_sample(self, count: int = 0) -> np.ndarray:
         """``count`` label vectors (0: ``IVF_TRAIN_POINTS_PER_LIST * nlist``, to train the IVF lists on), at most all,
         drawn with a fixed seed, float32."""

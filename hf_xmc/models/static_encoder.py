@@ -146,7 +146,7 @@ class TowerRanking:
         for start in range(0, len(targets), chunk):
             _, ids = index.search(targets[start : start + chunk].float(), self.top.shape[1])
             self.top[start : start + len(ids)] = torch.from_numpy(ids.astype(np.int32))
-        sample = index._training_sample(min(index.num_labels, 10_000)).astype(np.float32)
+        sample = index.sample_vectors(min(index.num_labels, 10_000))
         # the scores' scale is the label vectors' (the query side is a direction): the temperature follows it
         self.temperature = float(temperature) * max(float(np.median(np.linalg.norm(sample, axis=1))), 1e-6)
         self.seconds = time.perf_counter() - started
@@ -157,7 +157,7 @@ class TowerRanking:
         tower's unit query vectors)."""
         union = torch.unique(self.top[rows].long())
         union = union[union >= 0]
-        labels = self.index._gather(union.numpy()).float()
+        labels = self.index.vectors(union.numpy())
         teacher = F.log_softmax(wanted @ labels.T / self.temperature, dim=1)
         student = F.log_softmax(predicted @ labels.T / self.temperature, dim=1)
         return F.kl_div(student, teacher, reduction="batchmean", log_target=True)
