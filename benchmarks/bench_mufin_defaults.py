@@ -36,6 +36,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.bench_headline import spread  # noqa: E402
 from benchmarks.bench_mufin import make_vit  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     SELECTION_KEYS,
@@ -122,11 +123,8 @@ def decisions(aggregates: list[dict]) -> dict[int, list[str]]:
 
 
 def cell(values: list[float]) -> str:
-    """``mean ± sample std`` (the mean alone for one value, "-" for none)."""
-    if not values:
-        return "-"
-    mean = statistics.fmean(values)
-    return f"{mean:.2f} ± {statistics.stdev(values):.2f}" if len(values) > 1 else f"{mean:.2f}"
+    """``mean ± sample std`` (:func:`benchmarks.bench_headline.spread`; "-" for no value)."""
+    return spread(values) if values else "-"
 
 
 def table(results: dict) -> str:
