@@ -240,7 +240,7 @@ class LabelIndex:
         d, fp16 = self.dim, self.dtype == torch.float16
         if self.codes != "float":
             chunks = (chunk.numpy() for _, chunk in self._chunks(self.chunk_size))
-            return build_code_index(self.codes, self.kind, d, chunks, self._training_sample, hnsw_m=self.hnsw_m,
+            return build_code_index(self.codes, self.kind, d, chunks, self.sample_vectors, hnsw_m=self.hnsw_m,
                                     hnsw_ef_construction=self.hnsw_ef_construction, ivf_nlist=self.ivf_nlist)
         if self.kind == "hnsw":
             if fp16:  # fp16 codes: faiss holds the vectors at the precision they are stored in
@@ -255,7 +255,7 @@ class LabelIndex:
                 index.by_residual = False  # fp16 of the vectors themselves is precise enough, and cheaper to scan
             else:
                 index = faiss.IndexIVFFlat(quantizer, d, self.ivf_nlist, faiss.METRIC_INNER_PRODUCT)
-            index.train(self._training_sample())
+            index.train(self.sample_vectors())
         else:  # exact on GPU: an empty flat index put on the GPUs, filled chunk by chunk (no CPU copy)
             index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatIP(d))
         for _, chunk in self._chunks(self.chunk_size):
@@ -267,13 +267,9 @@ class LabelIndex:
         whole store; memory: ``len(label_ids) x dim x 4`` bytes)."""
         return self._gather(np.asarray(label_ids, dtype=np.int64)).float()
 
-    def sample_vectors(self, count: int) -> np.ndarray:
-        """``count`` label vectors (at most all), drawn with a fixed seed, float32 (``count x dim x 4`` bytes)."""
-        return self._training_sample(count)
-
-    def _training_sample(self, count: int = 0) -> np.ndarray:
+    def sample_vectors(self, count: int = 0) -> np.ndarray:
         """``count`` label vectors (0: ``IVF_TRAIN_POINTS_PER_LIST * nlist``, to train the IVF lists on), at most all,
-        drawn with a fixed seed, float32."""
+        drawn with a fixed seed, float32 (``count x dim x 4`` bytes)."""
         n = min(self.num_labels, count or IVF_TRAIN_POINTS_PER_LIST * self.ivf_nlist)
         rows = np.sort(np.random.default_rng(0).choice(self.num_labels, n, replace=False))
         return self._gather(rows).float().numpy()
