@@ -462,3 +462,15 @@ def test_static_rows_merge_in_place():
     new = merge_row(again, {"dataset": "wordnet", "method": "unidec", "run": 1})
     assert [(r["dataset"], r["method"]) for r in new][-1] == ("wordnet", "unidec") and len(new) == 4
     assert rows[1]["run"] == 1  # the list given is not changed
+
+
+def test_the_static_fit_benchmarks_bigrams_are_what_it_says():
+    """bench_static_fit's variant the library lacks: a bigram row for each adjacent pair seen min_count times, bags of
+    tokens then their known bigrams (its label term is the library's, pinned in test_static_encoder.py)."""
+    from benchmarks.bench_static_fit import bigram_vocabulary, flat_bags
+
+    rows = [[5, 6, 7], [5, 6], [6, 7, 5]]
+    vocab = bigram_vocabulary(rows, min_count=2)
+    assert vocab == {(5, 6): 0, (6, 7): 1}
+    ids, offsets, lengths = flat_bags(rows, 10, vocab)
+    assert ids.tolist() == [5, 6, 7, 10, 11, 5, 6, 10, 6, 7, 5, 11] and offsets.tolist() == [0, 5, 8] and lengths.tolist() == [5, 3, 4]

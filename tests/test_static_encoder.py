@@ -249,7 +249,7 @@ def test_training_scripts_fit_tune_and_report_the_static_encoder_and_the_cli_ser
     proc = run_script(contract_args(task_dir, tiny_encoder_dir, str(out), epochs="1") + ["--lexical_channel", "omikuji", "--static_query_encoder",
                                                                                        "--static_query_encoder_epochs", "3",
                                                                                        "--static_query_encoder_precision", "bfloat16",
-                                                                                       "--static_query_encoder_objective", "cosine+ranking"])
+                                                                                       "--static_query_encoder_objective", "cosine+ranking+labels"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "eval_results.json").read_text())
     for key in ("test_static_P@1", "test_static_dense_P@1", "eval_static_P@1", "static_fit_runtime", "static_lexical_ranker_weight"):
@@ -258,7 +258,7 @@ def test_training_scripts_fit_tune_and_report_the_static_encoder_and_the_cli_ser
     meta = json.loads((out / STATIC_ENCODER_META).read_text())
     assert meta["fusion"]["ranker_weight"] == results["static_lexical_ranker_weight"] and "score_calibration" in meta
     assert results["static_fit_bf16"] == 1 and meta["fit"]["encode_precision"] == "bfloat16"  # the flags reached the fit
-    assert meta["fit"]["loss"] == "cosine+ranking" and meta["fit"]["ranking_depth"] > 0
+    assert meta["fit"]["loss"] == "cosine+ranking+labels" and meta["fit"]["ranking_depth"] > 0 and meta["fit"]["label_weight"] == 1.0
     assert results["static_tuning_queries_seen_by_ranker"] == 0  # tuned before the channel's ranker is refit on those queries
     reloaded = AutoModel.from_pretrained(out)
     assert reloaded.score_calibration is not None  # the tower's, recorded after training (fused AdamW: see test_provenance)
@@ -280,10 +280,10 @@ def test_training_scripts_fit_tune_and_report_the_static_encoder_and_the_cli_ser
     assert "no static query encoder" in capsys.readouterr().err
     # hf-xmc fit-static adds one to a saved model
     code = cli.main(["fit-static", str(plain), "--train_file", f"{task_dir}/trn.json.gz", "--epochs", "2", "--output_dir", str(tmp_path / "grown"),
-                     "--precision", "float32", "--objective", "cosine+ranking"])
+                     "--precision", "float32", "--objective", "cosine+labels"])
     assert code == 0
     fitted = json.loads(capsys.readouterr().out)
-    assert json.loads((tmp_path / "grown" / STATIC_ENCODER_META).read_text())["fit"]["loss"] == "cosine+ranking"
+    assert json.loads((tmp_path / "grown" / STATIC_ENCODER_META).read_text())["fit"]["loss"] == "cosine+labels"  # the training file's labels reached it
     assert fitted["static_fit_queries"] > 0 and (tmp_path / "grown" / STATIC_ENCODER_FILE).exists()
     assert fitted["static_fit_bf16"] == 0 and json.loads((tmp_path / "grown" / STATIC_ENCODER_META).read_text())["fit"]["encode_precision"] == "float32"
 
@@ -428,3 +428,60 @@ def test_the_ranking_objective_fits_the_towers_ranking_closer_than_the_cosine_al
                 {"ranking_weight": -1.0}, {"ranking_depth": 2.5}, {"ranking_depth": 0}):
         with pytest.raises(ValueError, match="need an integer ranking_depth"):
             static_encoder.fit_static_encoder(model, texts, epochs=1, objective="cosine+ranking", **bad)
+
+
+def test_the_label_objectives_loss_is_each_querys_own_labels_cross_entropy_over_the_batchs_candidates():
+    """Pinned by hand: the labels of the test above (temperature 1), the tower's top 2 of each query; query 0's labels
+    are {0, 2}, query 1's {3} and query 2 has none (it adds nothing). The candidates are the union of the tower's top
+    rows and the labels' rows, {0, 1, 2, 3, 4}; the loss is the mean over the labelled queries of -mean log softmax of
+    their labels. A model of two index rows per label (SiameseXML) counts both of a label's rows as its positives."""
+    import scipy.sparse as sp
+
+    from hf_xmc.models.label_index import LabelIndex
+    from hf_xmc.models.static_encoder import TowerRanking
+
+    labels = np.array([[2, 0], [0, 2], [-2, 0], [0, -2], [2 ** 0.5, 2 ** 0.5]], dtype=np.float32)
+    wanted = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+    predicted = torch.nn.functional.normalize(torch.tensor([[0.6, 0.8], [-1.0, 0.2], [0.3, 0.3]]), dim=1)
+    ranking = TowerRanking(LabelIndex(labels, kind="exact"), wanted.half(), depth=2, temperature=0.5)
+    targets = sp.csr_matrix(np.array([[1, 0, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 0, 0]], dtype=np.float32))
+    got = float(ranking.label_loss(torch.tensor([0, 1, 2]), predicted, targets))
+    scores = predicted.numpy() @ labels.T
+    log_p = scores - np.log(np.exp(scores).sum(axis=1, keepdims=True))
+    assert got == pytest.approx(-((log_p[0, 0] + log_p[0, 2]) / 2 + log_p[1, 3]) / 2, rel=1e-5)
+    # two rows a label: rows l and 5 + l are label l's (the index of 10 rows holds the same vectors twice)
+    doubled = TowerRanking(LabelIndex(np.concatenate([labels, labels]), kind="exact"), wanted.half(), depth=2, temperature=0.5)
+    scores = predicted.numpy() @ np.concatenate([labels, labels]).T
+    candidates = sorted(set(doubled.top[:3].flatten().tolist()) | {0, 5, 2, 7, 3, 8})
+    log_p = scores[:, candidates] - np.log(np.exp(scores[:, candidates]).sum(axis=1, keepdims=True))
+    at = {row: j for j, row in enumerate(candidates)}
+    expected = -((log_p[0, at[0]] + log_p[0, at[5]] + log_p[0, at[2]] + log_p[0, at[7]]) / 4 + (log_p[1, at[3]] + log_p[1, at[8]]) / 2) / 2
+    assert float(doubled.label_loss(torch.tensor([0, 1, 2]), predicted, targets)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_label_objective_ranks_the_training_queries_own_labels_higher_than_the_cosine_alone(tiny_encoder_dir, tiny_task):
+    """Same start, epochs and seed: the fit with the training queries' own labels ranks them higher (mean reciprocal
+    rank of a query's first label in the model's index) than the cosine-only fit; it records its weight, needs the
+    labels, and the CLI offers every objective the fit knows."""
+    from hf_xmc.models import static_encoder
+
+    data = tiny_task[0]
+    model = tiny_model(tiny_encoder_dir, data)
+    texts, targets = list(data.train.texts), data.train.targets.tocsr()
+
+    def first_label_mrr(encoder):
+        static = encoder.encode(model.tokenizer, texts, int(model.config.max_seq_length))
+        _, found = model.ensure_label_index().search(static, model.ensure_label_index().num_labels)
+        ranks = [next(r for r, label in enumerate(row) if targets[i, label]) + 1 for i, row in enumerate(found) if targets[i].nnz]
+        return float(np.mean([1.0 / r for r in ranks]))
+
+    cosine, _ = static_encoder.fit_static_encoder(model, texts, epochs=6, learning_rate=1e-2, seed=2)
+    labelled, fit = static_encoder.fit_static_encoder(model, texts, epochs=6, learning_rate=1e-2, seed=2, objective="cosine+labels",
+                                                      labels=targets, ranking_depth=4)
+    assert first_label_mrr(labelled) > first_label_mrr(cosine) + 0.05
+    assert fit["loss"] == "cosine+labels" and fit["label_weight"] == 1.0
+    with pytest.raises(ValueError, match="needs labels"):
+        static_encoder.fit_static_encoder(model, texts, epochs=1, objective="cosine+labels")
+    with pytest.raises(ValueError, match="needs labels"):
+        static_encoder.fit_static_encoder(model, texts, epochs=1, objective="cosine+ranking+labels", labels=targets[:2])
+    assert cli.STATIC_FIT_OBJECTIVES == static_encoder.FIT_OBJECTIVES

@@ -6,7 +6,9 @@ fit-static``) fits a ``(vocab, dim)`` table over the model's own tokenizer so th
 L2-normalised, reproduces the tower's search vector of the query (cosine loss, lazy Adam, a few epochs over the
 training queries; the rows start from each vocabulary token's vector through the tower, Model2Vec's initialisation;
 ``objective="cosine+ranking"`` adds a listwise distillation of the tower's ranking of its top labels, which helps
-where a bag of tokens cannot follow the tower's every direction: WordNet-XMC, not Debtags, docs/serving.md).
+where a bag of tokens cannot follow the tower's every direction: WordNet-XMC, not Debtags; ``"cosine+labels"`` adds
+the training loss itself, each training query's own labels against the batch's candidates in the frozen label space,
+docs/serving.md).
 The label vectors, the index, the lexical channel stay the model's: only the query side changes, chosen per call
 (``predict(texts, query_encoder="static")``, the pipeline's ``query_encoder=``, ``hf-xmc predict / serve
 --query_encoder static``). The static encoder keeps its own lexical fusion weights and score calibration (tuned on
@@ -24,7 +26,8 @@ Memory: the table, ``vocab x dim x 4`` bytes (all-MiniLM-L6-v2: 30,522 x 384, 47
 (8 bytes a token) and its ``(batch, dim)`` vectors. The fit holds the tower's vectors of the fitted queries in float16
 (``queries x dim x 2`` bytes: 2.2M queries x 384 = 1.7 GB; ``max_queries`` caps it), encoded 65,536 at a time, their
 token ids (8 bytes a token), plus Adam's two moments of the table (2 x the table); the ranking objective adds the
-tower's top ``RANKING_DEPTH`` label ids a query (``queries x 16 x 4`` bytes: 141 MB at 2.2M) and a batch's label rows.
+tower's top ``RANKING_DEPTH`` label ids a query (``queries x 16 x 4`` bytes: 141 MB at 2.2M) and a batch's label rows;
+the label term the same plus the fitted queries' label matrix (the caller's CSR, a sample's copy under ``max_queries``).
 
 Remote-code file: imports torch, numpy, safetensors and its siblings only.
 """
@@ -55,13 +58,15 @@ FIT_ENCODE_CHUNK = 65_536
 #: the fusion weights a static encoder keeps of its own (the channel's other settings are shared)
 STATIC_FUSION_KEYS = ("ranker_weight", "text_weight")
 #: what the fit minimises (``fit_static_encoder``'s ``objective``)
-FIT_OBJECTIVES = ("cosine", "cosine+ranking")
+FIT_OBJECTIVES = ("cosine", "cosine+ranking", "cosine+labels", "cosine+ranking+labels")
 #: the tower's top labels per fitted query whose order the ranking objective distils, its softmax temperature (a
 #: fraction of the median label-vector norm: 0.05 of a cosine for unit label vectors) and its weight beside the cosine
 #: (4: the best of 1 / 4 / 16 on WordNet-XMC's validation split, docs/serving.md)
 RANKING_DEPTH = 16
 RANKING_TEMPERATURE = 0.05
 RANKING_WEIGHT = 4.0
+#: the weight of the label term beside the cosine (``+labels`` objectives; 1: the one tried, docs/serving.md)
+LABEL_WEIGHT = 1.0
 
 
 class StaticQueryEncoder(nn.Module):
@@ -162,6 +167,26 @@ class TowerRanking:
         student = F.log_softmax(predicted @ labels.T / self.temperature, dim=1)
         return F.kl_div(student, teacher, reduction="batchmean", log_target=True)
 
+    def label_loss(self, rows: torch.Tensor, predicted: torch.Tensor, targets) -> torch.Tensor:
+        """The training loss in the frozen label space: for each query of the batch ``rows``, ``-mean log softmax`` of
+        its own labels' index rows (``targets``: the fitted queries' CSR label matrix; every row of a label that has
+        several, SiameseXML's text vector and centroid) among the batch's candidates, the union of its queries' label
+        rows and the tower's top rows, at the ranking term's temperature. A query without a label adds nothing."""
+        rows_per_label = max(1, self.index.num_labels // targets.shape[1])
+        picked = [targets.indices[targets.indptr[r] : targets.indptr[r + 1]] for r in rows.tolist()]
+        positive = [np.concatenate([p + k * targets.shape[1] for k in range(rows_per_label)]) for p in picked]
+        counts = torch.tensor([len(p) for p in positive])
+        if int(counts.sum()) == 0:
+            return predicted.sum() * 0.0
+        flat = torch.from_numpy(np.concatenate(positive)).long()
+        union = torch.unique(torch.cat([self.top[rows].long().flatten(), flat]))
+        union = union[union >= 0]
+        log_p = F.log_softmax(predicted @ self.index.vectors(union.numpy()).T / self.temperature, dim=1)
+        owner = torch.repeat_interleave(torch.arange(len(rows)), counts)
+        per_query = torch.zeros(len(rows)).index_add_(0, owner, log_p[owner, torch.searchsorted(union, flat)])
+        has = counts > 0
+        return -(per_query[has] / counts[has]).mean()
+
 
 @torch.no_grad()
 def tower_token_vectors(model, batch_size: int = 512, show_progress_bar: Optional[bool] = None) -> torch.Tensor:
@@ -216,6 +241,8 @@ def fit_static_encoder(
     ranking_depth: int = RANKING_DEPTH,
     ranking_temperature: float = RANKING_TEMPERATURE,
     ranking_weight: float = RANKING_WEIGHT,
+    labels=None,
+    label_weight: float = LABEL_WEIGHT,
 ) -> tuple[StaticQueryEncoder, dict]:
     """Fit a :class:`StaticQueryEncoder` to ``model``'s query vectors of ``texts`` (the training queries: never the
     validation or test ones, which tune and judge it): minimise ``1 - cos(static(q), tower(q))`` with lazy Adam
@@ -229,7 +256,11 @@ def fit_static_encoder(
     (:meth:`TowerRanking.loss`: each query's scores over the union of its batch's tower top ``ranking_depth``
     labels, softmax at ``ranking_temperature`` times the median label-vector norm, the static encoder's against the
     tower's), which spends the table's capacity on the order of the labels near the top rather than on every
-    direction alike. Returns the encoder and what the fit did (the meta's ``fit`` entry)."""
+    direction alike. ``"cosine+labels"`` adds ``label_weight`` times the training loss itself in the frozen label space
+    (:meth:`TowerRanking.label_loss`: each query's own labels, ``labels``, the ``(len(texts), num_labels)`` CSR matrix
+    of the fitted queries' labels, against the batch's candidates), ``"cosine+ranking+labels"`` both terms: the table
+    learns what to retrieve, not only what the tower does (docs/serving.md). Returns the encoder and what the fit did
+    (the meta's ``fit`` entry)."""
     from tqdm.auto import tqdm
 
     if init not in ("tower", "random"):
@@ -240,6 +271,13 @@ def fit_static_encoder(
                                   or not 0 <= ranking_weight < math.inf):  # NaN and infinity fail the comparisons
         raise ValueError(f"need an integer ranking_depth >= 1, a finite ranking_temperature > 0 and a finite ranking_weight >= 0, "
                          f"got {ranking_depth!r}, {ranking_temperature!r}, {ranking_weight!r}")
+    uses_labels = objective.endswith("+labels")
+    if uses_labels:
+        if labels is None or not hasattr(labels, "indptr") or labels.shape[0] != len(texts):
+            raise ValueError(f"objective {objective!r} needs labels: the CSR label matrix of the {len(texts)} texts, got "
+                             f"{None if labels is None else getattr(labels, 'shape', type(labels).__name__)}")
+        if not 0 <= label_weight < math.inf:
+            raise ValueError(f"need a finite label_weight >= 0, got {label_weight!r}")
     if epochs < 0 or batch_size < 1 or not learning_rate > 0:
         raise ValueError(f"need epochs >= 0, batch_size >= 1 and learning_rate > 0, got {epochs}, {batch_size}, {learning_rate}")
     texts = list(texts)
@@ -247,8 +285,11 @@ def fit_static_encoder(
         raise ValueError("fit_static_query_encoder got no texts")
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
+    labels = labels.tocsr() if uses_labels else None
     if max_queries is not None and len(texts) > max_queries:
-        texts = [texts[i] for i in np.sort(rng.choice(len(texts), int(max_queries), replace=False))]
+        sample = np.sort(rng.choice(len(texts), int(max_queries), replace=False))
+        texts = [texts[i] for i in sample]
+        labels = labels[sample] if labels is not None else None
     tokenizer = model._require_tokenizer()
     max_length = int(model.config.max_seq_length)
     # the tower's vectors, normalised, in float16, encoded in chunks (no float32 copy of them all); their norms kept
@@ -289,8 +330,10 @@ def fit_static_encoder(
             predicted = F.normalize(encoder.embeddings(bag_ids, bag_offsets), dim=-1)
             wanted = targets[rows].float()
             loss = (1.0 - (predicted * wanted).sum(1)).mean()
-            if teacher is not None:
+            if teacher is not None and "+ranking" in objective:
                 loss = loss + ranking_weight * teacher.loss(rows, predicted, wanted)
+            if uses_labels:
+                loss = loss + label_weight * teacher.label_loss(rows, predicted, labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -300,7 +343,8 @@ def fit_static_encoder(
     fit = {"queries": len(texts), "epochs": int(epochs), "batch_size": int(batch_size), "learning_rate": float(learning_rate), "init": init,
            "seed": int(seed), "loss": objective, "epoch_losses": losses,
            **({} if teacher is None else {"ranking_depth": int(ranking_depth), "ranking_temperature": float(ranking_temperature),
-                                          "ranking_weight": float(ranking_weight), "ranking_seconds": round(teacher.seconds, 2)}), "encode_seconds": round(encode_seconds, 2),
+                                          "ranking_weight": float(ranking_weight), "ranking_seconds": round(teacher.seconds, 2)}),
+           **({"label_weight": float(label_weight)} if uses_labels else {}), "encode_seconds": round(encode_seconds, 2),
            "encode_precision": "float32" if encode_dtype is None else str(encode_dtype).removeprefix("torch."),
            "seconds": round(time.perf_counter() - started, 2)}
     return encoder, fit

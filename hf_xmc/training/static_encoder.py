@@ -98,16 +98,19 @@ def fit_and_tune_static_query_encoder(
     ``static_*`` entries (``static_fit_runtime``, the fit's loss, the tuned weights, the runtimes). ``precision``: of
     the tower's pass that makes the fit's targets, as ``--mining_precision`` (:func:`mining_autocast_dtype`: ``"auto"``
     is bfloat16 where the hardware multiplies it natively); the fit, the tuning and every ranking stay in float32.
-    ``objective``: what the fit minimises (:func:`~hf_xmc.models.static_encoder.fit_static_encoder`)."""
+    ``objective``: what the fit minimises (:func:`~hf_xmc.models.static_encoder.fit_static_encoder`; the ``+labels``
+    ones read ``train_targets``, the labels of ``train_texts``)."""
     if train_targets is None and validation is not None:  # before the fit, not after minutes of it
         raise ValueError("tuning the static encoder's fusion weights needs the training targets (their propensities weigh PSP@5)")
+    if train_targets is None and objective.endswith("+labels"):
+        raise ValueError(f"objective {objective!r} fits the training queries' own labels: pass train_targets")
     seen = None  # said before the fit, not after minutes of it
     if validation is not None and getattr(model, "lexical_channel", None) is not None:
         seen = queries_seen_by_ranker(model, validation, "the static encoder's fusion weights are tuned on")
     start = time.perf_counter()
     dtype = mining_autocast_dtype(precision, model.device)
     model.fit_static_query_encoder(train_texts, epochs=epochs, max_queries=max_queries, seed=seed, show_progress_bar=show_progress_bar, encode_dtype=dtype,
-                                   objective=objective)
+                                   objective=objective, labels=train_targets if objective.endswith("+labels") else None)
     fit = model.static_query_encoder_meta["fit"]
     info = {"static_fit_runtime": round(time.perf_counter() - start, 4), "static_fit_queries": fit["queries"],
             "static_fit_loss": fit["epoch_losses"][-1] if fit["epoch_losses"] else None, "static_fit_encode_seconds": fit["encode_seconds"],
