@@ -23,8 +23,8 @@ every variant, as are the tower's token vectors each fit starts from (Model2Vec'
 Reported per variant: the validation split's dense P@1 / P@5 (the static vectors searched in the model's own index,
 the training filter's pairs removed as the scripts remove them),
 ``1 - cos`` to the tower's vectors on the validation queries (held out) and on the training queries (last epoch's
-mean), the table's rows and the fit's seconds. The saved ranker was refit on the validation split (the scripts'
-default), so fused figures on it are not held out and none are given. Memory: the tower's vectors (``queries x dim x
+mean), the table's rows and the fit's seconds. Dense figures only: a saved model's ranker was refit on the validation
+split (the scripts' default), so fused figures on it are not held out. Memory: the tower's vectors (``queries x dim x
 2`` bytes), the table and its two Adam moments; a bigram row costs what a token row does (``dim x 4`` bytes, x 3 while
 fitting).
 """

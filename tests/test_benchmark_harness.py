@@ -89,6 +89,7 @@ def _blocks() -> dict:
         bench_siamesexml_module1,
         bench_space_load,
         bench_static_encoder,
+        bench_static_fit,
         bench_throughput,
         bench_train_filter,
         bench_unidec_memory,
@@ -135,6 +136,7 @@ def _blocks() -> dict:
         "peers_wordnet": ("peers_wordnet.json", lambda r: peers.peers_table(r["rows"])),
         "headline": ("headline.json", bench_headline.table),
         "static": ("static_encoder.json", bench_static_encoder.static_table),
+        "static-fit": ("static_fit.json", bench_static_fit.table),
         "cold_load": ("cold_load.json", bench_cold_load.table),
     }
 
