@@ -271,7 +271,7 @@ def fit_static_encoder(
                                   or not 0 <= ranking_weight < math.inf):  # NaN and infinity fail the comparisons
         raise ValueError(f"need an integer ranking_depth >= 1, a finite ranking_temperature > 0 and a finite ranking_weight >= 0, "
                          f"got {ranking_depth!r}, {ranking_temperature!r}, {ranking_weight!r}")
-    uses_labels = objective.endswith("+labels")
+    uses_ranking, uses_labels = "+ranking" in objective, objective.endswith("+labels")
     if uses_labels:
         if labels is None or not hasattr(labels, "indptr") or labels.shape[0] != len(texts):
             raise ValueError(f"objective {objective!r} needs labels: the CSR label matrix of the {len(texts)} texts, got "
@@ -330,7 +330,7 @@ def fit_static_encoder(
             predicted = F.normalize(encoder.embeddings(bag_ids, bag_offsets), dim=-1)
             wanted = targets[rows].float()
             loss = (1.0 - (predicted * wanted).sum(1)).mean()
-            if teacher is not None and "+ranking" in objective:
+            if uses_ranking:
                 loss = loss + ranking_weight * teacher.loss(rows, predicted, wanted)
             if uses_labels:
                 loss = loss + label_weight * teacher.label_loss(rows, predicted, labels)
@@ -343,7 +343,8 @@ def fit_static_encoder(
     fit = {"queries": len(texts), "epochs": int(epochs), "batch_size": int(batch_size), "learning_rate": float(learning_rate), "init": init,
            "seed": int(seed), "loss": objective, "epoch_losses": losses,
            **({} if teacher is None else {"ranking_depth": int(ranking_depth), "ranking_temperature": float(ranking_temperature),
-                                          "ranking_weight": float(ranking_weight), "ranking_seconds": round(teacher.seconds, 2)}),
+                                          "ranking_seconds": round(teacher.seconds, 2)}),
+           **({"ranking_weight": float(ranking_weight)} if uses_ranking else {}),
            **({"label_weight": float(label_weight)} if uses_labels else {}), "encode_seconds": round(encode_seconds, 2),
            "encode_precision": "float32" if encode_dtype is None else str(encode_dtype).removeprefix("torch."),
            "seconds": round(time.perf_counter() - started, 2)}
