@@ -131,7 +131,8 @@ def measured_row(dataset: str, method: str, data_dir: str, data_flags: list[str]
                     "static": [results.get("static_lexical_ranker_weight"), results.get("static_lexical_text_weight")]},
         "fit": {"seconds": results.get("static_fit_runtime"), "encode_seconds": fit.get("encode_seconds"), "queries": fit.get("queries"),
                 "epochs": fit.get("epochs"), "final_loss": fit["epoch_losses"][-1] if fit.get("epoch_losses") else None,
-                "encode_precision": fit.get("encode_precision", "float32"), "objective": fit.get("loss", "cosine")},
+                "encode_precision": fit.get("encode_precision", "float32"), "objective": fit.get("loss", "cosine"),
+                **({"objective_choice": fit["objective_choice"]} if fit.get("objective_choice") else {})},
         "tuned": tuned_settings(results),  # SiameseXML's classifier share, ...
         # the static encoder's own values of them, tuned with its ranking (rows measured before: absent)
         "static_tuned": tuned_settings(results, prefix="static_tuned_"),
@@ -154,9 +155,12 @@ def precision_name(precision) -> str:
     return "bf16" if precision == "bfloat16" else "float32"
 
 
-def objective_name(objective) -> str:
-    """The fit's objective as the table names it: ``cos`` or ``cos+rank`` (rows measured before it was recorded: cos)."""
-    return "cos+rank" if objective == "cosine+ranking" else "cos"
+def objective_name(objective, choice=None) -> str:
+    """The fit's objective as the table names it: ``cos``, ``cos+rank``, ``cos+lab``, ``cos+rank+lab`` (rows measured
+    before it was recorded: cos), with ``, chosen`` when ``--static_query_encoder_objective auto`` picked it on the
+    validation split (``choice``: the meta's ``objective_choice``)."""
+    name = (objective or "cosine").replace("cosine", "cos").replace("ranking", "rank").replace("labels", "lab")
+    return f"{name}, chosen" if choice else name
 
 
 def static_table(rows: list[dict]) -> str:
@@ -173,14 +177,14 @@ def static_table(rows: list[dict]) -> str:
         cells.append([where, r["method"], "static, initialised only", *(f"{r['static_init']['dense'].get(m, '-')}" for m in SHOWN),
                       *([""] * len(SHOWN)), "", "", ""])
         cells.append([where, r["method"], "static, fitted", *(f"{r['static']['dense'].get(m, '-')}" for m in SHOWN),
-                      *(f"{r['static']['fused'].get(m, '-')}" for m in SHOWN), f"{r['fit']['seconds']:.0f} ({precision_name(r['fit'].get('encode_precision'))}, {objective_name(r['fit'].get('objective'))})",
+                      *(f"{r['static']['fused'].get(m, '-')}" for m in SHOWN), f"{r['fit']['seconds']:.0f} ({precision_name(r['fit'].get('encode_precision'))}, {objective_name(r['fit'].get('objective'), r['fit'].get('objective_choice'))})",
                       f"{lat['static']['p50_ms']:.2f}", f"{lat['static']['p99_ms']:.2f}"])
     table = markdown_table(header, cells, "lll" + "r" * (2 * len(SHOWN) + 3))
     loads: dict[str, list[float]] = {}
     for r in rows:
         loads.setdefault(r["cpu"], []).append(r["load_1min"])
     machines = "; ".join(f"{cpu} (1-minute load {min(v):g}-{max(v):g})" for cpu, v in sorted(loads.items()))
-    return table + f"\n\nMeasured on {machines}. Fit s: encoding the training queries with the tower (in the precision named), the start, the fit (objective: cos, the cosine to the tower's vectors; cos+rank, plus the distillation of its ranking).\n"
+    return table + f"\n\nMeasured on {machines}. Fit s: encoding the training queries with the tower (in the precision named), the start, the fit (objective: cos, the cosine to the tower's vectors; cos+rank, plus the distillation of its ranking; cos+lab, plus the training loss on the training queries' labels; chosen: the better of cos and cos+lab on the validation split, both fits in the seconds).\n"
 
 
 def main(argv=None) -> list[dict]:

@@ -30,9 +30,9 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import IO, Any, Optional
 
-#: ``hf_xmc.models.static_encoder.FIT_OBJECTIVES``, spelled out: the parser is built without importing torch (a test
-#: checks the two agree)
-STATIC_FIT_OBJECTIVES = ("cosine", "cosine+ranking", "cosine+labels", "cosine+ranking+labels")
+#: ``hf_xmc.models.static_encoder.FIT_OBJECTIVE_CHOICES``, spelled out: the parser is built without importing torch (a
+#: test checks the two agree)
+STATIC_FIT_OBJECTIVES = ("auto", "cosine", "cosine+ranking", "cosine+labels", "cosine+ranking+labels")
 
 PROG = "hf-xmc"
 EXIT_USER_ERROR = 2
@@ -766,9 +766,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=42, help="seed of the sample and the fit's batches")
     p.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="precision of the tower's pass over the training queries (auto: bfloat16 where the hardware multiplies it natively)")
-    p.add_argument("--objective", choices=STATIC_FIT_OBJECTIVES, default="cosine",
+    p.add_argument("--objective", choices=STATIC_FIT_OBJECTIVES, default="auto",
                    help="what the fit minimises: the cosine to the tower's query vectors, plus a distillation of the tower's ranking "
-                        "(+ranking) and / or the training loss on the training queries' own labels (+labels)")
+                        "(+ranking) and / or the training loss on the training queries' own labels (+labels); auto: cosine and "
+                        "cosine+labels both fitted, the better on --validation_file kept (cosine without one)")
     p.add_argument("--output_dir", help="where the model goes (default: the model directory itself)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.set_defaults(func=cmd_fit_static)

@@ -484,4 +484,39 @@ def test_the_label_objective_ranks_the_training_queries_own_labels_higher_than_t
         static_encoder.fit_static_encoder(model, texts, epochs=1, objective="cosine+labels")
     with pytest.raises(ValueError, match="needs labels"):
         static_encoder.fit_static_encoder(model, texts, epochs=1, objective="cosine+ranking+labels", labels=targets[:2])
-    assert cli.STATIC_FIT_OBJECTIVES == static_encoder.FIT_OBJECTIVES
+    assert cli.STATIC_FIT_OBJECTIVES == static_encoder.FIT_OBJECTIVE_CHOICES
+
+
+def test_the_auto_objective_fits_both_from_one_tower_pass_and_keeps_the_better_on_validation(tiny_encoder_dir, tiny_task, monkeypatch):
+    """``objective="auto"``: the cosine and the label fits share one pass of the tower, each is tuned and scored on the
+    validation split, and the better one is the encoder left attached (whichever order they were fitted in): its
+    table is what a fit of that objective alone gives, its validation score the one recorded. Without a validation
+    split it is the cosine fit."""
+    from hf_xmc.models import static_encoder
+    from hf_xmc.training import static_encoder as fitting
+
+    data = tiny_task[0]
+    model = tiny_model(tiny_encoder_dir, data)  # dense only: the tiny task's channel alone ranks its test split perfectly
+    texts, targets = list(data.train.texts), data.train.targets.tocsr()
+    evaluator = XMCEvaluator(data.test, data.label_texts, data.label_uids, train_targets=targets, name="eval")
+    passes = []
+    prepare = static_encoder.prepare_static_fit
+    monkeypatch.setattr(fitting, "prepare_static_fit", lambda *args, **kwargs: passes.append(1) or prepare(*args, **kwargs))
+    kept = {}
+    for order in (("cosine", "cosine+labels"), ("cosine+labels", "cosine")):
+        monkeypatch.setattr(fitting, "AUTO_FIT_OBJECTIVES", order)
+        info = fitting.fit_and_tune_static_query_encoder(model, texts, data.test, targets, evaluator, epochs=4, seed=0, precision="float32")
+        scores = model.static_query_encoder_meta["fit"]["objective_choice"]["scores"]
+        assert set(scores) == set(order) and scores["cosine"] != scores["cosine+labels"]  # two different fits were scored
+        best = max(scores, key=scores.get)
+        assert info["static_fit_objective"] == best == model.static_query_encoder_meta["fit"]["loss"]
+        assert fitting.validation_score(model, evaluator) == pytest.approx(scores[best], abs=1e-3)  # the table left is the one kept
+        kept[order] = model.static_query_encoder.embeddings.weight.detach().clone()
+    assert len(passes) == 2  # one tower pass per call, shared by its two fits
+    torch.testing.assert_close(kept[("cosine", "cosine+labels")], kept[("cosine+labels", "cosine")], rtol=0, atol=0)
+    alone, _ = static_encoder.fit_static_encoder(model, texts, epochs=4, seed=0, objective=best, labels=targets)
+    torch.testing.assert_close(alone.embeddings.weight.detach(), kept[("cosine", "cosine+labels")], rtol=1e-6, atol=1e-6)
+    info = fitting.fit_and_tune_static_query_encoder(model, texts, epochs=1, precision="float32")
+    assert info["static_fit_objective"] == "cosine" and "objective_choice" not in model.static_query_encoder_meta["fit"]
+    with pytest.raises(ValueError, match="objective must be one of"):
+        fitting.fit_and_tune_static_query_encoder(model, texts, epochs=1, objective="labels")

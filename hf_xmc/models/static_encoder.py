@@ -40,6 +40,7 @@ import os
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -59,6 +60,12 @@ FIT_ENCODE_CHUNK = 65_536
 STATIC_FUSION_KEYS = ("ranker_weight", "text_weight")
 #: what the fit minimises (``fit_static_encoder``'s ``objective``)
 FIT_OBJECTIVES = ("cosine", "cosine+ranking", "cosine+labels", "cosine+ranking+labels")
+#: what ``--static_query_encoder_objective`` / ``hf-xmc fit-static --objective`` take: one of ``FIT_OBJECTIVES``, or
+#: ``"auto"``: each of ``AUTO_FIT_OBJECTIVES`` fitted from one tower pass and the best on the validation split kept
+#: (``hf_xmc.training.static_encoder``; the label term gains 7.7 dense P@1 on WordNet-XMC and costs 3.7 on Debtags,
+#: docs/serving.md)
+FIT_OBJECTIVE_CHOICES = ("auto", *FIT_OBJECTIVES)
+AUTO_FIT_OBJECTIVES = ("cosine", "cosine+labels")
 #: the tower's top labels per fitted query whose order the ranking objective distils, its softmax temperature (a
 #: fraction of the median label-vector norm: 0.05 of a cosine for unit label vectors) and its weight beside the cosine
 #: (4: the best of 1 / 4 / 16 on WordNet-XMC's validation split, docs/serving.md)
@@ -226,9 +233,80 @@ def tower_token_vectors(model, batch_size: int = 512, show_progress_bar: Optiona
     return out
 
 
-def fit_static_encoder(
+@dataclass
+class StaticFitData:
+    """What every fit of a static encoder to one tower on one set of queries starts from, computed once and shared by
+    several fits (:func:`prepare_static_fit`; ``fit_and_tune_static_query_encoder`` fits two objectives from one):
+    the fitted ``texts`` (a seeded sample under ``max_queries``) and their ``labels`` (CSR or None), the tower's unit
+    query vectors of them in float16 (``targets``, ``(queries, dim)``) and their median ``scale``, their token bags
+    (flat ``ids``, ``offsets``, ``lengths``), the tower's vocabulary rows (``initial_rows``, the tower start; taken on
+    first use) and the seconds the tower's pass took.
+
+    Memory: ``queries x dim x 2`` bytes of targets, 8 bytes a token of ids, ``vocab x dim x 4`` bytes once the
+    vocabulary rows are taken (the table's size), the label matrix as given."""
+
+    texts: list
+    labels: object
+    targets: torch.Tensor
+    scale: float
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    encode_seconds: float
+    encode_dtype: Optional[torch.dtype]
+    initial_rows: Optional[torch.Tensor] = None
+
+    @property
+    def encode_precision(self) -> str:
+        return "float32" if self.encode_dtype is None else str(self.encode_dtype).removeprefix("torch.")
+
+
+def prepare_static_fit(
     model,
     texts: Sequence[str],
+    labels=None,
+    max_queries: Optional[int] = None,
+    seed: int = 0,
+    show_progress_bar: Optional[bool] = None,
+    encode_dtype: Optional[torch.dtype] = None,
+) -> StaticFitData:
+    """The tower's pass over ``texts`` that every fit needs (:class:`StaticFitData`): a seeded sample of
+    ``max_queries`` texts (and their rows of ``labels``, the ``(len(texts), num_labels)`` CSR matrix, when given), the
+    tower's query vectors of them under ``encode_dtype`` (chunks of ``FIT_ENCODE_CHUNK``, kept normalised in float16),
+    their token bags."""
+    texts = list(texts)
+    if not texts:
+        raise ValueError("fit_static_query_encoder got no texts")
+    if labels is not None:
+        if not hasattr(labels, "tocsr") or labels.shape[0] != len(texts):
+            raise ValueError(f"labels must be the CSR label matrix of the {len(texts)} texts, got {getattr(labels, 'shape', type(labels).__name__)}")
+        labels = labels.tocsr()
+    started = time.perf_counter()
+    if max_queries is not None and len(texts) > max_queries:
+        sample = np.sort(np.random.default_rng(seed).choice(len(texts), int(max_queries), replace=False))
+        texts = [texts[i] for i in sample]
+        labels = labels[sample] if labels is not None else None
+    # the tower's vectors, normalised, in float16, encoded in chunks (no float32 copy of them all); their norms kept
+    targets: Optional[torch.Tensor] = None
+    norms = torch.empty(len(texts))
+    for start in range(0, len(texts), FIT_ENCODE_CHUNK):
+        with model.encoding_autocast(encode_dtype):
+            chunk = model.query_search_vectors(texts[start : start + FIT_ENCODE_CHUNK], show_progress_bar=show_progress_bar).float()
+        if targets is None:
+            targets = torch.empty(len(texts), chunk.shape[1], dtype=torch.float16)
+        norms[start : start + len(chunk)] = chunk.norm(dim=1)
+        targets[start : start + len(chunk)] = F.normalize(chunk, dim=1).to(torch.float16)  # the fit matches directions
+    encode_seconds = time.perf_counter() - started
+    unit = bool(torch.allclose(norms, torch.ones_like(norms), atol=1e-3))
+    ids, offsets = StaticQueryEncoder.token_bags(model._require_tokenizer(), texts, int(model.config.max_seq_length))
+    lengths = torch.diff(torch.cat([offsets, torch.tensor([len(ids)])]))
+    return StaticFitData(texts=texts, labels=labels, targets=targets, scale=1.0 if unit else float(norms.median()), ids=ids, offsets=offsets,
+                         lengths=lengths, encode_seconds=encode_seconds, encode_dtype=encode_dtype)
+
+
+def fit_static_encoder(
+    model,
+    texts: Sequence[str] | StaticFitData,
     epochs: int = 8,
     batch_size: int = 256,
     learning_rate: float = 1e-3,
@@ -247,11 +325,13 @@ def fit_static_encoder(
     """Fit a :class:`StaticQueryEncoder` to ``model``'s query vectors of ``texts`` (the training queries: never the
     validation or test ones, which tune and judge it): minimise ``1 - cos(static(q), tower(q))`` with lazy Adam
     (``torch.optim.SparseAdam``: a step touches only the rows of its batch's tokens) for ``epochs`` passes in shuffled
-    batches. ``init``: ``"tower"`` (each token's vector through the tower, :func:`tower_token_vectors`) or
-    ``"random"`` (normal, std 1 / sqrt(dim)). ``max_queries``: fit on a seeded sample of that many texts (memory:
-    the module docstring). ``encode_dtype``: the autocast dtype of the tower's passes that make the targets and the
-    initial rows (``torch.bfloat16`` halves them where the hardware multiplies bfloat16; the targets are stored in
-    float16 anyway); None: the weights' precision. ``objective``: ``"cosine"`` (the tower's direction only) or
+    batches. ``texts`` may be a :class:`StaticFitData` from :func:`prepare_static_fit` (the tower's pass done once for
+    several fits; ``labels``, ``max_queries`` and ``encode_dtype`` are then the prepared ones). ``init``: ``"tower"``
+    (each token's vector through the tower, :func:`tower_token_vectors`) or ``"random"`` (normal, std 1 / sqrt(dim)).
+    ``max_queries``: fit on a seeded sample of that many texts (memory: the module docstring). ``encode_dtype``: the
+    autocast dtype of the tower's passes that make the targets and the initial rows (``torch.bfloat16`` halves them
+    where the hardware multiplies bfloat16; the targets are stored in float16 anyway); None: the weights' precision.
+    ``objective``: ``"cosine"`` (the tower's direction only) or
     ``"cosine+ranking"``: the cosine loss plus ``ranking_weight`` times a listwise distillation of the tower's ranking
     (:meth:`TowerRanking.loss`: each query's scores over the union of its batch's tower top ``ranking_depth``
     labels, softmax at ``ranking_temperature`` times the median label-vector norm, the static encoder's against the
@@ -272,54 +352,38 @@ def fit_static_encoder(
         raise ValueError(f"need an integer ranking_depth >= 1, a finite ranking_temperature > 0 and a finite ranking_weight >= 0, "
                          f"got {ranking_depth!r}, {ranking_temperature!r}, {ranking_weight!r}")
     uses_ranking, uses_labels = "+ranking" in objective, objective.endswith("+labels")
+    prepared = isinstance(texts, StaticFitData)
     if uses_labels:
-        if labels is None or not hasattr(labels, "indptr") or labels.shape[0] != len(texts):
-            raise ValueError(f"objective {objective!r} needs labels: the CSR label matrix of the {len(texts)} texts, got "
-                             f"{None if labels is None else getattr(labels, 'shape', type(labels).__name__)}")
+        given = texts.labels if prepared else labels
+        count = len(texts.texts) if prepared else len(texts)
+        if given is None or not hasattr(given, "indptr") or given.shape[0] != count:
+            raise ValueError(f"objective {objective!r} needs labels: the CSR label matrix of the {count} texts, got "
+                             f"{None if given is None else getattr(given, 'shape', type(given).__name__)}")
         if not 0 <= label_weight < math.inf:
             raise ValueError(f"need a finite label_weight >= 0, got {label_weight!r}")
     if epochs < 0 or batch_size < 1 or not learning_rate > 0:
         raise ValueError(f"need epochs >= 0, batch_size >= 1 and learning_rate > 0, got {epochs}, {batch_size}, {learning_rate}")
-    texts = list(texts)
-    if not texts:
-        raise ValueError("fit_static_query_encoder got no texts")
     started = time.perf_counter()
+    data = texts if prepared else prepare_static_fit(model, texts, labels if uses_labels else None, max_queries, seed, show_progress_bar, encode_dtype)
     rng = np.random.default_rng(seed)
-    labels = labels.tocsr() if uses_labels else None
-    if max_queries is not None and len(texts) > max_queries:
-        sample = np.sort(rng.choice(len(texts), int(max_queries), replace=False))
-        texts = [texts[i] for i in sample]
-        labels = labels[sample] if labels is not None else None
-    tokenizer = model._require_tokenizer()
-    max_length = int(model.config.max_seq_length)
-    # the tower's vectors, normalised, in float16, encoded in chunks (no float32 copy of them all); their norms kept
-    targets: Optional[torch.Tensor] = None
-    norms = torch.empty(len(texts))
-    for start in range(0, len(texts), FIT_ENCODE_CHUNK):
-        with model.encoding_autocast(encode_dtype):
-            chunk = model.query_search_vectors(texts[start : start + FIT_ENCODE_CHUNK], show_progress_bar=show_progress_bar).float()
-        if targets is None:
-            targets = torch.empty(len(texts), chunk.shape[1], dtype=torch.float16)
-        norms[start : start + len(chunk)] = chunk.norm(dim=1)
-        targets[start : start + len(chunk)] = F.normalize(chunk, dim=1).to(torch.float16)  # the fit matches directions
-    encode_seconds = time.perf_counter() - started
+    targets, labels = data.targets, data.labels if uses_labels else None
     teacher = TowerRanking(model.ensure_label_index(), targets, ranking_depth, ranking_temperature) if objective != "cosine" else None
-    unit = bool(torch.allclose(norms, torch.ones_like(norms), atol=1e-3))
-    scale = 1.0 if unit else float(norms.median())  # the scale is one constant: the dense scores keep their range
-    encoder = StaticQueryEncoder(len(tokenizer), targets.shape[1], output_scale=scale)
+    encoder = StaticQueryEncoder(len(model._require_tokenizer()), targets.shape[1], output_scale=data.scale)
     if init == "tower":
-        with model.encoding_autocast(encode_dtype):
-            encoder.embeddings.weight.data.copy_(tower_token_vectors(model, show_progress_bar=show_progress_bar))
+        if data.initial_rows is None:  # taken once per prepared data: every fit from it starts from the same rows
+            with model.encoding_autocast(data.encode_dtype):
+                data.initial_rows = tower_token_vectors(model, show_progress_bar=show_progress_bar)
+        encoder.embeddings.weight.data.copy_(data.initial_rows)
     else:
         generator = torch.Generator().manual_seed(seed)
         encoder.embeddings.weight.data.normal_(0.0, 1.0 / math.sqrt(targets.shape[1]), generator=generator)
-    ids, offsets = StaticQueryEncoder.token_bags(tokenizer, texts, max_length)
-    lengths = torch.diff(torch.cat([offsets, torch.tensor([len(ids)])]))
+    ids, offsets, lengths = data.ids, data.offsets, data.lengths
     optimizer = torch.optim.SparseAdam(encoder.parameters(), lr=learning_rate)
     losses = []
-    show = len(texts) * epochs > 50 * batch_size if show_progress_bar is None else show_progress_bar
+    count = len(data.texts)
+    show = count * epochs > 50 * batch_size if show_progress_bar is None else show_progress_bar
     for _ in tqdm(range(epochs), desc="Static encoder: fit", disable=not show or progress_bar_disabled(), unit="epoch"):
-        order = torch.from_numpy(rng.permutation(len(texts)))
+        order = torch.from_numpy(rng.permutation(count))
         total, seen = 0.0, 0
         for start in range(0, len(order), batch_size):
             rows = order[start : start + batch_size]
@@ -340,14 +404,13 @@ def fit_static_encoder(
             total, seen = total + loss.item() * len(rows), seen + len(rows)
         losses.append(round(total / max(seen, 1), 5))
     encoder.eval()
-    fit = {"queries": len(texts), "epochs": int(epochs), "batch_size": int(batch_size), "learning_rate": float(learning_rate), "init": init,
+    fit = {"queries": count, "epochs": int(epochs), "batch_size": int(batch_size), "learning_rate": float(learning_rate), "init": init,
            "seed": int(seed), "loss": objective, "epoch_losses": losses,
            **({} if teacher is None else {"ranking_depth": int(ranking_depth), "ranking_temperature": float(ranking_temperature),
                                           "ranking_seconds": round(teacher.seconds, 2)}),
            **({"ranking_weight": float(ranking_weight)} if uses_ranking else {}),
-           **({"label_weight": float(label_weight)} if uses_labels else {}), "encode_seconds": round(encode_seconds, 2),
-           "encode_precision": "float32" if encode_dtype is None else str(encode_dtype).removeprefix("torch."),
-           "seconds": round(time.perf_counter() - started, 2)}
+           **({"label_weight": float(label_weight)} if uses_labels else {}), "encode_seconds": round(data.encode_seconds, 2),
+           "encode_precision": data.encode_precision, "seconds": round(time.perf_counter() - started, 2)}
     return encoder, fit
 
 

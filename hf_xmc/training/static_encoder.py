@@ -21,6 +21,8 @@ import scipy.sparse as sp
 import torch
 
 from ..data import XMCDataset
+from ..metrics import xmc_metrics
+from ..models.static_encoder import AUTO_FIT_OBJECTIVES, FIT_OBJECTIVE_CHOICES, prepare_static_fit
 from .lexical import RANKER_WEIGHTS, TEXT_WEIGHTS, queries_seen_by_ranker, tune_fusion_weights
 from .negatives import mining_autocast_dtype
 
@@ -67,14 +69,30 @@ def tune_static_query_encoder(
                         static_lexical_tuning_runtime=round(time.perf_counter() - start, 4))
             logger.info("static query encoder: fusion weights tuned on %d validation queries: ranker %g, label text %g", len(validation),
                         chosen["ranker_weight"], chosen["text_weight"])
-    if calibration_method != "none" and validation_evaluator is not None:
-        from .calibration import fit_score_calibration
-
-        start = time.perf_counter()
-        with model.using_query_encoder("static"):  # entered again: the weights just tuned are the ones it fuses with
-            fit_score_calibration(model, validation_evaluator, calibration_method)
-        info["static_calibration_runtime"] = round(time.perf_counter() - start, 4)
+    info.update(calibrate_static_query_encoder(model, validation_evaluator, calibration_method))
     return info
+
+
+def calibrate_static_query_encoder(model, validation_evaluator, calibration_method: str) -> dict:
+    """Fit the static encoder's own score calibration ``calibration_method`` (``isotonic`` / ``platt``; ``none``:
+    none) on ``validation_evaluator``'s ranking with it (its fusion weights as tuned); returns its runtime entry."""
+    if calibration_method == "none" or validation_evaluator is None:
+        return {}
+    from .calibration import fit_score_calibration
+
+    start = time.perf_counter()
+    with model.using_query_encoder("static"):  # entered again: the weights just tuned are the ones it fuses with
+        fit_score_calibration(model, validation_evaluator, calibration_method)
+    return {"static_calibration_runtime": round(time.perf_counter() - start, 4)}
+
+
+def validation_score(model, evaluator, query_encoder: str = "static") -> float:
+    """``P@1 + PSP@5`` of ``model``'s ranking (``predict``'s: fused with its channel, filtered as the evaluator filters)
+    of ``evaluator``'s queries with ``query_encoder``: the objective every choice on the validation split reads."""
+    with model.using_query_encoder(query_encoder):
+        ids, _, _ = evaluator.predict(model, show_progress_bar=False)
+    m = xmc_metrics(ids, evaluator.data.targets, evaluator.inv_propensity, ks=(1, 5), recall_ks=())
+    return m["P@1"] + m["PSP@5"]
 
 
 def fit_and_tune_static_query_encoder(
@@ -92,31 +110,66 @@ def fit_and_tune_static_query_encoder(
     batch_size: int = 128,
     show_progress_bar: Optional[bool] = None,
     precision: str = "auto",
-    objective: str = "cosine",
+    objective: str = "auto",
 ) -> dict:
     """:meth:`fit_static_query_encoder` on ``train_texts``, then :func:`tune_static_query_encoder`; returns the
-    ``static_*`` entries (``static_fit_runtime``, the fit's loss, the tuned weights, the runtimes). ``precision``: of
-    the tower's pass that makes the fit's targets, as ``--mining_precision`` (:func:`mining_autocast_dtype`: ``"auto"``
-    is bfloat16 where the hardware multiplies it natively); the fit, the tuning and every ranking stay in float32.
-    ``objective``: what the fit minimises (:func:`~hf_xmc.models.static_encoder.fit_static_encoder`; the ``+labels``
-    ones read ``train_targets``, the labels of ``train_texts``)."""
+    ``static_*`` entries (``static_fit_runtime``: the tower's pass and every fit; the objective kept and its loss, the
+    tuned weights, the runtimes).
+    ``precision``: of the tower's pass that makes the fit's targets, as ``--mining_precision``
+    (:func:`mining_autocast_dtype`: ``"auto"`` is bfloat16 where the hardware multiplies it natively); the fit, the
+    tuning and every ranking stay in float32. ``objective``: what the fit minimises
+    (:func:`~hf_xmc.models.static_encoder.fit_static_encoder`; the ``+labels`` ones read ``train_targets``, the labels
+    of ``train_texts``), or ``"auto"``: each of ``AUTO_FIT_OBJECTIVES`` fitted from one pass of the tower and tuned
+    (its ranking settings and fusion weights), the best ``P@1 + PSP@5`` on ``validation_evaluator``'s queries kept (a
+    tie keeps the first, the cosine fit), then calibrated; ``static_fit_objective`` says which, the meta's
+    ``fit.objective_choice`` each one's score. Without a validation evaluator or training targets ``"auto"`` is the
+    cosine fit. Memory: one tower pass (:class:`StaticFitData`) and, while the second fits, the first table (``vocab x
+    dim x 4`` bytes)."""
+    if objective not in FIT_OBJECTIVE_CHOICES:
+        raise ValueError(f"objective must be one of {FIT_OBJECTIVE_CHOICES}, got {objective!r}")
     if train_targets is None and validation is not None:  # before the fit, not after minutes of it
         raise ValueError("tuning the static encoder's fusion weights needs the training targets (their propensities weigh PSP@5)")
     seen = None  # said before the fit, not after minutes of it
     if validation is not None and getattr(model, "lexical_channel", None) is not None:
         seen = queries_seen_by_ranker(model, validation, "the static encoder's fusion weights are tuned on")
+    if objective != "auto":
+        candidates = (objective,)
+    elif validation_evaluator is not None and train_targets is not None:
+        candidates = AUTO_FIT_OBJECTIVES
+    else:
+        candidates = ("cosine",)
+        logger.info("static query encoder: objective auto without a validation split and training labels to choose on: the cosine fit")
     start = time.perf_counter()
     dtype = mining_autocast_dtype(precision, model.device)
-    model.fit_static_query_encoder(train_texts, epochs=epochs, max_queries=max_queries, seed=seed, show_progress_bar=show_progress_bar, encode_dtype=dtype,
-                                   objective=objective, labels=train_targets if objective.endswith("+labels") else None)
-    fit = model.static_query_encoder_meta["fit"]
-    info = {"static_fit_runtime": round(time.perf_counter() - start, 4), "static_fit_queries": fit["queries"],
-            "static_fit_loss": fit["epoch_losses"][-1] if fit["epoch_losses"] else None, "static_fit_encode_seconds": fit["encode_seconds"],
-            "static_fit_bf16": int(dtype is torch.bfloat16)}
+    uses_labels = any(name.endswith("+labels") for name in candidates)
+    data = prepare_static_fit(model, train_texts, train_targets if uses_labels else None, max_queries, seed, show_progress_bar, dtype)
+    fit_seconds = time.perf_counter() - start  # the tower's pass and the fits, not the tunings between them
+    fitted = {}  # objective -> (encoder, meta, what its tuning reported, its validation score)
+    for name in candidates:
+        fit_start = time.perf_counter()
+        model.fit_static_query_encoder(data, epochs=epochs, seed=seed, show_progress_bar=show_progress_bar, objective=name)
+        fit_seconds += time.perf_counter() - fit_start
+        fit = model.static_query_encoder_meta["fit"]
+        logger.info("static query encoder: %s fitted on %d training queries in %.1f s (loss by epoch %s)", name, fit["queries"],
+                    time.perf_counter() - fit_start, fit["epoch_losses"])
+        tuned = tune_static_query_encoder(model, validation, train_targets, validation_evaluator, "none", ranker_weight, text_weight,
+                                          batch_size=batch_size)
+        score = validation_score(model, validation_evaluator) if len(candidates) > 1 else None
+        fitted[name] = (model.static_query_encoder, model.static_query_encoder_meta, tuned, score)
+    chosen = candidates[0] if len(candidates) == 1 else max(candidates, key=lambda name: (fitted[name][3], -candidates.index(name)))
+    encoder, meta, tuned, _ = fitted[chosen]
+    if len(candidates) > 1:
+        scores = {name: round(fitted[name][3], 4) for name in candidates}
+        meta["fit"]["objective_choice"] = {"metric": "validation P@1 + PSP@5", "scores": scores}
+        model.attach_static_query_encoder(encoder, meta)
+        logger.info("static query encoder: objective %s kept (validation P@1 + PSP@5 %s)", chosen, scores)
+    fit = meta["fit"]
+    info = {"static_fit_runtime": round(fit_seconds, 4), "static_fit_objective": chosen, "static_fit_queries": fit["queries"],
+            "static_fit_loss": fit["epoch_losses"][-1] if fit["epoch_losses"] else None, "static_fit_encode_seconds": round(data.encode_seconds, 2),
+            "static_fit_bf16": int(dtype is torch.bfloat16), **tuned}
+    if len(candidates) > 1:
+        info.update({f"static_fit_score_{name}": score for name, score in meta["fit"]["objective_choice"]["scores"].items()})
     if seen is not None:
         info["static_tuning_queries_seen_by_ranker"] = seen
-    logger.info("static query encoder: fitted on %d training queries in %.1f s (%s loss by epoch %s)", fit["queries"],
-                info["static_fit_runtime"], fit["loss"], fit["epoch_losses"])
-    info.update(tune_static_query_encoder(model, validation, train_targets, validation_evaluator, calibration_method, ranker_weight, text_weight,
-                                          batch_size=batch_size))
+    info.update(calibrate_static_query_encoder(model, validation_evaluator, calibration_method))
     return info

@@ -18,7 +18,7 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput
 from ..data import XMCDataset
 from ..metrics import inverse_propensity
 from ..models.io_utils import progress_bar_disabled
-from ..models.static_encoder import FIT_OBJECTIVES as STATIC_FIT_OBJECTIVES
+from ..models.static_encoder import FIT_OBJECTIVE_CHOICES as STATIC_FIT_OBJECTIVES
 from .callbacks import XMCEpochCallback
 from .collator import (
     LabelTokens,
@@ -112,7 +112,7 @@ class XMCTrainingArguments(TrainingArguments):
     static_query_encoder: bool = field(default=False, metadata={"help": "After training, the channel and the calibration: fit a static query encoder (a bag of token vectors over the model's tokenizer) to the trained query tower on the training queries, tune its own fusion weights and calibration on the validation split, report eval_static_* / test_static_* and save it with the model (predict(query_encoder='static'))."})
     static_query_encoder_epochs: int = field(default=8, metadata={"help": "--static_query_encoder: passes over the training queries."})
     static_query_encoder_precision: str = field(default="auto", metadata={"help": "--static_query_encoder: precision of the tower's pass over the training queries that makes the fit's targets, as --mining_precision: 'auto' (bfloat16 where the hardware multiplies it natively), 'float32' or 'bfloat16'."})
-    static_query_encoder_objective: str = field(default="cosine", metadata={"help": "--static_query_encoder: what the fit minimises: 'cosine' (1 - the cosine to the tower's query vector), 'cosine+ranking' (plus a listwise distillation of the tower's ranking of its top labels), 'cosine+labels' (plus the training loss on the training queries' own labels in the frozen label space) or 'cosine+ranking+labels'."})
+    static_query_encoder_objective: str = field(default="auto", metadata={"help": "--static_query_encoder: what the fit minimises: 'cosine' (1 - the cosine to the tower's query vector), 'cosine+ranking' (plus a listwise distillation of the tower's ranking of its top labels), 'cosine+labels' (plus the training loss on the training queries' own labels in the frozen label space) or 'cosine+ranking+labels'; 'auto': 'cosine' and 'cosine+labels' both fitted from one pass of the tower, the better on the validation split kept (P@1 + PSP@5 with its own tuned fusion; 'cosine' without a validation split)."})
     static_query_encoder_max_queries: Optional[int] = field(default=None, metadata={"help": "--static_query_encoder: fit on a seeded sample of at most this many training queries (the tower's vectors of each are held in float16: 768 bytes a query at 384 dimensions)."})
 
     # --- scores turned into probabilities of relevance, fitted on the validation split (hf_xmc.training.calibration) ---
