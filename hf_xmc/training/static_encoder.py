@@ -86,13 +86,14 @@ def calibrate_static_query_encoder(model, validation_evaluator, calibration_meth
     return {"static_calibration_runtime": round(time.perf_counter() - start, 4)}
 
 
-def validation_score(model, evaluator, query_encoder: str = "static") -> float:
-    """``P@1 + PSP@5`` of ``model``'s ranking (``predict``'s: fused with its channel, filtered as the evaluator filters)
-    of ``evaluator``'s queries with ``query_encoder``: the objective every choice on the validation split reads."""
+def validation_metrics(model, evaluator, query_encoder: str = "static") -> dict:
+    """``P@1``, ``PSP@5`` and their sum ``objective`` (what every choice on the validation split reads) of ``model``'s
+    ranking (``predict``'s: fused with its channel, filtered as the evaluator filters) of ``evaluator``'s queries with
+    ``query_encoder``."""
     with model.using_query_encoder(query_encoder):
         ids, _, _ = evaluator.predict(model, show_progress_bar=False)
     m = xmc_metrics(ids, evaluator.data.targets, evaluator.inv_propensity, ks=(1, 5), recall_ks=())
-    return m["P@1"] + m["PSP@5"]
+    return {"P@1": round(m["P@1"], 4), "PSP@5": round(m["PSP@5"], 4), "objective": round(m["P@1"] + m["PSP@5"], 4)}
 
 
 def fit_and_tune_static_query_encoder(
@@ -154,13 +155,14 @@ def fit_and_tune_static_query_encoder(
                     time.perf_counter() - fit_start, fit["epoch_losses"])
         tuned = tune_static_query_encoder(model, validation, train_targets, validation_evaluator, "none", ranker_weight, text_weight,
                                           batch_size=batch_size)
-        score = validation_score(model, validation_evaluator) if len(candidates) > 1 else None
-        fitted[name] = (model.static_query_encoder, model.static_query_encoder_meta, tuned, score)
-    chosen = candidates[0] if len(candidates) == 1 else max(candidates, key=lambda name: (fitted[name][3], -candidates.index(name)))
+        measured = validation_metrics(model, validation_evaluator) if len(candidates) > 1 else None
+        fitted[name] = (model.static_query_encoder, model.static_query_encoder_meta, tuned, measured)
+    chosen = candidates[0] if len(candidates) == 1 else max(candidates, key=lambda name: (fitted[name][3]["objective"], -candidates.index(name)))
     encoder, meta, tuned, _ = fitted[chosen]
     if len(candidates) > 1:
-        scores = {name: round(fitted[name][3], 4) for name in candidates}
-        meta["fit"]["objective_choice"] = {"metric": "validation P@1 + PSP@5", "scores": scores}
+        scores = {name: fitted[name][3]["objective"] for name in candidates}
+        meta["fit"]["objective_choice"] = {"metric": "validation P@1 + PSP@5", "scores": scores,
+                                           "validation": {name: {k: fitted[name][3][k] for k in ("P@1", "PSP@5")} for name in candidates}}
         model.attach_static_query_encoder(encoder, meta)
         logger.info("static query encoder: objective %s kept (validation P@1 + PSP@5 %s)", chosen, scores)
     fit = meta["fit"]
