@@ -8,7 +8,8 @@ training queries; the rows start from each vocabulary token's vector through the
 ``objective="cosine+ranking"`` adds a listwise distillation of the tower's ranking of its top labels, which helps
 where a bag of tokens cannot follow the tower's every direction: WordNet-XMC, not Debtags; ``"cosine+labels"`` adds
 the training loss itself, each training query's own labels against the batch's candidates in the frozen label space,
-docs/serving.md).
+docs/serving.md; the scripts' default ``auto`` fits the cosine and the label objectives from one pass of the tower,
+:func:`prepare_static_fit`, and keeps the better on the validation split).
 The label vectors, the index, the lexical channel stay the model's: only the query side changes, chosen per call
 (``predict(texts, query_encoder="static")``, the pipeline's ``query_encoder=``, ``hf-xmc predict / serve
 --query_encoder static``). The static encoder keeps its own lexical fusion weights and score calibration (tuned on
