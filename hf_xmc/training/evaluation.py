@@ -285,6 +285,14 @@ class XMCEvaluator:
         return out
 
 
+def validation_objective(model, evaluator: XMCEvaluator) -> dict[str, float]:
+    """``P@1``, ``PSP@5`` and their sum ``objective`` of ``model``'s ranking (``predict``'s: fused with its channel,
+    filtered as the evaluator filters) of ``evaluator``'s queries: what every choice on a validation split reads."""
+    ids, _, _ = evaluator.predict(model, show_progress_bar=False)
+    m = xmc_metrics(ids, evaluator.data.targets, evaluator.inv_propensity, ks=(1, 5), recall_ks=())
+    return {"P@1": m["P@1"], "PSP@5": m["PSP@5"], "objective": m["P@1"] + m["PSP@5"]}
+
+
 def tune_ranking_settings(model, evaluator: XMCEvaluator, names: Optional[Sequence[str]] = None) -> dict[str, float]:
     """Set each of the model's ``tunable_ranking_settings`` (config fields of its own ranking, e.g. SiameseXML's fusion
     weight) to the value with the best ``P@1 + PSP@5`` on ``evaluator``'s queries (a validation split), one field after
@@ -299,9 +307,7 @@ def tune_ranking_settings(model, evaluator: XMCEvaluator, names: Optional[Sequen
         scores = {}
         for value in dict.fromkeys([current, *values]):
             setattr(model.config, name, value)
-            ids, _, _ = evaluator.predict(model, show_progress_bar=False)
-            m = xmc_metrics(ids, evaluator.data.targets, evaluator.inv_propensity, ks=(1, 5), recall_ks=())
-            scores[value] = m["P@1"] + m["PSP@5"]
+            scores[value] = validation_objective(model, evaluator)["objective"]
         best = max(scores.values())
         value = current if scores[current] >= best - 1e-9 else min(v for v, score in scores.items() if score >= best - 1e-9)
         setattr(model.config, name, value)

@@ -21,7 +21,6 @@ import scipy.sparse as sp
 import torch
 
 from ..data import XMCDataset
-from ..metrics import xmc_metrics
 from ..models.static_encoder import AUTO_FIT_OBJECTIVES, FIT_OBJECTIVE_CHOICES, prepare_static_fit
 from .lexical import RANKER_WEIGHTS, TEXT_WEIGHTS, queries_seen_by_ranker, tune_fusion_weights
 from .negatives import mining_autocast_dtype
@@ -87,13 +86,13 @@ def calibrate_static_query_encoder(model, validation_evaluator, calibration_meth
 
 
 def validation_metrics(model, evaluator, query_encoder: str = "static") -> dict:
-    """``P@1``, ``PSP@5`` and their sum ``objective`` (what every choice on the validation split reads) of ``model``'s
-    ranking (``predict``'s: fused with its channel, filtered as the evaluator filters) of ``evaluator``'s queries with
-    ``query_encoder``."""
+    """:func:`~hf_xmc.training.evaluation.validation_objective` of ``model`` ranking with ``query_encoder``, rounded to
+    4 decimals as the static encoder's meta records it."""
+    from .evaluation import validation_objective
+
     with model.using_query_encoder(query_encoder):
-        ids, _, _ = evaluator.predict(model, show_progress_bar=False)
-    m = xmc_metrics(ids, evaluator.data.targets, evaluator.inv_propensity, ks=(1, 5), recall_ks=())
-    return {"P@1": round(m["P@1"], 4), "PSP@5": round(m["PSP@5"], 4), "objective": round(m["P@1"] + m["PSP@5"], 4)}
+        measured = validation_objective(model, evaluator)
+    return {key: round(value, 4) for key, value in measured.items()}
 
 
 def fit_and_tune_static_query_encoder(
